@@ -1,0 +1,1 @@
+//! The CMF container (being written).
