@@ -1,11 +1,309 @@
-//! cortiq's number formats.
+//! cortiq's number formats: the dtype vocabulary, quantisation, and the CPU kernels.
 //!
-//! The principal type is [`DType`]: every tensor in a CMF file carries one, and
-//! [`DType::expected_nbytes`] is the single source of truth for payload sizes.
+//! The principal types are [`DType`] (every tensor in a CMF file carries one;
+//! [`DType::expected_nbytes`] is the single source of truth for payload sizes) and [`MatRef`], a
+//! validated view of one matrix payload with `matvec`, `matmat` and `dequantize`. Byte layouts
+//! are specified in `docs/codecs.md`.
+//!
+//! ```
+//! use quant_codecs::{DType, MatRef, quantize};
+//!
+//! let (rows, cols) = (4, 64);
+//! let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0).collect();
+//! let bytes = quantize(DType::Q4tp, rows, cols, &w).unwrap();
+//! assert_eq!(bytes.len(), DType::Q4tp.expected_nbytes(&[rows, cols]).unwrap());
+//!
+//! let m = MatRef::new(DType::Q4tp, rows, cols, &bytes).unwrap();
+//! let x = vec![1.0f32; cols];
+//! let mut y = vec![0.0f32; rows];
+//! m.matvec(&x, &mut y).unwrap();
+//! let exact: f32 = w[..cols].iter().sum();
+//! assert!((y[0] - exact).abs() < 0.05 * w[..cols].iter().map(|v| v.abs()).sum::<f32>());
+//! ```
 #![deny(missing_docs)]
+
+#[cfg(target_endian = "big")]
+compile_error!("cortiq's formats are little-endian and the kernels read them in place");
 
 mod dtype;
 mod error;
+pub mod float;
+mod kernel;
+pub mod mxfp4;
+mod q2tp;
+mod q4tp;
+mod q8_2f;
+pub mod tiered;
+
+use rayon::prelude::*;
 
 pub use dtype::{DType, GROUP, Layout, split_matrix_shape};
 pub use error::CodecError;
+pub use float::round_bf16;
+pub use kernel::{Isa, MAX_BATCH};
+
+/// A validated view of one `[rows, cols]` matrix payload in any dtype.
+#[derive(Debug, Clone, Copy)]
+pub struct MatRef<'a> {
+    layout: Layout,
+    bytes: &'a [u8],
+}
+
+impl<'a> MatRef<'a> {
+    /// Checks that `bytes` is exactly one `[rows, cols]` payload of `dtype`.
+    pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &'a [u8]) -> Result<Self, CodecError> {
+        let layout = Layout::new(dtype, rows, cols)?;
+        layout.check_len(bytes)?;
+        Ok(MatRef { layout, bytes })
+    }
+
+    /// The dtype.
+    pub fn dtype(&self) -> DType {
+        self.layout.dtype
+    }
+
+    /// Rows (output features).
+    pub fn rows(&self) -> usize {
+        self.layout.rows
+    }
+
+    /// Columns (input features).
+    pub fn cols(&self) -> usize {
+        self.layout.cols
+    }
+
+    /// The section layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The payload.
+    pub fn bytes(&self) -> &'a [u8] {
+        self.bytes
+    }
+
+    /// `y = W x` for one activation row.
+    pub fn matvec(&self, x: &[f32], y: &mut [f32]) -> Result<(), CodecError> {
+        self.matmat_with(Isa::detect(), x, y)
+    }
+
+    /// `ys[t] = W xs[t]` for `t` in `0..T`, `T = xs.len() / cols` in `1..=MAX_BATCH`; `xs` and
+    /// `ys` are row-major `[T, cols]` and `[T, rows]`. Each weight group is decoded once and
+    /// applied to every row, and row `t` equals `matvec(xs[t])` bit for bit.
+    pub fn matmat(&self, xs: &[f32], ys: &mut [f32]) -> Result<(), CodecError> {
+        self.matmat_with(Isa::detect(), xs, ys)
+    }
+
+    /// [`MatRef::matmat`] compiled for a chosen instruction set (falls back to the baseline
+    /// when the CPU lacks it). Results are bit-identical for every `isa`.
+    pub fn matmat_with(&self, isa: Isa, xs: &[f32], ys: &mut [f32]) -> Result<(), CodecError> {
+        let (rows, cols) = (self.rows(), self.cols());
+        let nt = self.batch_rows(xs, ys)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        if cols == 0 {
+            ys.fill(0.0);
+            return Ok(());
+        }
+        let (l, bytes) = (self.layout, self.bytes);
+        match l.dtype {
+            DType::F32 | DType::F16 | DType::BF16 => {
+                let k = float::Kernel {
+                    dtype: l.dtype,
+                    cols,
+                    bytes,
+                };
+                kernel::run(isa, &k, rows, cols, nt, xs, ys);
+            }
+            DType::Q8_2f => {
+                let cs = q8_2f::col_scales(&l, bytes);
+                let prepared: Vec<f32> = xs.chunks_exact(cols).flat_map(|x| x.iter().zip(&cs).map(|(x, c)| x * c)).collect();
+                kernel::run(isa, &q8_2f::Kernel { l, bytes }, rows, cols, nt, &prepared, ys);
+            }
+            DType::Q4tp => kernel::run(isa, &q4tp::Kernel { l, bytes }, rows, cols, nt, xs, ys),
+            DType::Q2tp => kernel::run(isa, &q2tp::Kernel { l, bytes }, rows, cols, nt, xs, ys),
+            DType::Mxfp4 => kernel::run(isa, &mxfp4::Kernel { l, bytes }, rows, cols, nt, xs, ys),
+        }
+        Ok(())
+    }
+
+    fn batch_rows(&self, xs: &[f32], ys: &[f32]) -> Result<usize, CodecError> {
+        let (rows, cols) = (self.rows(), self.cols());
+        let nt = if cols == 0 { ys.len() / rows.max(1) } else { xs.len() / cols };
+        if nt == 0 || nt > MAX_BATCH {
+            return Err(CodecError::TooManyRows {
+                max: MAX_BATCH,
+                found: nt,
+            });
+        }
+        if xs.len() != nt * cols {
+            return Err(CodecError::BufferLength {
+                what: "x",
+                expected: nt * cols,
+                found: xs.len(),
+            });
+        }
+        if ys.len() != nt * rows {
+            return Err(CodecError::BufferLength {
+                what: "y",
+                expected: nt * rows,
+                found: ys.len(),
+            });
+        }
+        Ok(nt)
+    }
+
+    /// The plain reference: each row dequantised, then summed left to right in f32. Slow; it
+    /// exists so the fast kernels have a second implementation to be compared with.
+    pub fn matvec_ref(&self, x: &[f32], y: &mut [f32]) -> Result<(), CodecError> {
+        if x.len() != self.cols() || y.len() != self.rows() {
+            return self.batch_rows(x, y).map(|_| ());
+        }
+        let mut row = vec![0.0f32; self.cols()];
+        for (r, y) in y.iter_mut().enumerate() {
+            self.dequantize_row(r, &mut row)?;
+            *y = row.iter().zip(x).fold(0.0f32, |s, (w, x)| s + w * x);
+        }
+        Ok(())
+    }
+
+    /// Decodes row `r` into `out` (`cols` values).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), CodecError> {
+        let l = &self.layout;
+        if r >= l.rows {
+            return Err(CodecError::BufferLength {
+                what: "row index",
+                expected: l.rows,
+                found: r,
+            });
+        }
+        if out.len() != l.cols {
+            return Err(CodecError::BufferLength {
+                what: "out",
+                expected: l.cols,
+                found: out.len(),
+            });
+        }
+        match l.dtype {
+            DType::F32 | DType::F16 | DType::BF16 => {
+                for (i, o) in out.iter_mut().enumerate() {
+                    *o = float::element(l.dtype, self.bytes, r * l.cols + i);
+                }
+            }
+            DType::Q8_2f => {
+                let cs = q8_2f::col_scales(l, self.bytes);
+                q8_2f::dequantize_row(l, self.bytes, &cs, r, out);
+            }
+            DType::Q4tp => q4tp::dequantize_row(l, self.bytes, r, out),
+            DType::Q2tp => q2tp::dequantize_row(l, self.bytes, r, out),
+            DType::Mxfp4 => mxfp4::dequantize_row(l, self.bytes, r, out),
+        }
+        Ok(())
+    }
+
+    /// Decodes the whole matrix into `out` (`rows * cols` values, row-major).
+    pub fn dequantize(&self, out: &mut [f32]) -> Result<(), CodecError> {
+        let l = self.layout;
+        if out.len() != l.rows * l.cols {
+            return Err(CodecError::BufferLength {
+                what: "out",
+                expected: l.rows * l.cols,
+                found: out.len(),
+            });
+        }
+        if l.cols == 0 {
+            return Ok(());
+        }
+        let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(&l, self.bytes));
+        out.par_chunks_mut(l.cols).enumerate().for_each(|(r, o)| match &cs {
+            Some(cs) => q8_2f::dequantize_row(&l, self.bytes, cs, r, o),
+            None => {
+                // Infallible: r < rows and o.len() == cols by construction.
+                let _ = self.dequantize_row(r, o);
+            }
+        });
+        Ok(())
+    }
+}
+
+/// Quantises (or, for float dtypes, encodes) a row-major `[rows, cols]` matrix.
+///
+/// Quantised dtypes refuse NaN and infinities; float dtypes store any value (f16/bf16 round
+/// to nearest even).
+pub fn quantize(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Result<Vec<u8>, CodecError> {
+    let l = Layout::new(dtype, rows, cols)?;
+    if w.len() != rows * cols {
+        return Err(CodecError::BufferLength {
+            what: "weights",
+            expected: rows * cols,
+            found: w.len(),
+        });
+    }
+    if !dtype.is_quantized() {
+        return Ok(float::encode(dtype, w));
+    }
+    if let Some(i) = w.iter().position(|v| !v.is_finite()) {
+        return Err(CodecError::NonFinite {
+            dtype,
+            row: i / cols,
+            col: i % cols,
+            value: w[i],
+        });
+    }
+    if rows == 0 || cols == 0 {
+        return Ok(vec![0; l.nbytes]);
+    }
+    Ok(match dtype {
+        DType::Q8_2f => q8_2f::quantize(&l, w),
+        DType::Q4tp | DType::Q2tp => {
+            let tier = if dtype == DType::Q4tp { q4tp::TIER } else { q2tp::TIER };
+            let mut out = vec![0u8; l.nbytes];
+            let (plane, rest) = out.split_at_mut(l.second);
+            let (params, codes) = rest.split_at_mut(4 * rows);
+            plane
+                .par_chunks_mut(cols * tier.bits / 8)
+                .zip(params.par_chunks_mut(4))
+                .zip(codes.par_chunks_mut(l.code_stride))
+                .zip(w.par_chunks(cols))
+                .for_each(|(((p, pr), c), row)| tiered::quantize_row(&tier, row, p, pr, c));
+            out
+        }
+        DType::Mxfp4 => {
+            let mut out = vec![0u8; l.nbytes];
+            let (plane, scales) = out.split_at_mut(l.second);
+            plane
+                .par_chunks_mut(cols / 2)
+                .zip(scales.par_chunks_mut(cols / GROUP))
+                .zip(w.par_chunks(cols))
+                .for_each(|((p, s), row)| mxfp4::quantize_row(row, p, s));
+            out
+        }
+        DType::F32 | DType::F16 | DType::BF16 => unreachable!("float dtypes returned above"),
+    })
+}
+
+/// Decodes a whole tensor of any shape (stacked matrices for quantised dtypes) to f32.
+pub fn dequantize(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Vec<f32>, CodecError> {
+    let expected = dtype.expected_nbytes(shape)?;
+    if bytes.len() != expected {
+        let (_, rows, cols) = split_matrix_shape(dtype, shape).unwrap_or((1, 1, shape.iter().product()));
+        return Err(CodecError::PayloadLength {
+            dtype,
+            rows,
+            cols,
+            expected,
+            found: bytes.len(),
+        });
+    }
+    if let Some(size) = dtype.element_size() {
+        return Ok((0..bytes.len() / size).map(|i| float::element(dtype, bytes, i)).collect());
+    }
+    let (batch, rows, cols) = split_matrix_shape(dtype, shape)?;
+    let one = Layout::new(dtype, rows, cols)?.nbytes;
+    let mut out = vec![0.0f32; batch * rows * cols];
+    for (b, o) in out.chunks_exact_mut((rows * cols).max(1)).enumerate().take(batch) {
+        MatRef::new(dtype, rows, cols, &bytes[b * one..(b + 1) * one])?.dequantize(o)?;
+    }
+    Ok(out)
+}
