@@ -144,10 +144,16 @@ pub(crate) fn quantize_row(tier: &Tier, w: &[f32], plane: &mut [u8], params: &mu
         if f16_bits_to_f32(lo16) > lo {
             lo16 = f16_next_down(lo16);
         }
-        let mut step16 = f32_to_f16_bits((hi - lo) / (rungs - 1.0));
+        // The step is fitted to the stored (rounded-down) lo, then rounded up.
+        let step = (hi - f16_bits_to_f32(lo16)) / (rungs - 1.0);
+        let mut step16 = f32_to_f16_bits(step);
+        if f16_bits_to_f32(step16) < step {
+            step16 = f16_next_up(step16);
+        }
         let smax = ideal.iter().fold(0.0f32, |m, &s| m.max(s));
-        // Bump step until the top rung covers the largest group (a few ulps at most).
-        for _ in 0..256 {
+        // Bump step until the top rung covers the largest group despite exp2q's last-ulp error
+        // (one or two f16 ulps at most).
+        for _ in 0..64 {
             let table = scale_table(tier, f16_bits_to_f32(lo16), f16_bits_to_f32(step16));
             if table[31] >= smax {
                 break;
