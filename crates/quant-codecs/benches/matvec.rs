@@ -1,1 +1,142 @@
-fn main() {}
+//! CPU matvec/matmat throughput per format, in GB/s of weight bytes, next to the machine's
+//! memory read bandwidth measured in the same run (`read_ceiling`).
+//!
+//! `cargo bench -p quant-codecs --bench matvec`; `scripts/perf-table.py` turns criterion's
+//! estimates into the table in docs/perf.md.
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use quant_codecs::{DType, Layout, MatRef};
+use rayon::prelude::*;
+
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}
+
+/// A payload with random codes and realistic scales (no NaN, no subnormal), built directly:
+/// quantising gigabytes of random weights would dominate the run and measures nothing here.
+fn synth(dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
+    let n = dtype.expected_nbytes(&[rows, cols]).unwrap();
+    let mut b = vec![0u8; n];
+    b.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| {
+        let mut r = Rng(0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1));
+        for w in c.chunks_mut(8) {
+            let v = r.next().to_le_bytes();
+            w.copy_from_slice(&v[..w.len()]);
+        }
+    });
+    let half = |v: f32| half::f16::from_f32(v).to_le_bytes();
+    match dtype {
+        DType::F32 => {
+            for (i, w) in b.chunks_exact_mut(4).enumerate() {
+                w.copy_from_slice(&(((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes());
+            }
+        }
+        DType::F16 => {
+            for (i, w) in b.chunks_exact_mut(2).enumerate() {
+                w.copy_from_slice(&half(((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0));
+            }
+        }
+        DType::BF16 => {
+            for w in b.chunks_exact_mut(2) {
+                w[1] = 0x3c | (w[1] & 0x80); // exponent near 2^-7, random sign and mantissa
+            }
+        }
+        DType::Q8_2f => {
+            let l = Layout::new(dtype, rows, cols).unwrap();
+            for w in b[l.second..].chunks_exact_mut(2) {
+                w.copy_from_slice(&half(0.01));
+            }
+        }
+        DType::Q4tp | DType::Q2tp => {
+            let l = Layout::new(dtype, rows, cols).unwrap();
+            for w in b[l.second..l.third].chunks_exact_mut(4) {
+                w[..2].copy_from_slice(&half(-10.0));
+                w[2..].copy_from_slice(&half(0.25));
+            }
+        }
+        DType::Mxfp4 => {
+            let l = Layout::new(dtype, rows, cols).unwrap();
+            for k in &mut b[l.second..] {
+                *k = 110 + *k % 20;
+            }
+        }
+        _ => unreachable!(),
+    }
+    b
+}
+
+fn read_ceiling(c: &mut Criterion) {
+    let len = 1usize << 30;
+    let buf: Vec<u64> = (0..len / 8).into_par_iter().map(|i| i as u64).collect();
+    let mut g = c.benchmark_group("read_ceiling");
+    g.throughput(Throughput::Bytes(len as u64));
+    g.bench_function("sum_1GiB", |b| {
+        b.iter(|| {
+            buf.par_chunks(1 << 16)
+                .map(|c| {
+                    let mut acc = [0u64; 8];
+                    for w in c.chunks_exact(8) {
+                        for j in 0..8 {
+                            acc[j] = acc[j].wrapping_add(w[j]);
+                        }
+                    }
+                    acc.iter().fold(0u64, |a, &b| a.wrapping_add(b))
+                })
+                .reduce(|| 0, u64::wrapping_add)
+        })
+    });
+    g.finish();
+}
+
+fn shapes_for(dtype: DType) -> Vec<(&'static str, usize, usize, usize)> {
+    let mut s = vec![
+        ("2560x2560", 2560, 2560, 1),
+        ("640x2560", 640, 2560, 1),
+        ("10240x320", 10240, 320, 1),
+        ("16384x8192", 16384, 8192, 1),
+        ("16384x8192_t8", 16384, 8192, 8),
+    ];
+    if dtype == DType::Q8_2f {
+        s.push(("248320x2560", 248320, 2560, 1));
+    }
+    s
+}
+
+fn matvec(c: &mut Criterion) {
+    for dtype in DType::ALL {
+        let mut g = c.benchmark_group(format!("matvec_{dtype}"));
+        for (name, rows, cols, nt) in shapes_for(dtype) {
+            let p = synth(dtype, rows, cols);
+            let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+            let xs: Vec<f32> = (0..nt * cols)
+                .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+                .collect();
+            let mut ys = vec![0.0f32; nt * rows];
+            g.throughput(Throughput::Bytes(p.len() as u64));
+            g.bench_function(BenchmarkId::from_parameter(name), |b| {
+                b.iter(|| m.matmat(black_box(&xs), &mut ys).unwrap())
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    targets = read_ceiling, matvec
+}
+criterion_main!(benches);

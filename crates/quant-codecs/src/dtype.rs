@@ -121,14 +121,19 @@ impl std::fmt::Display for DType {
 }
 
 /// Splits a quantised tensor's shape into (stacked matrices, rows, cols).
-pub fn split_matrix_shape(dtype: DType, shape: &[usize]) -> Result<(usize, usize, usize), CodecError> {
+pub fn split_matrix_shape(
+    dtype: DType,
+    shape: &[usize],
+) -> Result<(usize, usize, usize), CodecError> {
     let err = |reason| CodecError::Shape {
         dtype,
         shape: shape.to_vec(),
         reason,
     };
     if shape.len() < 2 {
-        return Err(err("a quantised tensor needs at least two dimensions [rows, cols]"));
+        return Err(err(
+            "a quantised tensor needs at least two dimensions [rows, cols]",
+        ));
     }
     let rows = shape[shape.len() - 2];
     let cols = shape[shape.len() - 1];
@@ -178,6 +183,9 @@ impl Layout {
             dtype,
             shape: vec![rows, cols],
         };
+        if rows == 0 || cols == 0 {
+            return Err(shape_err("a matrix needs at least one row and one column"));
+        }
         let n = rows.checked_mul(cols).ok_or_else(overflow)?;
         let (codes_len, second, third, code_stride, nbytes) = match dtype {
             DType::F32 | DType::F16 | DType::BF16 => {
@@ -192,7 +200,7 @@ impl Layout {
                 (n, rs, cs, 0, total.ok_or_else(overflow)?)
             }
             DType::Q4tp | DType::Q2tp => {
-                if cols % GROUP != 0 {
+                if !cols.is_multiple_of(GROUP) {
                     return Err(shape_err("cols must be a multiple of 32"));
                 }
                 let codes = if dtype == DType::Q4tp { n / 2 } else { n / 4 };
@@ -204,7 +212,7 @@ impl Layout {
                 (codes, codes, third, cst, total.ok_or_else(overflow)?)
             }
             DType::Mxfp4 => {
-                if cols % GROUP != 0 {
+                if !cols.is_multiple_of(GROUP) {
                     return Err(shape_err("cols must be a multiple of 32"));
                 }
                 let codes = n / 2;
@@ -250,7 +258,11 @@ mod tests {
 
     #[test]
     fn ids_are_stable_and_unique() {
-        assert_eq!(DType::Mxfp4.id(), 21, "mxfp4 keeps the original engine's id");
+        assert_eq!(
+            DType::Mxfp4.id(),
+            21,
+            "mxfp4 keeps the original engine's id"
+        );
         for d in DType::ALL {
             assert_eq!(DType::from_id(d.id()), Some(d));
             assert_eq!(DType::from_name(d.name()), Some(d));
@@ -262,11 +274,23 @@ mod tests {
     fn sizes_follow_the_documented_formulas() {
         // docs/codecs.md, section "Sizes".
         let (r, c) = (2304usize, 5120usize);
-        assert_eq!(DType::Mxfp4.expected_nbytes(&[r, c]).unwrap(), r * c * 17 / 32);
-        assert_eq!(DType::Q8_2f.expected_nbytes(&[r, c]).unwrap(), r * c + 2 * r + 2 * c);
+        assert_eq!(
+            DType::Mxfp4.expected_nbytes(&[r, c]).unwrap(),
+            r * c * 17 / 32
+        );
+        assert_eq!(
+            DType::Q8_2f.expected_nbytes(&[r, c]).unwrap(),
+            r * c + 2 * r + 2 * c
+        );
         let cst = (c / 32 * 5).div_ceil(8);
-        assert_eq!(DType::Q4tp.expected_nbytes(&[r, c]).unwrap(), r * c / 2 + 4 * r + r * cst);
-        assert_eq!(DType::Q2tp.expected_nbytes(&[r, c]).unwrap(), r * c / 4 + 4 * r + r * cst);
+        assert_eq!(
+            DType::Q4tp.expected_nbytes(&[r, c]).unwrap(),
+            r * c / 2 + 4 * r + r * cst
+        );
+        assert_eq!(
+            DType::Q2tp.expected_nbytes(&[r, c]).unwrap(),
+            r * c / 4 + 4 * r + r * cst
+        );
         assert_eq!(DType::BF16.expected_nbytes(&[3, 5, 7]).unwrap(), 210);
         assert_eq!(DType::F32.expected_nbytes(&[]).unwrap(), 4);
         assert_eq!(
@@ -293,7 +317,15 @@ mod tests {
             DType::Mxfp4.expected_nbytes(&[4, 33]),
             Err(CodecError::Shape { .. })
         ));
-        assert!(matches!(DType::Q8_2f.expected_nbytes(&[7]), Err(CodecError::Shape { .. })));
+        assert!(matches!(
+            DType::Q8_2f.expected_nbytes(&[7]),
+            Err(CodecError::Shape { .. })
+        ));
+        assert!(matches!(
+            DType::Mxfp4.expected_nbytes(&[1 << 40, 1 << 40, 0]),
+            Err(CodecError::Shape { .. })
+        ));
+        assert_eq!(DType::F32.expected_nbytes(&[3, 0]).unwrap(), 0);
         assert!(matches!(
             DType::F32.expected_nbytes(&[usize::MAX, 2]),
             Err(CodecError::Overflow { .. })

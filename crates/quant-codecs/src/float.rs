@@ -5,7 +5,7 @@
 //! all 65,536 inputs by a test.
 
 use crate::DType;
-use crate::kernel::{LANES, RowKernel, fold, plain_group};
+use crate::kernel::{RowKernel, fold, group_dot, zeroed};
 
 /// f16 bits to f32, exactly (subnormals, infinities and NaN payloads included).
 #[inline(always)]
@@ -69,7 +69,12 @@ pub(crate) fn element(dtype: DType, bytes: &[u8], i: usize) -> f32 {
     match dtype {
         DType::F16 => f16_bits_to_f32(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])),
         DType::BF16 => bf16_bits_to_f32(u16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]])),
-        _ => f32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]),
+        _ => f32::from_le_bytes([
+            bytes[4 * i],
+            bytes[4 * i + 1],
+            bytes[4 * i + 2],
+            bytes[4 * i + 3],
+        ]),
     }
 }
 
@@ -100,8 +105,14 @@ fn group(dtype: DType, bytes: &[u8], i: usize) -> [f32; 32] {
 /// Encodes f32 values into a float dtype's payload (f16/bf16 round to nearest even).
 pub(crate) fn encode(dtype: DType, w: &[f32]) -> Vec<u8> {
     match dtype {
-        DType::F16 => w.iter().flat_map(|&v| f32_to_f16_bits(v).to_le_bytes()).collect(),
-        DType::BF16 => w.iter().flat_map(|&v| f32_to_bf16_bits(v).to_le_bytes()).collect(),
+        DType::F16 => w
+            .iter()
+            .flat_map(|&v| f32_to_f16_bits(v).to_le_bytes())
+            .collect(),
+        DType::BF16 => w
+            .iter()
+            .flat_map(|&v| f32_to_bf16_bits(v).to_le_bytes())
+            .collect(),
         _ => w.iter().flat_map(|v| v.to_le_bytes()).collect(),
     }
 }
@@ -119,18 +130,24 @@ impl RowKernel for Kernel<'_> {
         let cols = self.cols;
         let base = r * cols;
         let full = cols / 32 * 32;
-        let mut acc = [[0.0f32; LANES]; NT];
-        for g in (0..full).step_by(32) {
-            let w = group(self.dtype, self.bytes, base + g);
-            plain_group(&mut acc, &w, xs, cols, g);
+        let mut acc = zeroed::<NT>();
+        for g in 0..full / 32 {
+            let w = group(self.dtype, self.bytes, base + g * 32);
+            group_dot(&mut acc, &w, xs, cols, g);
         }
         for (t, (o, a)) in out.iter_mut().zip(&acc).enumerate() {
             let mut s = fold(a);
             for i in full..cols {
-                s += element(self.dtype, self.bytes, base + i) * xs[t * cols + i];
+                s = element(self.dtype, self.bytes, base + i).mul_add(xs[t * cols + i], s);
             }
             *o = s;
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_avx512<const NT: usize>(&self, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        // SAFETY: the caller guarantees AVX-512 (the trait's contract).
+        unsafe { crate::simd512::float_rows::<NT>(self, r0, xs, outs) }
     }
 }
 
@@ -159,11 +176,18 @@ mod tests {
         assert_eq!(round_bf16(tie_up_from_even).to_bits(), lo.to_bits());
         let tie_from_odd = f32::from_bits(0x3f81_8000);
         assert_eq!(round_bf16(tie_from_odd).to_bits(), 0x3f82_0000);
-        assert_eq!(round_bf16(f32::from_bits(0x3f80_8001)).to_bits(), 0x3f81_0000);
+        assert_eq!(
+            round_bf16(f32::from_bits(0x3f80_8001)).to_bits(),
+            0x3f81_0000
+        );
         assert_eq!(round_bf16(f32::INFINITY), f32::INFINITY);
         assert_eq!(round_bf16(f32::NEG_INFINITY), f32::NEG_INFINITY);
         let nan = f32::from_bits(0x7fc0_1234);
-        assert_eq!(round_bf16(nan).to_bits(), 0x7fc0_1234, "NaN payload untouched");
+        assert_eq!(
+            round_bf16(nan).to_bits(),
+            0x7fc0_1234,
+            "NaN payload untouched"
+        );
         assert_eq!(round_bf16(f32::MAX), f32::INFINITY);
         // Agrees with half's RNE for finite values.
         for bits in (0u32..=u32::MAX).step_by(65_521) {

@@ -1,25 +1,37 @@
 //! The CPU matvec/matmat engine shared by every format: lane accumulators, the fixed
 //! reduction order, row-parallel scheduling and run-time ISA dispatch.
 //!
-//! Every format reduces a row the same way: 16 f32 lanes, lane `j` of a 32-wide group taking
-//! elements `j` and `j + 16` (in that order), the lanes folded by one fixed tree at the end.
+//! Every format reduces a row the same way: each 32-wide group is decoded to f32 (scale applied,
+//! exactly as `dequantize` computes it), lane `j` of bank `g % 4` accumulates `w[j] * x[j]` by a
+//! fused multiply-add, and the banks and lanes are folded by one fixed tree at the end.
 //! The code is written once, as plain loops over fixed-size arrays, and compiled three times
-//! (baseline x86-64, AVX2, AVX-512) behind `#[target_feature]`; the order of every f32
-//! operation is the same in all three, so results are bit-identical whatever the CPU, and a
+//! (baseline x86-64, AVX2, AVX-512) behind `#[target_feature]`, and hand-written for AVX-512
+//! (`simd512`); the order of every f32 operation is the same in all of them, so results are bit-identical whatever the CPU, and a
 //! matmat row equals the matvec of that row bit for bit.
 
 use rayon::prelude::*;
 
 /// Accumulator lanes per token row.
-pub(crate) const LANES: usize = 16;
+pub(crate) const LANES: usize = 32;
 
 /// The most activation rows one `matmat` call takes (a decode frame: verify window or prefill chunk).
 pub const MAX_BATCH: usize = 8;
 
 /// One format's row kernel: the dot products of one weight row with `NT` activation rows.
-pub(crate) trait RowKernel: Sync {
+pub(crate) trait RowKernel: Sync + Sized {
     /// `xs` holds `NT` rows of `cols` activations back to back (already prepared by the format).
     fn row_dot<const NT: usize>(&self, r: usize, xs: &[f32], out: &mut [f32; NT]);
+
+    /// Rows `r0 .. r0 + outs[0].len()` with AVX-512. The default compiles the portable code
+    /// for AVX-512; formats with hand-written kernels (`simd512`) override it.
+    ///
+    /// # Safety
+    /// The CPU supports `Isa::Avx512`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_avx512<const NT: usize>(&self, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { rows_avx512_portable::<Self, NT>(self, r0, xs, outs) }
+    }
 }
 
 /// The instruction set a kernel call is compiled for.
@@ -27,7 +39,7 @@ pub(crate) trait RowKernel: Sync {
 pub enum Isa {
     /// Whatever the target's baseline allows (SSE2 on x86-64).
     Baseline,
-    /// AVX2 + FMA + F16C (the FMA unit is not used: products and sums stay separately rounded).
+    /// AVX2 + FMA + F16C.
     Avx2,
     /// AVX-512 F/BW/VL.
     Avx512,
@@ -80,46 +92,78 @@ impl Isa {
     }
 }
 
-/// `acc[t][j] += scale * (w[j] * x[j] + w[j + 16] * x[j + 16])` for one 32-wide group.
+/// Accumulator banks: group `g` of a row accumulates into bank `g % BANKS`, so a row has
+/// `BANKS` independent dependency chains per lane (fused multiply-adds have a 4-cycle latency).
+pub(crate) const BANKS: usize = 4;
+
+/// One token row's accumulators: `BANKS` banks of `LANES` lanes.
+pub(crate) type Acc = [[f32; LANES]; BANKS];
+
+/// A zeroed accumulator per token row.
 #[inline(always)]
-pub(crate) fn scaled_group<const NT: usize>(
-    acc: &mut [[f32; LANES]; NT],
-    w: &[f32; 32],
+pub(crate) fn zeroed<const NT: usize>() -> [Acc; NT] {
+    [[[0.0; LANES]; BANKS]; NT]
+}
+
+/// `acc[t][g % BANKS][j] = fma(w[j], x[t][g * 32 + j], acc[t][g % BANKS][j])` for group `g`.
+#[inline(always)]
+pub(crate) fn group_dot<const NT: usize>(
+    acc: &mut [Acc; NT],
+    w: &[f32; LANES],
     xs: &[f32],
     cols: usize,
-    base: usize,
-    scale: f32,
+    g: usize,
 ) {
     for (t, acc) in acc.iter_mut().enumerate() {
-        let x = &xs[t * cols + base..][..32];
+        let x: &[f32; LANES] = xs[t * cols + g * LANES..][..LANES]
+            .try_into()
+            .expect("32 lanes");
+        let bank = &mut acc[g % BANKS];
         for j in 0..LANES {
-            let part = w[j] * x[j] + w[j + LANES] * x[j + LANES];
-            acc[j] += scale * part;
+            bank[j] = w[j].mul_add(x[j], bank[j]);
         }
     }
 }
 
-/// `acc[t][j] += w[j] * x[j] + w[j + 16] * x[j + 16]` for one 32-wide group.
-#[inline(always)]
-pub(crate) fn plain_group<const NT: usize>(
-    acc: &mut [[f32; LANES]; NT],
-    w: &[f32; 32],
-    xs: &[f32],
-    cols: usize,
-    base: usize,
-) {
-    for (t, acc) in acc.iter_mut().enumerate() {
-        let x = &xs[t * cols + base..][..32];
-        for j in 0..LANES {
-            acc[j] += w[j] * x[j] + w[j + LANES] * x[j + LANES];
+/// How a format's lanes map to a group's elements; activations are permuted once per call so
+/// the decode loop reads packed bytes straight into lanes.
+#[derive(Clone, Copy)]
+pub(crate) enum Permute {
+    /// Lanes 0..16 are the even elements, 16..32 the odd ones (two 4-bit codes per byte).
+    Pairs,
+    /// Lanes 8q..8q+8 are elements 4k + q (four 2-bit codes per byte).
+    Quads,
+}
+
+impl Permute {
+    /// The element that lane `j` of a group holds.
+    pub(crate) const fn element(self, j: usize) -> usize {
+        match self {
+            Permute::Pairs => 2 * (j % 16) + j / 16,
+            Permute::Quads => 4 * (j % 8) + j / 8,
         }
+    }
+
+    /// `xs` (whole 32-element groups) in lane order.
+    pub(crate) fn apply(self, xs: &[f32]) -> Vec<f32> {
+        let mut out = vec![0.0f32; xs.len()];
+        for (o, x) in out.chunks_exact_mut(LANES).zip(xs.chunks_exact(LANES)) {
+            for (j, o) in o.iter_mut().enumerate() {
+                *o = x[self.element(j)];
+            }
+        }
+        out
     }
 }
 
-/// Folds 16 lanes by a fixed pairwise tree.
+/// Folds one token row's accumulators: banks `(b0 + b1) + (b2 + b3)` lane by lane, then the
+/// lanes by a fixed pairwise tree (lane `j + width` into lane `j`, width 16, 8, 4, 2, 1).
 #[inline(always)]
-pub(crate) fn fold(acc: &[f32; LANES]) -> f32 {
-    let mut v = *acc;
+pub(crate) fn fold(acc: &Acc) -> f32 {
+    let mut v = [0.0f32; LANES];
+    for j in 0..LANES {
+        v[j] = (acc[0][j] + acc[1][j]) + (acc[2][j] + acc[3][j]);
+    }
     let mut width = LANES / 2;
     while width > 0 {
         for j in 0..width {
@@ -131,7 +175,12 @@ pub(crate) fn fold(acc: &[f32; LANES]) -> f32 {
 }
 
 #[inline(always)]
-fn rows_generic<K: RowKernel, const NT: usize>(k: &K, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+fn rows_generic<K: RowKernel, const NT: usize>(
+    k: &K,
+    r0: usize,
+    xs: &[f32],
+    outs: &mut [&mut [f32]],
+) {
     let n = outs.first().map_or(0, |o| o.len());
     for i in 0..n {
         let mut out = [0.0f32; NT];
@@ -150,23 +199,41 @@ fn rows_avx2<K: RowKernel, const NT: usize>(k: &K, r0: usize, xs: &[f32], outs: 
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c,bmi2")]
-fn rows_avx512<K: RowKernel, const NT: usize>(k: &K, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+fn rows_avx512_portable<K: RowKernel, const NT: usize>(
+    k: &K,
+    r0: usize,
+    xs: &[f32],
+    outs: &mut [&mut [f32]],
+) {
     rows_generic::<K, NT>(k, r0, xs, outs)
 }
 
-fn rows_isa<K: RowKernel, const NT: usize>(isa: Isa, k: &K, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+fn rows_isa<K: RowKernel, const NT: usize>(
+    isa: Isa,
+    k: &K,
+    r0: usize,
+    xs: &[f32],
+    outs: &mut [&mut [f32]],
+) {
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `run` only passes Avx2 after `Isa::available` confirmed the features.
         Isa::Avx2 => unsafe { rows_avx2::<K, NT>(k, r0, xs, outs) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `run` only passes Avx512 after `Isa::available` confirmed the features.
-        Isa::Avx512 => unsafe { rows_avx512::<K, NT>(k, r0, xs, outs) },
+        Isa::Avx512 => unsafe { k.rows_avx512::<NT>(r0, xs, outs) },
         _ => rows_generic::<K, NT>(k, r0, xs, outs),
     }
 }
 
-fn run_nt<K: RowKernel, const NT: usize>(isa: Isa, k: &K, rows: usize, cols: usize, xs: &[f32], ys: &mut [f32]) {
+fn run_nt<K: RowKernel, const NT: usize>(
+    isa: Isa,
+    k: &K,
+    rows: usize,
+    cols: usize,
+    xs: &[f32],
+    ys: &mut [f32],
+) {
     let threads = rayon::current_num_threads().max(1);
     let chunk = rows.div_ceil(threads * 8).clamp(8, 4096);
     let nchunks = rows.div_ceil(chunk);
@@ -192,7 +259,15 @@ fn run_nt<K: RowKernel, const NT: usize>(isa: Isa, k: &K, rows: usize, cols: usi
 
 /// Runs `k` over all rows for `nt` activation rows: `ys[t * rows + r] = dot(row r, xs[t])`.
 /// Callers have checked `1 <= nt <= MAX_BATCH` and the buffer lengths.
-pub(crate) fn run<K: RowKernel>(isa: Isa, k: &K, rows: usize, cols: usize, nt: usize, xs: &[f32], ys: &mut [f32]) {
+pub(crate) fn run<K: RowKernel>(
+    isa: Isa,
+    k: &K,
+    rows: usize,
+    cols: usize,
+    nt: usize,
+    xs: &[f32],
+    ys: &mut [f32],
+) {
     let isa = if isa.available() { isa } else { Isa::Baseline };
     match nt {
         1 => run_nt::<K, 1>(isa, k, rows, cols, xs, ys),

@@ -33,6 +33,8 @@ pub mod mxfp4;
 mod q2tp;
 mod q4tp;
 mod q8_2f;
+#[cfg(target_arch = "x86_64")]
+mod simd512;
 pub mod tiered;
 
 use rayon::prelude::*;
@@ -40,6 +42,7 @@ use rayon::prelude::*;
 pub use dtype::{DType, GROUP, Layout, split_matrix_shape};
 pub use error::CodecError;
 pub use float::round_bf16;
+use kernel::Permute;
 pub use kernel::{Isa, MAX_BATCH};
 
 /// A validated view of one `[rows, cols]` matrix payload in any dtype.
@@ -51,7 +54,12 @@ pub struct MatRef<'a> {
 
 impl<'a> MatRef<'a> {
     /// Checks that `bytes` is exactly one `[rows, cols]` payload of `dtype`.
-    pub fn new(dtype: DType, rows: usize, cols: usize, bytes: &'a [u8]) -> Result<Self, CodecError> {
+    pub fn new(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        bytes: &'a [u8],
+    ) -> Result<Self, CodecError> {
         let layout = Layout::new(dtype, rows, cols)?;
         layout.check_len(bytes)?;
         Ok(MatRef { layout, bytes })
@@ -99,13 +107,6 @@ impl<'a> MatRef<'a> {
     pub fn matmat_with(&self, isa: Isa, xs: &[f32], ys: &mut [f32]) -> Result<(), CodecError> {
         let (rows, cols) = (self.rows(), self.cols());
         let nt = self.batch_rows(xs, ys)?;
-        if rows == 0 {
-            return Ok(());
-        }
-        if cols == 0 {
-            ys.fill(0.0);
-            return Ok(());
-        }
         let (l, bytes) = (self.layout, self.bytes);
         match l.dtype {
             DType::F32 | DType::F16 | DType::BF16 => {
@@ -118,19 +119,39 @@ impl<'a> MatRef<'a> {
             }
             DType::Q8_2f => {
                 let cs = q8_2f::col_scales(&l, bytes);
-                let prepared: Vec<f32> = xs.chunks_exact(cols).flat_map(|x| x.iter().zip(&cs).map(|(x, c)| x * c)).collect();
-                kernel::run(isa, &q8_2f::Kernel { l, bytes }, rows, cols, nt, &prepared, ys);
+                let prepared: Vec<f32> = xs
+                    .chunks_exact(cols)
+                    .flat_map(|x| x.iter().zip(&cs).map(|(x, c)| x * c))
+                    .collect();
+                kernel::run(
+                    isa,
+                    &q8_2f::Kernel { l, bytes },
+                    rows,
+                    cols,
+                    nt,
+                    &prepared,
+                    ys,
+                );
             }
-            DType::Q4tp => kernel::run(isa, &q4tp::Kernel { l, bytes }, rows, cols, nt, xs, ys),
-            DType::Q2tp => kernel::run(isa, &q2tp::Kernel { l, bytes }, rows, cols, nt, xs, ys),
-            DType::Mxfp4 => kernel::run(isa, &mxfp4::Kernel { l, bytes }, rows, cols, nt, xs, ys),
+            DType::Q4tp => {
+                let xp = Permute::Pairs.apply(xs);
+                kernel::run(isa, &q4tp::Kernel { l, bytes }, rows, cols, nt, &xp, ys)
+            }
+            DType::Q2tp => {
+                let xp = Permute::Quads.apply(xs);
+                kernel::run(isa, &q2tp::Kernel { l, bytes }, rows, cols, nt, &xp, ys)
+            }
+            DType::Mxfp4 => {
+                let xp = Permute::Pairs.apply(xs);
+                kernel::run(isa, &mxfp4::Kernel { l, bytes }, rows, cols, nt, &xp, ys)
+            }
         }
         Ok(())
     }
 
     fn batch_rows(&self, xs: &[f32], ys: &[f32]) -> Result<usize, CodecError> {
         let (rows, cols) = (self.rows(), self.cols());
-        let nt = if cols == 0 { ys.len() / rows.max(1) } else { xs.len() / cols };
+        let nt = xs.len() / cols; // cols > 0: Layout::new refuses empty matrices
         if nt == 0 || nt > MAX_BATCH {
             return Err(CodecError::TooManyRows {
                 max: MAX_BATCH,
@@ -212,17 +233,16 @@ impl<'a> MatRef<'a> {
                 found: out.len(),
             });
         }
-        if l.cols == 0 {
-            return Ok(());
-        }
         let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(&l, self.bytes));
-        out.par_chunks_mut(l.cols).enumerate().for_each(|(r, o)| match &cs {
-            Some(cs) => q8_2f::dequantize_row(&l, self.bytes, cs, r, o),
-            None => {
-                // Infallible: r < rows and o.len() == cols by construction.
-                let _ = self.dequantize_row(r, o);
-            }
-        });
+        out.par_chunks_mut(l.cols)
+            .enumerate()
+            .for_each(|(r, o)| match &cs {
+                Some(cs) => q8_2f::dequantize_row(&l, self.bytes, cs, r, o),
+                None => {
+                    // Infallible: r < rows and o.len() == cols by construction.
+                    let _ = self.dequantize_row(r, o);
+                }
+            });
         Ok(())
     }
 }
@@ -251,13 +271,14 @@ pub fn quantize(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Result<Vec
             value: w[i],
         });
     }
-    if rows == 0 || cols == 0 {
-        return Ok(vec![0; l.nbytes]);
-    }
     Ok(match dtype {
         DType::Q8_2f => q8_2f::quantize(&l, w),
         DType::Q4tp | DType::Q2tp => {
-            let tier = if dtype == DType::Q4tp { q4tp::TIER } else { q2tp::TIER };
+            let tier = if dtype == DType::Q4tp {
+                q4tp::TIER
+            } else {
+                q2tp::TIER
+            };
             let mut out = vec![0u8; l.nbytes];
             let (plane, rest) = out.split_at_mut(l.second);
             let (params, codes) = rest.split_at_mut(4 * rows);
@@ -287,7 +308,8 @@ pub fn quantize(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Result<Vec
 pub fn dequantize(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Vec<f32>, CodecError> {
     let expected = dtype.expected_nbytes(shape)?;
     if bytes.len() != expected {
-        let (_, rows, cols) = split_matrix_shape(dtype, shape).unwrap_or((1, 1, shape.iter().product()));
+        let (_, rows, cols) =
+            split_matrix_shape(dtype, shape).unwrap_or((1, 1, shape.iter().product()));
         return Err(CodecError::PayloadLength {
             dtype,
             rows,
@@ -297,12 +319,20 @@ pub fn dequantize(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Vec<f32
         });
     }
     if let Some(size) = dtype.element_size() {
-        return Ok((0..bytes.len() / size).map(|i| float::element(dtype, bytes, i)).collect());
+        return Ok((0..bytes.len() / size)
+            .map(|i| float::element(dtype, bytes, i))
+            .collect());
     }
     let (batch, rows, cols) = split_matrix_shape(dtype, shape)?;
     let one = Layout::new(dtype, rows, cols)?.nbytes;
-    let mut out = vec![0.0f32; batch * rows * cols];
-    for (b, o) in out.chunks_exact_mut((rows * cols).max(1)).enumerate().take(batch) {
+    let count = batch
+        .checked_mul(rows * cols)
+        .ok_or_else(|| CodecError::Overflow {
+            dtype,
+            shape: shape.to_vec(),
+        })?;
+    let mut out = vec![0.0f32; count];
+    for (b, o) in out.chunks_exact_mut(rows * cols).enumerate() {
         MatRef::new(dtype, rows, cols, &bytes[b * one..(b + 1) * one])?.dequantize(o)?;
     }
     Ok(out)

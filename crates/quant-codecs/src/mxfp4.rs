@@ -1,7 +1,7 @@
 //! mxfp4 (OCP MX FP4, dtype id 21): E2M1 codes in groups of 32, one E8M0 scale byte per group;
 //! the code plane first, then the scale plane.
 
-use crate::kernel::{LANES, RowKernel, fold, scaled_group};
+use crate::kernel::{RowKernel, fold, group_dot, zeroed};
 use crate::{GROUP, Layout};
 
 /// The eight E2M1 magnitudes, by the low three bits of a code.
@@ -114,19 +114,27 @@ impl RowKernel for Kernel<'_> {
         let gpr = l.groups_per_row();
         let plane = &self.bytes[r * l.cols / 2..][..l.cols / 2];
         let scales = &self.bytes[l.second + r * gpr..][..gpr];
-        let mut acc = [[0.0f32; LANES]; NT];
+        let mut acc = zeroed::<NT>();
         for g in 0..gpr {
             let b = &plane[g * 16..][..16];
+            let s = e8m0(scales[g]);
             let mut w = [0.0f32; 32];
+            // Lane order as q4tp's: even elements, then odd ones.
             for k in 0..16 {
-                w[2 * k] = e2m1(b[k] & 15);
-                w[2 * k + 1] = e2m1(b[k] >> 4);
+                w[k] = e2m1(b[k] & 15) * s;
+                w[16 + k] = e2m1(b[k] >> 4) * s;
             }
-            scaled_group(&mut acc, &w, xs, l.cols, g * GROUP, e8m0(scales[g]));
+            group_dot(&mut acc, &w, xs, l.cols, g);
         }
         for (o, a) in out.iter_mut().zip(&acc) {
             *o = fold(a);
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_avx512<const NT: usize>(&self, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        // SAFETY: the caller guarantees AVX-512 (the trait's contract).
+        unsafe { crate::simd512::mxfp4_rows::<NT>(&self.l, self.bytes, r0, xs, outs) }
     }
 }
 

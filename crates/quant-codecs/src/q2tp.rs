@@ -1,7 +1,7 @@
 //! q2tp: 2-bit codes `c` (value `c - 1.5`) in groups of 32, each group scaled by a 5-bit code:
 //! 0 is the zero rung (the group is zero), `k >= 1` is `exp2q(lo + (k - 1) * step)`.
 
-use crate::kernel::{LANES, RowKernel, fold, scaled_group};
+use crate::kernel::{RowKernel, fold, group_dot, zeroed};
 use crate::tiered::{Tier, row_params, scale_code, scale_table};
 use crate::{GROUP, Layout};
 
@@ -51,20 +51,28 @@ impl RowKernel for Kernel<'_> {
         let table = scale_table(&TIER, lo, step);
         let plane = &self.bytes[r * l.cols / 4..][..l.cols / 4];
         let codes = &self.bytes[l.third + r * l.code_stride..][..l.code_stride];
-        let mut acc = [[0.0f32; LANES]; NT];
+        let mut acc = zeroed::<NT>();
         for g in 0..l.cols / GROUP {
             let s = table[scale_code(codes, g)];
             let b = &plane[g * 8..][..8];
             let mut w = [0.0f32; 32];
-            for k in 0..8 {
-                for j in 0..4 {
-                    w[4 * k + j] = ((b[k] >> (2 * j)) & 3) as f32 - 1.5;
+            // Lane order: lanes 8q..8q+7 take bit pair q of bytes 0..7 (elements 4k + q);
+            // the activations were permuted to match (`kernel::Permute::Quads`).
+            for q in 0..4 {
+                for k in 0..8 {
+                    w[8 * q + k] = (((b[k] >> (2 * q)) & 3) as f32 - 1.5) * s;
                 }
             }
-            scaled_group(&mut acc, &w, xs, l.cols, g * GROUP, s);
+            group_dot(&mut acc, &w, xs, l.cols, g);
         }
         for (o, a) in out.iter_mut().zip(&acc) {
             *o = fold(a);
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_avx512<const NT: usize>(&self, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        // SAFETY: the caller guarantees AVX-512 (the trait's contract).
+        unsafe { crate::simd512::q2tp_rows::<NT>(&self.l, self.bytes, r0, xs, outs) }
     }
 }

@@ -1,7 +1,7 @@
 //! q4tp: 4-bit codes `n` (value `n - 8`) in groups of 32, each group scaled by
 //! `exp2q(lo + code * step)` with a 5-bit `code` and per-row f16 `(lo, step)` ("no zero rung").
 
-use crate::kernel::{LANES, RowKernel, fold, scaled_group};
+use crate::kernel::{RowKernel, fold, group_dot, zeroed};
 use crate::tiered::{Tier, row_params, scale_code, scale_table};
 use crate::{GROUP, Layout};
 
@@ -50,19 +50,27 @@ impl RowKernel for Kernel<'_> {
         let table = scale_table(&TIER, lo, step);
         let plane = &self.bytes[r * l.cols / 2..][..l.cols / 2];
         let codes = &self.bytes[l.third + r * l.code_stride..][..l.code_stride];
-        let mut acc = [[0.0f32; LANES]; NT];
+        let mut acc = zeroed::<NT>();
         for g in 0..l.cols / GROUP {
             let s = table[scale_code(codes, g)];
-            let b = &plane[g * 16..][..16];
+            let b: &[u8; 16] = plane[g * 16..][..16].try_into().expect("16 bytes");
             let mut w = [0.0f32; 32];
+            // Lane order: low nibbles (even elements) then high nibbles (odd elements);
+            // the activations were permuted to match (`kernel::Permute::Pairs`).
             for k in 0..16 {
-                w[2 * k] = (b[k] & 15) as f32 - 8.0;
-                w[2 * k + 1] = (b[k] >> 4) as f32 - 8.0;
+                w[k] = ((b[k] & 15) as i32 - 8) as f32 * s;
+                w[16 + k] = ((b[k] >> 4) as i32 - 8) as f32 * s;
             }
-            scaled_group(&mut acc, &w, xs, l.cols, g * GROUP, s);
+            group_dot(&mut acc, &w, xs, l.cols, g);
         }
         for (o, a) in out.iter_mut().zip(&acc) {
             *o = fold(a);
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_avx512<const NT: usize>(&self, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        // SAFETY: the caller guarantees AVX-512 (the trait's contract).
+        unsafe { crate::simd512::q4tp_rows::<NT>(&self.l, self.bytes, r0, xs, outs) }
     }
 }

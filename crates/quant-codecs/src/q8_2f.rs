@@ -8,10 +8,12 @@ use rayon::prelude::*;
 
 use crate::Layout;
 use crate::float::{f16_bits_to_f32, f32_to_f16_bits};
-use crate::kernel::{LANES, RowKernel, fold, plain_group};
+use crate::kernel::{RowKernel, fold, group_dot, zeroed};
 
 /// Fractions of the max-abs row scale the search tries (1.0 first: the no-clipping choice).
-const SEARCH: [f32; 11] = [1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.86, 0.84, 0.82, 0.80];
+const SEARCH: [f32; 11] = [
+    1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.86, 0.84, 0.82, 0.80,
+];
 
 #[inline(always)]
 fn half_at(bytes: &[u8], byte: usize) -> f32 {
@@ -26,7 +28,9 @@ pub(crate) fn row_scale(l: &Layout, bytes: &[u8], r: usize) -> f32 {
 
 /// All column scales.
 pub(crate) fn col_scales(l: &Layout, bytes: &[u8]) -> Vec<f32> {
-    (0..l.cols).map(|i| half_at(bytes, l.third + 2 * i)).collect()
+    (0..l.cols)
+        .map(|i| half_at(bytes, l.third + 2 * i))
+        .collect()
 }
 
 /// Decodes row `r` into `out`, given the column scales.
@@ -53,24 +57,34 @@ pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
     let (rows, cols) = (l.rows, l.cols);
     let colmax = w
         .par_chunks(cols)
-        .fold(|| vec![0.0f32; cols], |mut m, row| {
-            for (m, v) in m.iter_mut().zip(row) {
-                *m = m.max(v.abs());
-            }
-            m
-        })
-        .reduce(|| vec![0.0f32; cols], |mut a, b| {
-            for (a, b) in a.iter_mut().zip(b) {
-                *a = a.max(b);
-            }
-            a
-        });
+        .fold(
+            || vec![0.0f32; cols],
+            |mut m, row| {
+                for (m, v) in m.iter_mut().zip(row) {
+                    *m = m.max(v.abs());
+                }
+                m
+            },
+        )
+        .reduce(
+            || vec![0.0f32; cols],
+            |mut a, b| {
+                for (a, b) in a.iter_mut().zip(b) {
+                    *a = a.max(b);
+                }
+                a
+            },
+        );
     let gmax = colmax.iter().fold(0.0f32, |m, &v| m.max(v));
     // Column scales in (0, 1]: sqrt(colmax / gmax), floored at the smallest normal f16.
     let cs16: Vec<u16> = colmax
         .iter()
         .map(|&m| {
-            let c = if gmax > 0.0 { ((m / gmax) as f64).sqrt() as f32 } else { 1.0 };
+            let c = if gmax > 0.0 {
+                ((m / gmax) as f64).sqrt() as f32
+            } else {
+                1.0
+            };
             f32_to_f16_bits(c.max(f32::from_bits(0x3880_0000))) // 2^-14
         })
         .collect();
@@ -86,7 +100,10 @@ pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
         .zip(rsec.par_chunks_mut(2))
         .zip(w.par_chunks(cols))
         .for_each(|((q, rs), row)| {
-            let m = row.iter().zip(&cs).fold(0.0f32, |m, (v, c)| m.max(v.abs() / c));
+            let m = row
+                .iter()
+                .zip(&cs)
+                .fold(0.0f32, |m, (v, c)| m.max(v.abs() / c));
             let mut best: Option<(u16, f32)> = None;
             if m > 0.0 {
                 for f in SEARCH {
@@ -131,22 +148,28 @@ impl RowKernel for Kernel<'_> {
     fn row_dot<const NT: usize>(&self, r: usize, xs: &[f32], out: &mut [f32; NT]) {
         let cols = self.l.cols;
         let q = &self.bytes[r * cols..][..cols];
-        let mut acc = [[0.0f32; LANES]; NT];
+        let mut acc = zeroed::<NT>();
         let full = cols / 32 * 32;
         for (g, qg) in q[..full].chunks_exact(32).enumerate() {
             let mut w = [0.0f32; 32];
             for j in 0..32 {
                 w[j] = qg[j] as i8 as f32;
             }
-            plain_group(&mut acc, &w, xs, cols, g * 32);
+            group_dot(&mut acc, &w, xs, cols, g);
         }
         let rs = row_scale(&self.l, self.bytes, r);
         for (t, (o, a)) in out.iter_mut().zip(&acc).enumerate() {
             let mut s = fold(a);
             for i in full..cols {
-                s += q[i] as i8 as f32 * xs[t * cols + i];
+                s = (q[i] as i8 as f32).mul_add(xs[t * cols + i], s);
             }
             *o = s * rs;
         }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_avx512<const NT: usize>(&self, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        // SAFETY: the caller guarantees AVX-512 (the trait's contract).
+        unsafe { crate::simd512::q8_2f_rows::<NT>(self, r0, xs, outs) }
     }
 }

@@ -31,12 +31,11 @@ pub const EXP2Q_COEFFS: [u32; 7] = [
 /// Within 1.6 ulp of the true value; fixed so that every decoder agrees bit for bit.
 #[inline(always)]
 pub fn exp2q(t: f32) -> f32 {
+    // Straight-line code (no branch) so a table of 32 vectorises.
+    #[allow(clippy::manual_clamp)] // clamp() keeps NaN; maxNum/minNum turn it into -126
     let t = t.max(-126.0).min(127.0);
-    let mut i = t as i32;
-    if (i as f32) > t {
-        i -= 1;
-    }
-    let f = t - i as f32;
+    let i = t.floor();
+    let f = t - i;
     let c = EXP2Q_COEFFS.map(f32::from_bits);
     let mut p = c[6];
     p = p * f + c[5];
@@ -45,7 +44,7 @@ pub fn exp2q(t: f32) -> f32 {
     p = p * f + c[2];
     p = p * f + c[1];
     p = p * f + c[0];
-    p * f32::from_bits(((i + 127) as u32) << 23)
+    p * f32::from_bits(((i as i32 + 127) as u32) << 23)
 }
 
 /// What distinguishes q4tp from q2tp.
@@ -77,7 +76,11 @@ pub(crate) fn row_params(layout: &Layout, bytes: &[u8], r: usize) -> (f32, f32) 
 pub(crate) fn scale_table(tier: &Tier, lo: f32, step: f32) -> [f32; 32] {
     let mut t = [0.0f32; 32];
     for (c, s) in t.iter_mut().enumerate() {
-        let k = if tier.zero_rung { c as f32 - 1.0 } else { c as f32 };
+        let k = if tier.zero_rung {
+            c as f32 - 1.0
+        } else {
+            c as f32
+        };
         *s = exp2q(lo + k * step);
     }
     if tier.zero_rung {
@@ -125,7 +128,13 @@ fn f16_next_down(h: u16) -> u16 {
 
 /// Quantises one row into its element codes (packed into `plane`, this row's part of the code
 /// plane), its 4 parameter bytes and its packed scale codes.
-pub(crate) fn quantize_row(tier: &Tier, w: &[f32], plane: &mut [u8], params: &mut [u8], codes: &mut [u8]) {
+pub(crate) fn quantize_row(
+    tier: &Tier,
+    w: &[f32],
+    plane: &mut [u8],
+    params: &mut [u8],
+    codes: &mut [u8],
+) {
     let gpr = w.len() / GROUP;
     let ideal: Vec<f32> = w
         .chunks_exact(GROUP)
@@ -177,7 +186,8 @@ pub(crate) fn quantize_row(tier: &Tier, w: &[f32], plane: &mut [u8], params: &mu
             let up = (first..32).find(|&c| table[c] >= ideal[g]).unwrap_or(31);
             let mut best = (up, encode_group(tier, gw, table[up]));
             let mut best_err = group_sse(tier, gw, &best.1, table[up]);
-            let cands = (up.saturating_sub(3).max(first)..=(up + 1).min(31)).chain(tier.zero_rung.then_some(0));
+            let cands = (up.saturating_sub(3).max(first)..=(up + 1).min(31))
+                .chain(tier.zero_rung.then_some(0));
             for c in cands.filter(|&c| c != up) {
                 let lv = encode_group(tier, gw, table[c]);
                 let e = group_sse(tier, gw, &lv, table[c]);
@@ -227,7 +237,10 @@ mod tests {
             let exact = (t as f64).exp2();
             let got = exp2q(t) as f64;
             let ulp = ((exact as f32).next_up() as f64 - exact as f32 as f64).abs();
-            assert!((got - exact).abs() <= 2.0 * ulp, "t={t} got {got} exact {exact}");
+            assert!(
+                (got - exact).abs() <= 2.0 * ulp,
+                "t={t} got {got} exact {exact}"
+            );
             t += 0.0137;
         }
         assert_eq!(exp2q(0.0), 1.0);

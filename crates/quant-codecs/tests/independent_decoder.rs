@@ -24,7 +24,11 @@ fn f16(h: u16) -> f32 {
 }
 
 fn exp2q(t: f32) -> f32 {
-    let t = if t.is_nan() { -126.0 } else { t.clamp(-126.0, 127.0) };
+    let t = if t.is_nan() {
+        -126.0
+    } else {
+        t.clamp(-126.0, 127.0)
+    };
     let i = t.floor();
     let f = t - i;
     let c: Vec<f32> = [
@@ -86,17 +90,21 @@ fn decode(dtype: DType, rows: usize, cols: usize, b: &[u8]) -> Vec<f32> {
                 let rb = &b[c + r * cst..c + (r + 1) * cst];
                 for i in 0..cols {
                     let g = i / 32;
-                    let byte = 5 * g >> 3;
+                    let byte = (5 * g) >> 3;
                     let b0 = rb[byte] as u32;
                     let b1 = rb.get(byte + 1).copied().unwrap_or(0) as u32;
-                    let code = ((b0 | b1 << 8) >> (5 * g & 7)) & 31;
+                    let code = ((b0 | b1 << 8) >> ((5 * g) & 7)) & 31;
                     let e = r * cols + i;
                     let (level, scale) = if q4 {
                         let nib = (b[e / 2] >> (4 * (e % 2))) & 15;
                         (nib as f32 - 8.0, exp2q(lo + code as f32 * step))
                     } else {
                         let cc = (b[e / 4] >> (2 * (e % 4))) & 3;
-                        let s = if code == 0 { 0.0 } else { exp2q(lo + (code - 1) as f32 * step) };
+                        let s = if code == 0 {
+                            0.0
+                        } else {
+                            exp2q(lo + (code - 1) as f32 * step)
+                        };
                         (cc as f32 - 1.5, s)
                     };
                     out[e] = level * scale;
@@ -126,15 +134,25 @@ fn decode(dtype: DType, rows: usize, cols: usize, b: &[u8]) -> Vec<f32> {
 
 fn same_bits(a: &[f32], b: &[f32]) -> bool {
     a.len() == b.len()
-        && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()))
 }
 
 fn payload(dtype: DType) -> impl Strategy<Value = (usize, usize, Vec<u8>)> {
-    let col_unit = if matches!(dtype, DType::Q4tp | DType::Q2tp | DType::Mxfp4) { 32 } else { 1 };
+    let col_unit = if matches!(dtype, DType::Q4tp | DType::Q2tp | DType::Mxfp4) {
+        32
+    } else {
+        1
+    };
     (1usize..6, 1usize..5).prop_flat_map(move |(rows, k)| {
         let cols = if col_unit == 32 { 32 * k } else { 7 * k + 1 };
         let n = dtype.expected_nbytes(&[rows, cols]).unwrap();
-        (Just(rows), Just(cols), prop::collection::vec(any::<u8>(), n))
+        (
+            Just(rows),
+            Just(cols),
+            prop::collection::vec(any::<u8>(), n),
+        )
     })
 }
 
@@ -166,6 +184,12 @@ fn every_dtype_has_a_section() {
         let (rows, cols) = (2, 64);
         let n = d.expected_nbytes(&[rows, cols]).unwrap();
         let bytes: Vec<u8> = (0..n).map(|i| (i * 131 % 251) as u8).collect();
-        assert!(same_bits(&decode(d, rows, cols, &bytes), &dequantize(d, &[rows, cols], &bytes).unwrap()), "{d}");
+        assert!(
+            same_bits(
+                &decode(d, rows, cols, &bytes),
+                &dequantize(d, &[rows, cols], &bytes).unwrap()
+            ),
+            "{d}"
+        );
     }
 }

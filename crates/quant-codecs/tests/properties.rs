@@ -27,7 +27,9 @@ fn weights(cols_unit: usize) -> impl Strategy<Value = (usize, usize, Vec<f32>)> 
             (s >> 11) as f64 / (1u64 << 53) as f64
         };
         let row_mag: Vec<f64> = (0..rows).map(|_| 10f64.powf(next() * 4.0 - 3.0)).collect();
-        let col_mag: Vec<f64> = (0..cols).map(|_| if next() < 0.05 { 20.0 } else { 1.0 }).collect();
+        let col_mag: Vec<f64> = (0..cols)
+            .map(|_| if next() < 0.05 { 20.0 } else { 1.0 })
+            .collect();
         let mut w = vec![0.0f32; rows * cols];
         for r in 0..rows {
             let zero_group = next() < 0.1;
@@ -51,7 +53,10 @@ fn u16_at(b: &[u8], o: usize) -> u16 {
 }
 
 fn sse(a: &[f32], b: &[f32]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (*x as f64 - *y as f64).powi(2)).sum()
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - *y as f64).powi(2))
+        .sum()
 }
 
 const SLACK: f64 = 1.0 + 1e-5;
@@ -215,10 +220,19 @@ proptest! {
 }
 
 fn dot64(w: &[f32], x: &[f32]) -> (f64, f64) {
-    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| (s + w as f64 * x as f64, a + (w as f64 * x as f64).abs()))
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| {
+        (s + w as f64 * x as f64, a + (w as f64 * x as f64).abs())
+    })
 }
 
-fn kernels_check(dtype: DType, rows: usize, cols: usize, w: &[f32], nt: usize, seed: u64) -> Result<(), TestCaseError> {
+fn kernels_check(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    w: &[f32],
+    nt: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
     let p = quantize(dtype, rows, cols, w).unwrap();
     let m = MatRef::new(dtype, rows, cols, &p).unwrap();
     let mut dq = vec![0.0f32; rows * cols];
@@ -243,16 +257,36 @@ fn kernels_check(dtype: DType, rows: usize, cols: usize, w: &[f32], nt: usize, s
         m.matvec_ref(x, &mut yr).unwrap();
         for r in 0..rows {
             let got = ys[t * rows + r];
-            prop_assert_eq!(got.to_bits(), y1[r].to_bits(), "{} matmat row {} != matvec at {}", dtype, t, r);
+            prop_assert_eq!(
+                got.to_bits(),
+                y1[r].to_bits(),
+                "{} matmat row {} != matvec at {}",
+                dtype,
+                t,
+                r
+            );
             let (exact, mag) = dot64(&dq[r * cols..(r + 1) * cols], x);
-            prop_assert!((got as f64 - exact).abs() <= tol * mag + 1e-37, "{} r{} got {} exact {} mag {}", dtype, r, got, exact, mag);
+            prop_assert!(
+                (got as f64 - exact).abs() <= tol * mag + 1e-37,
+                "{} r{} got {} exact {} mag {}",
+                dtype,
+                r,
+                got,
+                exact,
+                mag
+            );
             prop_assert!((yr[r] as f64 - exact).abs() <= tol * mag * 8.0 + 1e-37);
         }
     }
     for isa in [Isa::Baseline, Isa::Avx2, Isa::Avx512] {
         let mut yi = vec![f32::NAN; nt * rows];
         m.matmat_with(isa, &xs, &mut yi).unwrap();
-        prop_assert!(yi.iter().zip(&ys).all(|(a, b)| a.to_bits() == b.to_bits()), "{} differs on {:?}", dtype, isa);
+        prop_assert!(
+            yi.iter().zip(&ys).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{} differs on {:?}",
+            dtype,
+            isa
+        );
     }
     Ok(())
 }
@@ -278,7 +312,9 @@ proptest! {
 #[test]
 fn kernels_on_a_matrix_big_enough_to_run_in_parallel() {
     let (rows, cols) = (700, 320);
-    let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 700.0).collect();
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 700.0)
+        .collect();
     for dtype in DType::ALL {
         kernels_check(dtype, rows, cols, &w, 8, 99).unwrap();
         kernels_check(dtype, rows, cols, &w, 1, 7).unwrap();
@@ -292,7 +328,13 @@ fn wrong_lengths_are_errors_not_panics() {
         let n = dtype.expected_nbytes(&[rows, cols]).unwrap();
         for bad in [0, 1, n - 1, n + 1, 2 * n] {
             let buf = vec![0u8; bad];
-            assert!(matches!(MatRef::new(dtype, rows, cols, &buf), Err(CodecError::PayloadLength { .. })), "{dtype} {bad}");
+            assert!(
+                matches!(
+                    MatRef::new(dtype, rows, cols, &buf),
+                    Err(CodecError::PayloadLength { .. })
+                ),
+                "{dtype} {bad}"
+            );
             assert!(dequantize(dtype, &[rows, cols], &buf).is_err());
         }
         let p = vec![0u8; n];
@@ -300,7 +342,10 @@ fn wrong_lengths_are_errors_not_panics() {
         let mut y = vec![0.0; rows];
         assert!(m.matvec(&[0.0; 63], &mut y).is_err());
         assert!(m.matvec(&[0.0; 64], &mut [0.0; 2]).is_err());
-        assert!(m.matmat(&[0.0; 64 * 9], &mut [0.0; 27]).is_err(), "more than MAX_BATCH rows");
+        assert!(
+            m.matmat(&[0.0; 64 * 9], &mut [0.0; 27]).is_err(),
+            "more than MAX_BATCH rows"
+        );
         assert!(m.matmat(&[0.0; 128], &mut [0.0; 3]).is_err());
         assert!(m.matvec_ref(&[0.0; 65], &mut y).is_err());
         assert!(m.dequantize(&mut [0.0; 10]).is_err());
@@ -312,7 +357,10 @@ fn wrong_lengths_are_errors_not_panics() {
         quantize(DType::Q4tp, 1, 32, &[f32::NAN; 32]),
         Err(CodecError::NonFinite { row: 0, col: 0, .. })
     ));
-    assert!(matches!(quantize(DType::Mxfp4, 1, 33, &[0.0; 33]), Err(CodecError::Shape { .. })));
+    assert!(matches!(
+        quantize(DType::Mxfp4, 1, 33, &[0.0; 33]),
+        Err(CodecError::Shape { .. })
+    ));
     assert!(dequantize(DType::Q4tp, &[64], &[0; 32]).is_err());
 }
 
