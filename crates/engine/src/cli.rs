@@ -26,8 +26,8 @@ pub enum Command {
 /// `cortiq inspect`.
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// The CMF file.
-    pub file: PathBuf,
+    /// The CMF file (default: the example model embedded in the binary).
+    pub file: Option<PathBuf>,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,

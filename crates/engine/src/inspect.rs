@@ -174,10 +174,15 @@ pub struct TensorDetail {
 
 /// Opens `path`, validates it, and gathers the report `opts` asks for.
 pub fn inspect(path: &Path, opts: &InspectOptions) -> Result<Report, InspectError> {
-    let cmf = Cmf::open(path)?;
+    inspect_cmf(&Cmf::open(path)?, opts)
+}
+
+/// The report for an already opened (and so validated) file.
+pub fn inspect_cmf(cmf: &Cmf, opts: &InspectOptions) -> Result<Report, InspectError> {
+    let path = cmf.display_path();
     let h = cmf.header();
     let tensor = match &opts.tensor {
-        Some(name) => Some(detail(&cmf, path, name, opts.values)?),
+        Some(name) => Some(detail(cmf, path, name, opts.values)?),
         None => None,
     };
     Ok(Report {
@@ -198,7 +203,7 @@ pub fn inspect(path: &Path, opts: &InspectOptions) -> Result<Report, InspectErro
         sidecar_of: h.sidecar_of.clone(),
         tensors: cmf.tensors().iter().map(row).collect(),
         totals: totals(cmf.tensors()),
-        verify: opts.verify.then(|| verify(&cmf)),
+        verify: opts.verify.then(|| verify(cmf)),
         tensor,
     })
 }

@@ -17,3 +17,12 @@ pub use cmf_format;
 pub use quant_codecs;
 
 pub mod inspect;
+
+/// The example model shipped in the binary (`assets/tiny.cmf`, written by `cargo xtask
+/// tiny-cmf`): what commands use when no model file is given.
+pub const EMBEDDED_MODEL: &[u8] = include_bytes!("../../../assets/tiny.cmf");
+
+/// Opens the embedded example model.
+pub fn embedded_model() -> Result<cmf_format::Cmf, cmf_format::CmfError> {
+    cmf_format::Cmf::from_bytes(EMBEDDED_MODEL)
+}

@@ -68,8 +68,11 @@ fn run_inspect(args: InspectArgs) -> anyhow::Result<ExitCode> {
         tensor: args.tensor,
         values: args.values,
     };
-    tracing::debug!(file = %args.file.display(), ?opts, "inspect");
-    let report = inspect::inspect(&args.file, &opts)?;
+    tracing::debug!(file = ?args.file, ?opts, "inspect");
+    let report = match &args.file {
+        Some(file) => inspect::inspect(file, &opts)?,
+        None => inspect::inspect_cmf(&engine::embedded_model()?, &opts)?,
+    };
     let mut out = io::BufWriter::new(io::stdout().lock());
     if args.json {
         serde_json::to_writer_pretty(&mut out, &report).context("writing JSON to stdout")?;
