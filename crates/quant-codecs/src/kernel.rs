@@ -32,6 +32,17 @@ pub(crate) trait RowKernel: Sync + Sized {
         // SAFETY: the caller's contract is this function's.
         unsafe { rows_avx512_portable::<Self, NT>(self, r0, xs, outs) }
     }
+
+    /// Rows with AVX2; the default compiles the portable code for AVX2, formats override it
+    /// with `simd256`.
+    ///
+    /// # Safety
+    /// The CPU supports `Isa::Avx2`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_avx2<const NT: usize>(&self, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        // SAFETY: the caller's contract is this function's.
+        unsafe { rows_avx2_portable::<Self, NT>(self, r0, xs, outs) }
+    }
 }
 
 /// The instruction set a kernel call is compiled for.
@@ -193,7 +204,12 @@ fn rows_generic<K: RowKernel, const NT: usize>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c,bmi2")]
-fn rows_avx2<K: RowKernel, const NT: usize>(k: &K, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+fn rows_avx2_portable<K: RowKernel, const NT: usize>(
+    k: &K,
+    r0: usize,
+    xs: &[f32],
+    outs: &mut [&mut [f32]],
+) {
     rows_generic::<K, NT>(k, r0, xs, outs)
 }
 
@@ -218,7 +234,7 @@ fn rows_isa<K: RowKernel, const NT: usize>(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `run` only passes Avx2 after `Isa::available` confirmed the features.
-        Isa::Avx2 => unsafe { rows_avx2::<K, NT>(k, r0, xs, outs) },
+        Isa::Avx2 => unsafe { k.rows_avx2::<NT>(r0, xs, outs) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `run` only passes Avx512 after `Isa::available` confirmed the features.
         Isa::Avx512 => unsafe { k.rows_avx512::<NT>(r0, xs, outs) },

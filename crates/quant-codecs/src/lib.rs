@@ -34,6 +34,8 @@ mod q2tp;
 mod q4tp;
 mod q8_2f;
 #[cfg(target_arch = "x86_64")]
+mod simd256;
+#[cfg(target_arch = "x86_64")]
 mod simd512;
 pub mod tiered;
 

@@ -136,6 +136,12 @@ impl RowKernel for Kernel<'_> {
         // SAFETY: the caller guarantees AVX-512 (the trait's contract).
         unsafe { crate::simd512::mxfp4_rows::<NT>(&self.l, self.bytes, r0, xs, outs) }
     }
+
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn rows_avx2<const NT: usize>(&self, r0: usize, xs: &[f32], outs: &mut [&mut [f32]]) {
+        // SAFETY: the caller guarantees AVX2 (the trait's contract).
+        unsafe { crate::simd256::mxfp4_rows::<NT>(&self.l, self.bytes, r0, xs, outs) }
+    }
 }
 
 #[cfg(test)]

@@ -89,6 +89,25 @@ pub(crate) fn scale_table(tier: &Tier, lo: f32, step: f32) -> [f32; 32] {
     t
 }
 
+/// One row of a q4tp/q2tp matrix, ready for its groups: the scale ladder and the row's code
+/// bytes.
+pub(crate) struct TieredRow<'a> {
+    pub table: [f32; 32],
+    pub plane: &'a [u8],
+    pub codes: &'a [u8],
+}
+
+#[inline(always)]
+pub(crate) fn tiered_row<'a>(tier: &Tier, l: &Layout, bytes: &'a [u8], r: usize) -> TieredRow<'a> {
+    let (lo, step) = row_params(l, bytes, r);
+    let per_row = l.cols * tier.bits / 8;
+    TieredRow {
+        table: scale_table(tier, lo, step),
+        plane: &bytes[r * per_row..][..per_row],
+        codes: &bytes[l.third + r * l.code_stride..][..l.code_stride],
+    }
+}
+
 /// Group `g`'s 5-bit scale code from a row's packed code bytes (bit `5g`, LSB first).
 #[inline(always)]
 pub(crate) fn scale_code(row_codes: &[u8], g: usize) -> usize {
