@@ -20,7 +20,7 @@ def gbps(group, bench):
 
 ceiling, _ = gbps("read_ceiling", "sum_1GiB")
 print(f"read ceiling (1 GiB sum, all cores): **{ceiling:.1f} GB/s**\n")
-shapes = ["2560x2560", "640x2560", "10240x320", "16384x8192", "16384x8192_t8", "248320x2560"]
+shapes = ["2560x2560", "640x2560", "10240x320", "32768x16384", "32768x16384_t8", "248320x2560"]
 print("| format | " + " | ".join(shapes) + " |")
 print("|---|" + "---:|" * len(shapes))
 for dtype in ["f32", "f16", "bf16", "q8_2f", "q4tp", "q2tp", "mxfp4"]:
