@@ -306,6 +306,50 @@ pub fn quantize(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Result<Vec
     })
 }
 
+/// The payload of rows `start..end` of a `[rows, cols]` matrix, as a `[end - start, cols]`
+/// matrix of the same dtype: each section's rows are cut out (q8_2f's column scales, shared by
+/// every row, are copied whole). The GPU arena splits tensors larger than one binding this way.
+pub fn slice_rows(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    bytes: &[u8],
+    start: usize,
+    end: usize,
+) -> Result<Vec<u8>, CodecError> {
+    let l = Layout::new(dtype, rows, cols)?;
+    l.check_len(bytes)?;
+    if start >= end || end > rows {
+        return Err(CodecError::BufferLength {
+            what: "row range end",
+            expected: rows,
+            found: end,
+        });
+    }
+    let n = end - start;
+    let part = Layout::new(dtype, n, cols)?;
+    let mut out = Vec::with_capacity(part.nbytes);
+    let cut = |out: &mut Vec<u8>, base: usize, per_row: usize| {
+        out.extend_from_slice(&bytes[base + start * per_row..base + end * per_row]);
+    };
+    let code_row = l.codes_len / rows;
+    cut(&mut out, 0, code_row);
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => {}
+        DType::Q8_2f => {
+            cut(&mut out, l.second, 2);
+            out.extend_from_slice(&bytes[l.third..]);
+        }
+        DType::Q4tp | DType::Q2tp => {
+            cut(&mut out, l.second, 4);
+            cut(&mut out, l.third, l.code_stride);
+        }
+        DType::Mxfp4 => cut(&mut out, l.second, l.groups_per_row()),
+    }
+    debug_assert_eq!(out.len(), part.nbytes);
+    Ok(out)
+}
+
 /// Decodes a whole tensor of any shape (stacked matrices for quantised dtypes) to f32.
 pub fn dequantize(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Vec<f32>, CodecError> {
     let expected = dtype.expected_nbytes(shape)?;

@@ -379,3 +379,31 @@ fn arbitrary_payloads_never_panic() {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(cfg(64))]
+
+    #[test]
+    fn slice_rows_decodes_to_the_same_rows((rows, cols, w) in weights(32), a in 0usize..8, len in 1usize..8) {
+        let start = a % rows;
+        let end = (start + len).min(rows);
+        for dtype in DType::ALL {
+            let p = quantize(dtype, rows, cols, &w).unwrap();
+            let whole = dequantize(dtype, &[rows, cols], &p).unwrap();
+            let part = quant_codecs::slice_rows(dtype, rows, cols, &p, start, end).unwrap();
+            let got = dequantize(dtype, &[end - start, cols], &part).unwrap();
+            prop_assert!(
+                got.iter().zip(&whole[start * cols..end * cols]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} rows {}..{}", dtype, start, end
+            );
+        }
+    }
+}
+
+#[test]
+fn slice_rows_refuses_bad_ranges() {
+    let p = quantize(DType::Q4tp, 4, 32, &[0.5; 128]).unwrap();
+    assert!(quant_codecs::slice_rows(DType::Q4tp, 4, 32, &p, 2, 2).is_err());
+    assert!(quant_codecs::slice_rows(DType::Q4tp, 4, 32, &p, 0, 5).is_err());
+    assert!(quant_codecs::slice_rows(DType::Q4tp, 4, 32, &p[1..], 0, 2).is_err());
+}

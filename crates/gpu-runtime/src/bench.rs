@@ -1,0 +1,203 @@
+//! Device timing for `cortiq bench kernels`: the read-bandwidth ceiling, the per-dispatch
+//! launch floor, and matvec/matmat throughput, timed with GPU timestamps around one compute
+//! pass of many dispatches where the device has them (wall clock around submit-and-wait
+//! otherwise).
+
+use std::time::Instant;
+
+use wgpu::util::DeviceExt;
+
+use crate::ops::matvec::{self, Plan};
+use crate::{GpuContext, GpuError, GpuMatrix};
+
+/// One timing.
+#[derive(Debug, Clone, Copy)]
+pub struct Timing {
+    /// Seconds per repetition.
+    pub seconds: f64,
+    /// Whether GPU timestamps measured it (else the wall clock).
+    pub timestamps: bool,
+}
+
+/// Runs `record` `reps` times inside one compute pass and returns the time per repetition.
+pub fn time_pass(
+    ctx: &GpuContext,
+    reps: usize,
+    record: &dyn Fn(&mut wgpu::ComputePass<'_>),
+) -> Result<Timing, GpuError> {
+    // Warm-up: pipelines compiled, caches touched.
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        record(&mut pass);
+    }
+    ctx.queue.submit([enc.finish()]);
+    ctx.wait();
+    let ts = ctx.caps.timestamps.then(|| {
+        let set = ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("bench"),
+            ty: wgpu::QueryType::Timestamp,
+            count: 2,
+        });
+        let resolve = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("timestamps"),
+            size: 16,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        (set, resolve)
+    });
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("bench"),
+            timestamp_writes: ts
+                .as_ref()
+                .map(|(set, _)| wgpu::ComputePassTimestampWrites {
+                    query_set: set,
+                    beginning_of_pass_write_index: Some(0),
+                    end_of_pass_write_index: Some(1),
+                }),
+        });
+        for _ in 0..reps {
+            record(&mut pass);
+        }
+    }
+    if let Some((set, resolve)) = &ts {
+        enc.resolve_query_set(set, 0..2, resolve, 0);
+    }
+    let t0 = Instant::now();
+    ctx.queue.submit([enc.finish()]);
+    ctx.wait();
+    let wall = t0.elapsed().as_secs_f64();
+    if let Some((_, resolve)) = &ts {
+        let raw = crate::readback::read_f32(ctx, resolve, 0, 4)?;
+        let ticks: Vec<u64> = bytemuck::cast_slice::<f32, u64>(&raw).to_vec();
+        let ns = ticks[1].saturating_sub(ticks[0]) as f64 * ctx.queue.get_timestamp_period() as f64;
+        if ns > 0.0 {
+            return Ok(Timing {
+                seconds: ns * 1e-9 / reps as f64,
+                timestamps: true,
+            });
+        }
+    }
+    Ok(Timing {
+        seconds: wall / reps as f64,
+        timestamps: false,
+    })
+}
+
+fn read_bw_pipeline(
+    ctx: &GpuContext,
+    entry: &str,
+) -> Result<std::sync::Arc<wgpu::ComputePipeline>, GpuError> {
+    ctx.pipelines.get(
+        &ctx.device,
+        "read_bw",
+        &|| kernels_wgsl::READ_BW.to_string(),
+        entry,
+        &[("WG", 256.0)],
+        None,
+    )
+}
+
+/// Read bandwidth of a plain grid-stride kernel over `bytes` (capped at one binding), in bytes
+/// per second: the ceiling every matvec figure is compared with.
+pub fn read_ceiling(ctx: &GpuContext, bytes: u64, reps: usize) -> Result<(f64, Timing), GpuError> {
+    let bytes = bytes.min(ctx.max_binding()) & !15;
+    let src = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("read_bw src"),
+        size: bytes,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    let groups = 4096u32.min(ctx.limits.max_compute_workgroups_per_dimension);
+    let lanes = groups * 256;
+    let dst = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("read_bw dst"),
+        size: lanes as u64 * 4,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    let params = [(bytes / 16) as u32, lanes];
+    let ubuf = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("read_bw params"),
+            contents: bytemuck::cast_slice(&params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+    let pipe = read_bw_pipeline(ctx, "read_bw")?;
+    let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("read_bw"),
+        layout: &pipe.get_bind_group_layout(0),
+        entries: &[
+            wgpu::BindGroupEntry {
+                binding: 0,
+                resource: src.as_entire_binding(),
+            },
+            wgpu::BindGroupEntry {
+                binding: 1,
+                resource: dst.as_entire_binding(),
+            },
+            wgpu::BindGroupEntry {
+                binding: 2,
+                resource: ubuf.as_entire_binding(),
+            },
+        ],
+    });
+    let t = time_pass(ctx, reps, &|pass| {
+        pass.set_pipeline(&pipe);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(groups, 1, 1);
+    })?;
+    Ok((bytes as f64 / t.seconds, t))
+}
+
+/// Time per dispatch of a one-lane kernel: the launch-overhead floor.
+pub fn launch_floor(ctx: &GpuContext, reps: usize) -> Result<Timing, GpuError> {
+    let dst = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("tiny"),
+        size: 16,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    let pipe = read_bw_pipeline(ctx, "tiny")?;
+    let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("tiny"),
+        layout: &pipe.get_bind_group_layout(0),
+        entries: &[wgpu::BindGroupEntry {
+            binding: 1,
+            resource: dst.as_entire_binding(),
+        }],
+    });
+    time_pass(ctx, reps, &|pass| {
+        pass.set_pipeline(&pipe);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+    })
+}
+
+/// Time of one matmat over `m` with `nt` token rows (activations and outputs on the device).
+pub fn matmat(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    nt: usize,
+    plan: Plan,
+    reps: usize,
+) -> Result<Timing, GpuError> {
+    let x = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("x"),
+        size: (nt * m.cols * 4) as u64,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    let y = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("y"),
+        size: (nt * m.rows * 4) as u64,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    let p = matvec::prepare(ctx, m, &x, &y, nt, plan)?;
+    time_pass(ctx, reps, &|pass| p.record(pass))
+}

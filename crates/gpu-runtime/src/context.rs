@@ -1,0 +1,408 @@
+//! The wgpu context: backend choice, adapter choice, the device with its real limits and
+//! features, the VRAM budget, and the one-line description a user pastes into a bug report.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::GpuError;
+use crate::pipelines::Pipelines;
+
+/// Which compute backend to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BackendChoice {
+    /// The GPU if an adapter exists, else the CPU with a one-line notice.
+    #[default]
+    Auto,
+    /// The GPU through wgpu; an error if there is none.
+    Wgpu,
+    /// The CPU kernels only.
+    Cpu,
+}
+
+impl std::str::FromStr for BackendChoice {
+    type Err = GpuError;
+
+    fn from_str(s: &str) -> Result<Self, GpuError> {
+        match s.to_ascii_lowercase().as_str() {
+            "auto" | "" => Ok(BackendChoice::Auto),
+            "wgpu" | "gpu" => Ok(BackendChoice::Wgpu),
+            "cpu" => Ok(BackendChoice::Cpu),
+            other => Err(GpuError::Setting {
+                setting: "backend (--backend / CORTIQ_GPU)",
+                message: format!("{other:?} is not one of auto, wgpu, cpu"),
+            }),
+        }
+    }
+}
+
+/// How to open the GPU. Every field has a flag in the `cortiq` binary and an environment variable.
+#[derive(Debug, Clone, Default)]
+pub struct GpuOptions {
+    /// `--backend` / `CORTIQ_GPU`: auto (default), wgpu, cpu.
+    pub backend: BackendChoice,
+    /// `CORTIQ_ADAPTER`: a case-insensitive substring of the adapter's name to pick it.
+    pub adapter: Option<String>,
+    /// `--vram` / `CORTIQ_VRAM` (e.g. `16G`, `512M`): bytes the weight arena may keep resident.
+    /// Default: [`default_budget`] of the adapter.
+    pub vram_budget: Option<u64>,
+    /// `CORTIQ_PIPELINE_CACHE`: where the persistent pipeline cache lives (default
+    /// `$XDG_CACHE_HOME/cortiq` or `~/.cache/cortiq`); `off` disables it.
+    pub pipeline_cache_dir: Option<PathBuf>,
+}
+
+impl GpuOptions {
+    /// Options from the environment (`CORTIQ_GPU`, `CORTIQ_ADAPTER`, `CORTIQ_VRAM`,
+    /// `CORTIQ_PIPELINE_CACHE`); unset variables keep the defaults.
+    pub fn from_env() -> Result<GpuOptions, GpuError> {
+        let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+        let mut o = GpuOptions::default();
+        if let Some(b) = var("CORTIQ_GPU") {
+            o.backend = b.parse()?;
+        }
+        o.adapter = var("CORTIQ_ADAPTER");
+        if let Some(v) = var("CORTIQ_VRAM") {
+            o.vram_budget = Some(parse_size(&v).ok_or_else(|| GpuError::Setting {
+                setting: "CORTIQ_VRAM",
+                message: format!("{v:?} is not a size like 16G, 512M or 1073741824"),
+            })?);
+        }
+        o.pipeline_cache_dir = match var("CORTIQ_PIPELINE_CACHE") {
+            Some(v) if v == "off" => None,
+            Some(v) => Some(PathBuf::from(v)),
+            None => default_cache_dir(),
+        };
+        Ok(o)
+    }
+}
+
+fn default_cache_dir() -> Option<PathBuf> {
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("cortiq"))
+}
+
+/// Parses `16G`, `512M`, `64K`, `1.5G` or a plain byte count (binary units).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let s = s
+        .strip_suffix("iB")
+        .or_else(|| s.strip_suffix("ib"))
+        .or_else(|| s.strip_suffix('B'))
+        .or_else(|| s.strip_suffix('b'))
+        .unwrap_or(s);
+    let (num, mult) = match s.char_indices().last()? {
+        (i, 'G' | 'g') => (&s[..i], 1u64 << 30),
+        (i, 'M' | 'm') => (&s[..i], 1 << 20),
+        (i, 'K' | 'k') => (&s[..i], 1 << 10),
+        _ => (s, 1),
+    };
+    let v: f64 = num.trim().parse().ok()?;
+    (v.is_finite() && v >= 0.0).then_some((v * mult as f64) as u64)
+}
+
+/// The VRAM budget used when none is given. wgpu does not report memory sizes, so it is derived
+/// from the adapter's type: 8 GiB for a discrete GPU (what a 12 GB consumer card can spare next to
+/// activations and caches), 4 GiB integrated or virtual, 2 GiB for a software adapter; never
+/// more than the largest buffer the device allows times 4. Set `--vram` to use a bigger card fully.
+pub fn default_budget(info: &wgpu::AdapterInfo, limits: &wgpu::Limits) -> u64 {
+    let by_type: u64 = match info.device_type {
+        wgpu::DeviceType::DiscreteGpu => 8 << 30,
+        wgpu::DeviceType::IntegratedGpu | wgpu::DeviceType::VirtualGpu => 4 << 30,
+        _ => 2 << 30,
+    };
+    by_type.min(limits.max_buffer_size.saturating_mul(4))
+}
+
+/// What the device can do, as the kernels care.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceCaps {
+    /// Subgroup operations are enabled.
+    pub subgroups: bool,
+    /// Smallest and largest subgroup size the adapter reports.
+    pub subgroup_sizes: (u32, u32),
+    /// Shader f16.
+    pub shader_f16: bool,
+    /// Timestamp queries (GPU timing in `bench`).
+    pub timestamps: bool,
+    /// A persistent pipeline cache.
+    pub pipeline_cache: bool,
+    /// Binding arrays of storage buffers.
+    pub binding_arrays: bool,
+}
+
+impl DeviceCaps {
+    /// The capability set naga validates kernels against.
+    pub fn shader_caps(&self) -> kernels_wgsl::Caps {
+        kernels_wgsl::Caps {
+            subgroups: self.subgroups,
+            binding_arrays: self.binding_arrays,
+            shader_f16: self.shader_f16,
+        }
+    }
+}
+
+/// The GPU: adapter, device, queue, and the state every op shares (pipelines, budget).
+/// Passed explicitly to whatever needs it; there is no global.
+pub struct GpuContext {
+    /// The adapter.
+    pub adapter: wgpu::Adapter,
+    /// The device.
+    pub device: wgpu::Device,
+    /// Its queue.
+    pub queue: wgpu::Queue,
+    /// The adapter's description.
+    pub info: wgpu::AdapterInfo,
+    /// The limits the device was opened with (the adapter's own).
+    pub limits: wgpu::Limits,
+    /// Features the kernels use.
+    pub caps: DeviceCaps,
+    /// Bytes the weight arena may keep resident.
+    pub vram_budget: u64,
+    pub(crate) pipelines: Pipelines,
+    pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    /// Errors no scope caught (logged; the last few kept for `doctor`).
+    pub uncaptured: Arc<Mutex<Vec<String>>>,
+}
+
+impl fmt::Debug for GpuContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+/// The outcome of backend selection.
+#[derive(Debug)]
+pub enum Selected {
+    /// A GPU is ready.
+    Gpu(Box<GpuContext>),
+    /// The CPU kernels will run, and why (for the one-line notice).
+    Cpu(String),
+}
+
+/// Chooses the backend `opts` asks for: `cpu` never touches wgpu; `auto` falls back to the CPU
+/// when no adapter exists; `wgpu` fails without one.
+pub fn select(opts: &GpuOptions) -> Result<Selected, GpuError> {
+    match opts.backend {
+        BackendChoice::Cpu => Ok(Selected::Cpu("backend cpu was asked for".into())),
+        BackendChoice::Wgpu => Ok(Selected::Gpu(Box::new(GpuContext::new(opts)?))),
+        BackendChoice::Auto => match GpuContext::new(opts) {
+            Ok(c) => Ok(Selected::Gpu(Box::new(c))),
+            Err(e @ (GpuError::NoAdapter { .. } | GpuError::RequestDevice { .. })) => {
+                Ok(Selected::Cpu(e.to_string()))
+            }
+            Err(e) => Err(e),
+        },
+    }
+}
+
+fn rank(t: wgpu::DeviceType) -> u8 {
+    match t {
+        wgpu::DeviceType::DiscreteGpu => 0,
+        wgpu::DeviceType::IntegratedGpu => 1,
+        wgpu::DeviceType::VirtualGpu => 2,
+        wgpu::DeviceType::Cpu => 3,
+        wgpu::DeviceType::Other => 4,
+    }
+}
+
+impl GpuContext {
+    /// Opens the preferred adapter: the one `opts.adapter` names, else a discrete GPU before an
+    /// integrated, virtual or software one. The device gets the adapter's own limits.
+    pub fn new(opts: &GpuOptions) -> Result<GpuContext, GpuError> {
+        let desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+        let backends = format!("{:?}", desc.backends);
+        let instance = wgpu::Instance::new(desc);
+        let adapters = pollster::block_on(instance.enumerate_adapters(wgpu::Backends::all()));
+        if adapters.is_empty() {
+            return Err(GpuError::NoAdapter { backends });
+        }
+        let names: Vec<String> = adapters
+            .iter()
+            .map(|a| {
+                let i = a.get_info();
+                format!("{} ({:?})", i.name, i.backend)
+            })
+            .collect();
+        let mut candidates: Vec<(usize, wgpu::Adapter)> =
+            adapters.into_iter().enumerate().collect();
+        if let Some(want) = &opts.adapter {
+            let w = want.to_lowercase();
+            candidates.retain(|(i, _)| names[*i].to_lowercase().contains(&w));
+            if candidates.is_empty() {
+                return Err(GpuError::AdapterNotFound {
+                    wanted: want.clone(),
+                    available: names,
+                });
+            }
+        }
+        candidates.sort_by_key(|(i, a)| (rank(a.get_info().device_type), *i));
+        let adapter = candidates.swap_remove(0).1;
+        let info = adapter.get_info();
+        let limits = adapter.limits();
+        let have = adapter.features();
+        let wanted = wgpu::Features::SUBGROUP
+            | wgpu::Features::SHADER_F16
+            | wgpu::Features::TIMESTAMP_QUERY
+            | wgpu::Features::PIPELINE_CACHE
+            | wgpu::Features::BUFFER_BINDING_ARRAY
+            | wgpu::Features::STORAGE_RESOURCE_BINDING_ARRAY;
+        let features = have & wanted;
+        let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
+            label: Some("cortiq"),
+            required_features: features,
+            required_limits: limits.clone(),
+            ..Default::default()
+        }))
+        .map_err(|e| GpuError::RequestDevice {
+            adapter: info.name.clone(),
+            message: e.to_string(),
+        })?;
+        let uncaptured = Arc::new(Mutex::new(Vec::new()));
+        let sink = uncaptured.clone();
+        // wgpu's default handler panics; an engine with a CPU fallback logs instead.
+        device.on_uncaptured_error(Arc::new(move |e: wgpu::Error| {
+            tracing::error!("uncaptured GPU error: {e}");
+            let mut v = sink.lock();
+            if v.len() < 16 {
+                v.push(e.to_string());
+            }
+        }));
+        let caps = DeviceCaps {
+            subgroups: features.contains(wgpu::Features::SUBGROUP),
+            subgroup_sizes: (info.subgroup_min_size, info.subgroup_max_size),
+            shader_f16: features.contains(wgpu::Features::SHADER_F16),
+            timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
+            pipeline_cache: features.contains(wgpu::Features::PIPELINE_CACHE),
+            binding_arrays: features.contains(wgpu::Features::STORAGE_RESOURCE_BINDING_ARRAY),
+        };
+        let vram_budget = opts
+            .vram_budget
+            .unwrap_or_else(|| default_budget(&info, &limits));
+        let pipelines = Pipelines::new(
+            &device,
+            &info,
+            caps.pipeline_cache,
+            opts.pipeline_cache_dir.clone(),
+        );
+        let ctx = GpuContext {
+            adapter,
+            device,
+            queue,
+            info,
+            limits,
+            caps,
+            vram_budget,
+            pipelines,
+            matvec_layout: std::sync::OnceLock::new(),
+            uncaptured,
+        };
+        tracing::info!("{}", ctx.describe());
+        Ok(ctx)
+    }
+
+    /// The largest byte range one storage binding may cover (a multiple of 16).
+    pub fn max_binding(&self) -> u64 {
+        let m = self
+            .limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size);
+        m & !15
+    }
+
+    /// One line: adapter, backend, type, driver, subgroups, features, binding limit, budget.
+    pub fn describe(&self) -> String {
+        let i = &self.info;
+        let c = &self.caps;
+        let mut feats = Vec::new();
+        if c.subgroups {
+            feats.push(format!(
+                "subgroups {}..{}",
+                c.subgroup_sizes.0, c.subgroup_sizes.1
+            ));
+        }
+        for (on, name) in [
+            (c.shader_f16, "f16"),
+            (c.timestamps, "timestamps"),
+            (c.pipeline_cache, "pipeline-cache"),
+            (c.binding_arrays, "binding-arrays"),
+        ] {
+            if on {
+                feats.push(name.to_string());
+            }
+        }
+        format!(
+            "{} ({:?}, {:?}, driver {} {}); {}; max binding {} MiB; VRAM budget {} MiB",
+            i.name,
+            i.backend,
+            i.device_type,
+            i.driver,
+            i.driver_info,
+            if feats.is_empty() {
+                "no optional features".into()
+            } else {
+                feats.join(", ")
+            },
+            self.max_binding() >> 20,
+            self.vram_budget >> 20
+        )
+    }
+
+    /// A compute pipeline for `entry` of a WGSL module, built under error scopes and cached:
+    /// a module the validator or the driver refuses is a [`GpuError::PipelineRejected`] (and
+    /// stays one), never a panic.
+    pub fn compute_pipeline(
+        &self,
+        name: &str,
+        source: &dyn Fn() -> String,
+        entry: &str,
+        constants: &[(&str, f64)],
+    ) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
+        self.pipelines
+            .get(&self.device, name, source, entry, constants, None)
+    }
+
+    /// Blocks until the GPU has finished all submitted work.
+    pub fn wait(&self) {
+        let _ = self.device.poll(wgpu::PollType::wait_indefinitely());
+    }
+
+    /// Writes the pipeline cache to disk (also done when the context is dropped).
+    pub fn save_pipeline_cache(&self) {
+        self.pipelines.save();
+    }
+}
+
+impl Drop for GpuContext {
+    fn drop(&mut self) {
+        self.pipelines.save();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("16G"), Some(16 << 30));
+        assert_eq!(parse_size("512M"), Some(512 << 20));
+        assert_eq!(parse_size("1.5GiB"), Some(3 << 29));
+        assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("lots"), None);
+        assert_eq!(parse_size("-1G"), None);
+    }
+
+    #[test]
+    fn backend_names() {
+        assert_eq!("CPU".parse::<BackendChoice>().unwrap(), BackendChoice::Cpu);
+        assert_eq!(
+            "wgpu".parse::<BackendChoice>().unwrap(),
+            BackendChoice::Wgpu
+        );
+        assert!("cuda".parse::<BackendChoice>().is_err());
+    }
+}

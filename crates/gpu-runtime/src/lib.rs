@@ -1,0 +1,41 @@
+//! cortiq's wgpu runtime: the device context, the weight arena, uploads and readback,
+//! pipelines under error scopes, and the codec kernels as device ops.
+//!
+//! The principal type is [`GpuContext`], opened by [`select`] (which honours `--backend` /
+//! `CORTIQ_GPU` and falls back to the CPU when there is no adapter) and passed explicitly to
+//! everything that needs the device: there is no global.
+//!
+//! ```no_run
+//! use gpu_runtime::{GpuOptions, Selected, WeightArena, ops::matvec};
+//! use quant_codecs::{DType, MatRef, quantize};
+//!
+//! let Selected::Gpu(ctx) = gpu_runtime::select(&GpuOptions::from_env()?)? else { return Ok(()) };
+//! let w = quantize(DType::Q4tp, 64, 128, &vec![0.25; 64 * 128])?;
+//! let arena = WeightArena::new(&ctx);
+//! let m = arena.get_or_upload(&ctx, 0, "w", &MatRef::new(DType::Q4tp, 64, 128, &w)?)?;
+//! let y = matvec::matmat(&ctx, &m, &vec![1.0; 128], matvec::Plan::for_device(&ctx))?;
+//! assert_eq!(y.len(), 64);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![deny(missing_docs)]
+
+pub mod arena;
+pub mod bench;
+mod context;
+mod error;
+pub mod ops;
+mod pipelines;
+pub mod readback;
+pub mod staging;
+
+pub use arena::{GpuMatrix, WeightArena};
+pub use context::{
+    BackendChoice, DeviceCaps, GpuContext, GpuOptions, Selected, default_budget, parse_size, select,
+};
+pub use error::GpuError;
+
+impl GpuContext {
+    pub(crate) fn matvec_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.matvec_layout.get_or_init(|| ops::matvec::layout(self))
+    }
+}

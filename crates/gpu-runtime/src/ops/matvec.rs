@@ -1,0 +1,296 @@
+//! matvec / matmat on resident matrices: `y[t][r] = sum_i W[r, i] * x[t][i]` for up to 8 token
+//! rows, each weight chunk decoded once for all of them (kernels-wgsl's `Matvec`).
+
+use std::sync::Arc;
+
+use kernels_wgsl::{Matvec, Reduce};
+use quant_codecs::MAX_BATCH;
+use wgpu::util::DeviceExt;
+
+use crate::arena::{GpuMatrix, kernel_codec};
+use crate::{GpuContext, GpuError};
+
+/// What output buffers are filled with before a test dispatch, so a row a kernel skips shows.
+pub const POISON: f32 = 7.7e30;
+
+/// How the matvec kernels are specialised on this device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Plan {
+    /// The reduction variant.
+    pub reduce: Reduce,
+    /// Lanes per workgroup.
+    pub wg: u32,
+    /// Lanes per row.
+    pub lanes: u32,
+}
+
+impl Plan {
+    /// The subgroup variant where subgroups exist with power-of-two sizes of at most 128 (a row's
+    /// lanes are then whole subgroups whatever size the driver picks), else shared memory.
+    pub fn for_device(ctx: &GpuContext) -> Plan {
+        let (lo, hi) = ctx.caps.subgroup_sizes;
+        let sg_ok = ctx.caps.subgroups
+            && lo >= 1
+            && hi <= 128
+            && lo.is_power_of_two()
+            && hi.is_power_of_two();
+        if sg_ok {
+            Plan {
+                reduce: Reduce::Subgroup,
+                wg: 256,
+                lanes: hi.max(64),
+            }
+        } else {
+            Plan {
+                reduce: Reduce::SharedMemory,
+                wg: 256,
+                lanes: 64,
+            }
+        }
+    }
+
+    /// The same plan with the shared-memory reduction (tests run both variants).
+    pub fn shared_memory(self) -> Plan {
+        Plan {
+            reduce: Reduce::SharedMemory,
+            lanes: 64,
+            ..self
+        }
+    }
+}
+
+/// The bind group layout every matvec pipeline uses: explicit, because an automatic layout
+/// drops bindings an entry point does not touch (the f16 kernel never reads binding 1).
+pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    };
+    let uniform = wgpu::BindGroupLayoutEntry {
+        binding: 2,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Uniform,
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    };
+    let bgl = ctx
+        .device
+        .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("matvec"),
+            entries: &[
+                storage(0, true),
+                storage(1, true),
+                uniform,
+                storage(3, true),
+                storage(4, false),
+            ],
+        });
+    let pl = ctx
+        .device
+        .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some("matvec"),
+            bind_group_layouts: &[Some(&bgl)],
+            immediate_size: 0,
+        });
+    (bgl, pl)
+}
+
+/// The pipeline for `m`'s codec, `nt` token rows, under `plan`.
+pub fn pipeline(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    nt: usize,
+    plan: Plan,
+) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
+    let codec = kernel_codec(m.dtype).ok_or(GpuError::UnsupportedDtype { dtype: m.dtype })?;
+    let k = Matvec {
+        codec,
+        reduce: plan.reduce,
+    };
+    let (_, pl) = ctx.matvec_layout();
+    ctx.pipelines.get(
+        &ctx.device,
+        &k.name(),
+        &|| k.source(),
+        Matvec::ENTRY,
+        &[
+            ("WG", plan.wg as f64),
+            ("LANES", plan.lanes as f64),
+            ("NT", nt as f64),
+        ],
+        Some(pl),
+    )
+}
+
+/// A matmat ready to record: the pipeline and one bind group per part of the matrix.
+pub struct Prepared {
+    pipe: Arc<wgpu::ComputePipeline>,
+    groups: Vec<(wgpu::BindGroup, u32, u32)>,
+}
+
+impl Prepared {
+    /// Records the dispatches into an open compute pass.
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        pass.set_pipeline(&self.pipe);
+        for (bg, gx, gy) in &self.groups {
+            pass.set_bind_group(0, bg, &[]);
+            pass.dispatch_workgroups(*gx, *gy, 1);
+        }
+    }
+
+    /// Dispatches per recording (one per part of the matrix).
+    pub fn dispatches(&self) -> usize {
+        self.groups.len()
+    }
+}
+
+/// Builds the pipeline and bind groups of `y = W x` for `nt` token rows: `x` holds `[nt, cols]`
+/// f32, `y` receives `[nt, rows]` f32.
+pub fn prepare(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    nt: usize,
+    plan: Plan,
+) -> Result<Prepared, GpuError> {
+    if nt == 0 || nt > MAX_BATCH {
+        return Err(GpuError::BadLength {
+            what: "token rows (1..=8)",
+            expected: MAX_BATCH,
+            found: nt,
+        });
+    }
+    let need_x = (nt * m.cols * 4) as u64;
+    let need_y = (nt * m.rows * 4) as u64;
+    if x.size() < need_x {
+        return Err(GpuError::BadLength {
+            what: "x buffer bytes",
+            expected: need_x as usize,
+            found: x.size() as usize,
+        });
+    }
+    if y.size() < need_y {
+        return Err(GpuError::BadLength {
+            what: "y buffer bytes",
+            expected: need_y as usize,
+            found: y.size() as usize,
+        });
+    }
+    let pipe = pipeline(ctx, m, nt, plan)?;
+    let (bgl, _) = ctx.matvec_layout();
+    let rows_per_wg = (plan.wg / plan.lanes) as usize;
+    let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let mut groups = Vec::with_capacity(m.parts.len());
+    for part in &m.parts {
+        let n = part.rows.div_ceil(rows_per_wg);
+        let wg_x = n.min(max_dim);
+        let wg_y = n.div_ceil(wg_x);
+        let l = &part.layout;
+        let params: [u32; 8] = [
+            part.rows as u32,
+            m.cols as u32,
+            part.row_start as u32,
+            m.rows as u32,
+            l.second as u32,
+            l.third as u32,
+            l.code_stride as u32,
+            wg_x as u32,
+        ];
+        let ubuf = ctx
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("matvec params"),
+                contents: bytemuck::cast_slice(&params),
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+        fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
+            wgpu::BindGroupEntry {
+                binding,
+                resource: buffer.as_entire_binding(),
+            }
+        }
+        let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("matvec"),
+            layout: bgl,
+            entries: &[
+                entry(0, &part.buffer),
+                entry(1, &part.buffer),
+                entry(2, &ubuf),
+                entry(3, x),
+                entry(4, y),
+            ],
+        });
+        groups.push((bg, wg_x as u32, wg_y as u32));
+    }
+    Ok(Prepared { pipe, groups })
+}
+
+/// Encodes `y = W x` (see [`prepare`]) in a compute pass of its own.
+pub fn encode(
+    ctx: &GpuContext,
+    enc: &mut wgpu::CommandEncoder,
+    m: &GpuMatrix,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    nt: usize,
+    plan: Plan,
+) -> Result<(), GpuError> {
+    let p = prepare(ctx, m, x, y, nt, plan)?;
+    let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+        label: Some("matvec"),
+        timestamp_writes: None,
+    });
+    p.record(&mut pass);
+    Ok(())
+}
+
+/// Uploads `xs` (`[nt, cols]`), runs the matmat, reads `[nt, rows]` back. Output rows are
+/// poisoned first, so a kernel that skips a row cannot pass a comparison.
+pub fn matmat(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    xs: &[f32],
+    plan: Plan,
+) -> Result<Vec<f32>, GpuError> {
+    let nt = xs.len() / m.cols.max(1);
+    if nt * m.cols != xs.len() || nt == 0 {
+        return Err(GpuError::BadLength {
+            what: "x (a whole number of rows of cols values)",
+            expected: m.cols,
+            found: xs.len(),
+        });
+    }
+    let x = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("x"),
+            contents: bytemuck::cast_slice(xs),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+    let poison = vec![POISON; nt * m.rows];
+    let y = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("y"),
+            contents: bytemuck::cast_slice(&poison),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        });
+    let mut enc = ctx
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("matmat"),
+        });
+    encode(ctx, &mut enc, m, &x, &y, nt, plan)?;
+    ctx.queue.submit([enc.finish()]);
+    crate::readback::read_f32(ctx, &y, 0, nt * m.rows)
+}

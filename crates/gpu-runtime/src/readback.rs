@@ -1,0 +1,48 @@
+//! Reading results back: a copy into a mappable buffer, a blocking map, a copy out.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use crate::{GpuContext, GpuError};
+
+/// Reads `count` f32 values at byte `offset` of `src` (which needs `COPY_SRC`).
+pub fn read_f32(
+    ctx: &GpuContext,
+    src: &wgpu::Buffer,
+    offset: u64,
+    count: usize,
+) -> Result<Vec<f32>, GpuError> {
+    let bytes = (count as u64 * 4).max(4);
+    let stage = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("readback"),
+        size: bytes,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut enc = ctx
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("readback"),
+        });
+    enc.copy_buffer_to_buffer(src, offset, &stage, 0, bytes);
+    ctx.queue.submit([enc.finish()]);
+    let result: Arc<Mutex<Option<Result<(), wgpu::BufferAsyncError>>>> = Arc::new(Mutex::new(None));
+    let r = result.clone();
+    stage.map_async(wgpu::MapMode::Read, .., move |res| *r.lock() = Some(res));
+    while result.lock().is_none() {
+        ctx.device
+            .poll(wgpu::PollType::wait_indefinitely())
+            .map_err(|e| GpuError::Map(e.to_string()))?;
+    }
+    if let Some(Err(e)) = result.lock().take() {
+        return Err(GpuError::Map(e.to_string()));
+    }
+    let view = stage
+        .get_mapped_range(..)
+        .map_err(|e| GpuError::Map(e.to_string()))?;
+    let out: Vec<f32> = bytemuck::pod_collect_to_vec(&view[..count * 4]);
+    drop(view);
+    stage.unmap();
+    Ok(out)
+}

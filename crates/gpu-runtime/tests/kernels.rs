@@ -1,0 +1,302 @@
+//! Every GPU codec kernel against quant-codecs (f64 math on the decoded matrix, and the CPU
+//! kernel), on whatever adapter is present: lavapipe in CI, where `CORTIQ_REQUIRE_GPU=1` makes a
+//! missing adapter a failure rather than a skip.
+
+use std::sync::OnceLock;
+
+use gpu_runtime::ops::matvec::{self, POISON, Plan};
+use gpu_runtime::{GpuContext, GpuError, GpuOptions, WeightArena};
+use quant_codecs::{DType, MatRef, quantize};
+
+fn ctx() -> Option<&'static GpuContext> {
+    static CTX: OnceLock<Option<GpuContext>> = OnceLock::new();
+    CTX.get_or_init(|| {
+        let opts = GpuOptions {
+            pipeline_cache_dir: None,
+            ..GpuOptions::default()
+        };
+        match GpuContext::new(&opts) {
+            Ok(c) => {
+                eprintln!("adapter: {}", c.describe());
+                Some(c)
+            }
+            Err(e) if std::env::var("CORTIQ_REQUIRE_GPU").as_deref() == Ok("1") => {
+                panic!("CORTIQ_REQUIRE_GPU=1 but no GPU: {e}")
+            }
+            Err(e) => {
+                eprintln!("no GPU adapter, GPU tests skipped: {e}");
+                None
+            }
+        }
+    })
+    .as_ref()
+}
+
+const GPU_DTYPES: [DType; 6] = [
+    DType::F16,
+    DType::BF16,
+    DType::Q8_2f,
+    DType::Q4tp,
+    DType::Q2tp,
+    DType::Mxfp4,
+];
+
+fn rng(seed: u64) -> impl FnMut() -> f32 {
+    let mut s = seed | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
+    }
+}
+
+fn weights(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut r = rng(seed);
+    (0..rows * cols)
+        .map(|i| r() * if i % cols < 8 { 4.0 } else { 1.0 } * (1.0 + (i / cols % 5) as f32))
+        .collect()
+}
+
+/// Checks GPU output against f64 math on the decoded matrix: |err| <= 4e-6 * sum |w x|.
+fn check(dtype: DType, rows: usize, cols: usize, w: &[f32], xs: &[f32], got: &[f32]) {
+    let p = quantize(dtype, rows, cols, w).unwrap();
+    let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+    let mut dq = vec![0.0f32; rows * cols];
+    m.dequantize(&mut dq).unwrap();
+    let nt = xs.len() / cols;
+    for t in 0..nt {
+        let x = &xs[t * cols..(t + 1) * cols];
+        for r in 0..rows {
+            let (mut exact, mut mag) = (0.0f64, 0.0f64);
+            for i in 0..cols {
+                let p = dq[r * cols + i] as f64 * x[i] as f64;
+                exact += p;
+                mag += p.abs();
+            }
+            let g = got[t * rows + r];
+            assert_ne!(g, POISON, "{dtype} row {r} token {t} never written");
+            assert!(
+                (g as f64 - exact).abs() <= 4e-6 * mag + 1e-30,
+                "{dtype} [{rows}x{cols}] row {r} token {t}: gpu {g} exact {exact} (|err| {} > {})",
+                (g as f64 - exact).abs(),
+                4e-6 * mag
+            );
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    ctx: &GpuContext,
+    arena: &WeightArena,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    nt: usize,
+    plan: Plan,
+    seed: u64,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let w = weights(rows, cols, seed);
+    let p = quantize(dtype, rows, cols, &w).unwrap();
+    let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+    let g = arena
+        .get_or_upload(ctx, seed, &format!("{dtype}-{rows}x{cols}"), &m)
+        .unwrap();
+    let mut r = rng(seed ^ 0xabc);
+    let xs: Vec<f32> = (0..nt * cols).map(|_| r()).collect();
+    let y = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+    (w, xs, y)
+}
+
+#[test]
+fn every_codec_matches_f64_for_1_to_8_rows_in_both_reductions() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let device_plan = Plan::for_device(ctx);
+    for plan in [device_plan, device_plan.shared_memory()] {
+        for dtype in GPU_DTYPES {
+            for (rows, cols) in [(37, 128), (5, 320), (130, 640)] {
+                for nt in [1, 3, 8] {
+                    let (w, xs, y) = run(ctx, &arena, dtype, rows, cols, nt, plan, 7);
+                    check(dtype, rows, cols, &w, &xs, &y);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn matmat_row_t_equals_matvec_bit_for_bit() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let plan = Plan::for_device(ctx);
+    let (rows, cols) = (70, 640);
+    for dtype in GPU_DTYPES {
+        let w = weights(rows, cols, 3);
+        let p = quantize(dtype, rows, cols, &w).unwrap();
+        let g = arena
+            .get_or_upload(
+                ctx,
+                3,
+                dtype.name(),
+                &MatRef::new(dtype, rows, cols, &p).unwrap(),
+            )
+            .unwrap();
+        let mut r = rng(11);
+        let xs: Vec<f32> = (0..8 * cols).map(|_| r()).collect();
+        let all = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+        for t in 0..8 {
+            let one = matvec::matmat(ctx, &g, &xs[t * cols..(t + 1) * cols], plan).unwrap();
+            for (a, b) in one.iter().zip(&all[t * rows..(t + 1) * rows]) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{dtype} token {t}");
+            }
+        }
+    }
+}
+
+#[test]
+fn more_than_65535_workgroups_use_a_2d_grid() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let plan = Plan::for_device(ctx);
+    let rows = 4 * 65535 + 1000; // more workgroups than one grid dimension holds
+    let (w, xs, y) = run(ctx, &arena, DType::Mxfp4, rows, 32, 1, plan, 5);
+    check(DType::Mxfp4, rows, 32, &w, &xs, &y);
+}
+
+#[test]
+fn a_matrix_split_over_several_bindings_is_still_one_matrix() {
+    let Some(ctx) = ctx() else { return };
+    let plan = Plan::for_device(ctx);
+    // A binding limit of 4 KiB forces many parts; q8_2f's shared column scales go with each.
+    let arena = WeightArena::with_limits(1 << 30, 4096);
+    for dtype in GPU_DTYPES {
+        let (rows, cols) = (97, 128);
+        let w = weights(rows, cols, 9);
+        let p = quantize(dtype, rows, cols, &w).unwrap();
+        let g = arena
+            .get_or_upload(
+                ctx,
+                9,
+                dtype.name(),
+                &MatRef::new(dtype, rows, cols, &p).unwrap(),
+            )
+            .unwrap();
+        assert!(g.parts.len() > 1, "{dtype}: {} part(s)", g.parts.len());
+        let mut r = rng(1);
+        let xs: Vec<f32> = (0..2 * cols).map(|_| r()).collect();
+        let y = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+        check(dtype, rows, cols, &w, &xs, &y);
+    }
+}
+
+#[test]
+fn a_tensor_larger_than_the_real_binding_limit() {
+    let Some(ctx) = ctx() else { return };
+    let max = ctx.max_binding();
+    if max > 1 << 28 {
+        eprintln!(
+            "binding limit {max} bytes: a larger tensor would not fit this test's memory; the split is covered above"
+        );
+        return;
+    }
+    let plan = Plan::for_device(ctx);
+    let arena = WeightArena::new(ctx);
+    let cols = 8192;
+    let rows = (max as usize / (2 * cols)) + 8; // f16: just past one binding
+    let (w, xs, y) = run(ctx, &arena, DType::F16, rows, cols, 1, plan, 13);
+    let g = arena
+        .get_or_upload(
+            ctx,
+            13,
+            &format!("f16-{rows}x{cols}"),
+            &MatRef::new(
+                DType::F16,
+                rows,
+                cols,
+                &quantize(DType::F16, rows, cols, &w).unwrap(),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+    assert!(g.parts.len() >= 2);
+    check(DType::F16, rows, cols, &w, &xs, &y);
+}
+
+#[test]
+fn wrong_dtype_shape_or_length_is_refused() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let f32m = quantize(DType::F32, 4, 32, &[1.0; 128]).unwrap();
+    let e = arena
+        .get_or_upload(
+            ctx,
+            1,
+            "f32",
+            &MatRef::new(DType::F32, 4, 32, &f32m).unwrap(),
+        )
+        .unwrap_err();
+    assert!(matches!(e, GpuError::UnsupportedDtype { .. }), "{e}");
+    let q2 = quantize(DType::Q2tp, 4, 32, &[1.0; 128]).unwrap();
+    let e = arena
+        .get_or_upload(ctx, 1, "q2", &MatRef::new(DType::Q2tp, 4, 32, &q2).unwrap())
+        .unwrap_err();
+    assert!(
+        matches!(e, GpuError::UnsupportedShape { multiple: 64, .. }),
+        "{e}"
+    );
+    let q4 = quantize(DType::Q4tp, 4, 64, &[1.0; 256]).unwrap();
+    let g = arena
+        .get_or_upload(ctx, 1, "q4", &MatRef::new(DType::Q4tp, 4, 64, &q4).unwrap())
+        .unwrap();
+    let e = matvec::matmat(ctx, &g, &[1.0; 63], Plan::for_device(ctx)).unwrap_err();
+    assert!(matches!(e, GpuError::BadLength { .. }), "{e}");
+    let e = matvec::matmat(ctx, &g, &[1.0; 64 * 9], Plan::for_device(ctx)).unwrap_err();
+    assert!(matches!(e, GpuError::BadLength { .. }), "{e}");
+}
+
+#[test]
+fn the_arena_evicts_least_recently_used_and_respects_pins() {
+    let Some(ctx) = ctx() else { return };
+    let (rows, cols) = (64, 256);
+    let p = quantize(DType::Q8_2f, rows, cols, &weights(rows, cols, 2)).unwrap();
+    let m = MatRef::new(DType::Q8_2f, rows, cols, &p).unwrap();
+    let size = (p.len() as u64).next_multiple_of(16);
+    let arena = WeightArena::with_limits(2 * size, ctx.max_binding());
+    arena.get_or_upload(ctx, 1, "a", &m).unwrap();
+    arena.get_or_upload(ctx, 1, "b", &m).unwrap();
+    assert_eq!(arena.resident_bytes(), 2 * size);
+    arena.get_or_upload(ctx, 1, "a", &m).unwrap(); // a is now the most recent
+    arena.get_or_upload(ctx, 1, "c", &m).unwrap(); // evicts b
+    assert!(arena.contains(1, "a") && arena.contains(1, "c") && !arena.contains(1, "b"));
+    assert!(arena.pin(1, "a", true) && arena.pin(1, "c", true));
+    let e = arena.get_or_upload(ctx, 1, "d", &m).unwrap_err();
+    assert!(matches!(e, GpuError::OverBudget { .. }), "{e}");
+    assert_eq!(arena.resident_bytes(), 2 * size);
+}
+
+#[test]
+fn a_rejected_kernel_is_an_error_not_a_crash() {
+    let Some(ctx) = ctx() else { return };
+    let bad = || "@compute @workgroup_size(1) fn main() { let x: u32 = 1.5; }".to_string();
+    for _ in 0..2 {
+        let e = ctx
+            .compute_pipeline("broken", &bad, "main", &[])
+            .unwrap_err();
+        assert!(matches!(e, GpuError::PipelineRejected { .. }), "{e}");
+    }
+    // The device still works.
+    let arena = WeightArena::new(ctx);
+    let (w, xs, y) = run(
+        ctx,
+        &arena,
+        DType::Q4tp,
+        8,
+        64,
+        1,
+        Plan::for_device(ctx),
+        17,
+    );
+    check(DType::Q4tp, 8, 64, &w, &xs, &y);
+}

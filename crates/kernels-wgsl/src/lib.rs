@@ -1,0 +1,342 @@
+//! cortiq's WGSL kernels: the sources, how each variant is assembled and specialised, and naga
+//! validation of every variant under every capability set. No device is needed here.
+//!
+//! The principal type is [`Matvec`], one codec's matvec/matmat kernel in one reduction variant;
+//! [`registry`] lists every module, and [`validate_all`] checks them all the way the GPU runtime
+//! will build them.
+//!
+//! ```
+//! use kernels_wgsl::{Caps, Codec, Matvec, Reduce, Specialization, validate};
+//!
+//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory };
+//! assert_eq!(k.name(), "matvec_q4tp_smem");
+//! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64, 8)).unwrap();
+//! ```
+#![deny(missing_docs)]
+
+use std::borrow::Cow;
+
+/// WGSL sources, embedded.
+mod src {
+    pub const COMMON: &str = include_str!("../wgsl/common.wgsl");
+    pub const MATVEC: &str = include_str!("../wgsl/matvec.wgsl");
+    pub const REDUCE_SG: &str = include_str!("../wgsl/reduce_sg.wgsl");
+    pub const REDUCE_SMEM: &str = include_str!("../wgsl/reduce_smem.wgsl");
+    pub const READ_BW: &str = include_str!("../wgsl/read_bw.wgsl");
+    pub const F16: &str = include_str!("../wgsl/f16.wgsl");
+    pub const BF16: &str = include_str!("../wgsl/bf16.wgsl");
+    pub const Q8_2F: &str = include_str!("../wgsl/q8_2f.wgsl");
+    pub const Q4TP: &str = include_str!("../wgsl/q4tp.wgsl");
+    pub const Q2TP: &str = include_str!("../wgsl/q2tp.wgsl");
+    pub const MXFP4: &str = include_str!("../wgsl/mxfp4.wgsl");
+}
+
+/// A weight format the GPU kernels read (quant-codecs' dtypes, f32 excepted: matrices are
+/// stored at most in 16 bits on the device).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Codec {
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// int8 with row and column f16 scales.
+    Q8_2f,
+    /// 4-bit tiered-precision groups.
+    Q4tp,
+    /// 2-bit tiered-precision groups with a zero rung.
+    Q2tp,
+    /// OCP MX FP4.
+    Mxfp4,
+}
+
+impl Codec {
+    /// Every codec.
+    pub const ALL: [Codec; 6] = [
+        Codec::F16,
+        Codec::Bf16,
+        Codec::Q8_2f,
+        Codec::Q4tp,
+        Codec::Q2tp,
+        Codec::Mxfp4,
+    ];
+
+    /// The dtype name quant-codecs uses.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Codec::F16 => "f16",
+            Codec::Bf16 => "bf16",
+            Codec::Q8_2f => "q8_2f",
+            Codec::Q4tp => "q4tp",
+            Codec::Q2tp => "q2tp",
+            Codec::Mxfp4 => "mxfp4",
+        }
+    }
+
+    /// The codec with this dtype name.
+    pub fn from_name(name: &str) -> Option<Codec> {
+        Codec::ALL.into_iter().find(|c| c.name() == name)
+    }
+
+    /// Columns must be a multiple of this for the kernel: a row is whole 16-byte chunks.
+    pub const fn col_multiple(self) -> usize {
+        match self {
+            Codec::F16 | Codec::Bf16 => 8,
+            Codec::Q8_2f => 16,
+            Codec::Q4tp | Codec::Mxfp4 => 32,
+            Codec::Q2tp => 64,
+        }
+    }
+
+    fn source(self) -> &'static str {
+        match self {
+            Codec::F16 => src::F16,
+            Codec::Bf16 => src::BF16,
+            Codec::Q8_2f => src::Q8_2F,
+            Codec::Q4tp => src::Q4TP,
+            Codec::Q2tp => src::Q2TP,
+            Codec::Mxfp4 => src::MXFP4,
+        }
+    }
+}
+
+/// How a row's lanes are summed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reduce {
+    /// `subgroupAdd`, then the row's subgroup sums in order (needs the SUBGROUP feature).
+    Subgroup,
+    /// A pairwise tree in workgroup memory (works everywhere).
+    SharedMemory,
+}
+
+impl Reduce {
+    /// Short name used in kernel names.
+    pub const fn suffix(self) -> &'static str {
+        match self {
+            Reduce::Subgroup => "sg",
+            Reduce::SharedMemory => "smem",
+        }
+    }
+}
+
+/// The matvec/matmat kernel of one codec in one reduction variant (entry point `matvec`).
+///
+/// Bindings: 0 weights as `array<vec4<u32>>`, 1 the same buffer as `array<u32>`, 2 the
+/// `Params` uniform (8 u32: rows, cols, row_offset, y_stride, second, third, code_stride, wg_x),
+/// 3 activations `array<vec4<f32>>` ([NT, cols]), 4 outputs `array<f32>` ([NT, y_stride]).
+/// Override constants: `WG` (lanes per workgroup), `LANES` (lanes per row, a power of two not
+/// above WG and a multiple of the subgroup size), `NT` (token rows, 1..=8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Matvec {
+    /// The weight format.
+    pub codec: Codec,
+    /// The reduction.
+    pub reduce: Reduce,
+}
+
+impl Matvec {
+    /// The entry point.
+    pub const ENTRY: &'static str = "matvec";
+
+    /// Systematic name, e.g. `matvec_q4tp_sg`.
+    pub fn name(&self) -> String {
+        format!("matvec_{}_{}", self.codec.name(), self.reduce.suffix())
+    }
+
+    /// The assembled module: common decoders, the codec's chunk decoder, the reduction, the
+    /// skeleton. (WGSL has no includes; concatenation is the whole template step.)
+    pub fn source(&self) -> String {
+        let reduce = match self.reduce {
+            Reduce::Subgroup => src::REDUCE_SG,
+            Reduce::SharedMemory => src::REDUCE_SMEM,
+        };
+        [src::COMMON, self.codec.source(), reduce, src::MATVEC].join("\n")
+    }
+
+    /// Whether the module needs the SUBGROUP capability.
+    pub fn needs_subgroups(&self) -> bool {
+        self.reduce == Reduce::Subgroup
+    }
+}
+
+/// The bandwidth-ceiling module: entry points `read_bw` (grid-stride read of `array<vec4<u32>>`
+/// at binding 0, one word per lane to binding 1, `Params {words, stride}` at binding 2) and
+/// `tiny` (one lane, one word: the launch-overhead floor). Override constant `WG`.
+pub const READ_BW: &str = src::READ_BW;
+
+/// One shader module of the registry.
+#[derive(Debug, Clone)]
+pub struct ModuleSpec {
+    /// Systematic name.
+    pub name: String,
+    /// Full WGSL source.
+    pub source: Cow<'static, str>,
+    /// Entry points.
+    pub entries: &'static [&'static str],
+    /// Whether it needs subgroup operations.
+    pub needs_subgroups: bool,
+    /// Override values each pipeline will be created with (every one is validated).
+    pub specializations: Vec<Specialization>,
+}
+
+/// Every module the runtime builds, with every specialisation it uses.
+pub fn registry() -> Vec<ModuleSpec> {
+    let mut out = Vec::new();
+    for codec in Codec::ALL {
+        for reduce in [Reduce::Subgroup, Reduce::SharedMemory] {
+            let k = Matvec { codec, reduce };
+            let mut specs = Vec::new();
+            for nt in 1..=8 {
+                for (wg, lanes) in [(256, 64), (256, 32), (128, 32), (64, 64)] {
+                    specs.push(Specialization::matvec(wg, lanes, nt));
+                }
+            }
+            out.push(ModuleSpec {
+                name: k.name(),
+                source: Cow::Owned(k.source()),
+                entries: &[Matvec::ENTRY],
+                needs_subgroups: k.needs_subgroups(),
+                specializations: specs,
+            });
+        }
+    }
+    out.push(ModuleSpec {
+        name: "read_bw".into(),
+        source: Cow::Borrowed(READ_BW),
+        entries: &["read_bw", "tiny"],
+        needs_subgroups: false,
+        specializations: vec![Specialization(vec![("WG".into(), 256.0)])],
+    });
+    out
+}
+
+/// Values for a module's override constants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Specialization(pub Vec<(String, f64)>);
+
+impl Specialization {
+    /// A matvec pipeline's constants.
+    pub fn matvec(wg: u32, lanes: u32, nt: u32) -> Self {
+        Specialization(vec![
+            ("WG".into(), wg as f64),
+            ("LANES".into(), lanes as f64),
+            ("NT".into(), nt as f64),
+        ])
+    }
+
+    /// Looks one constant up.
+    pub fn get(&self, name: &str) -> Option<f64> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, v)| *v)
+    }
+}
+
+/// A device's shader capabilities, as far as validation cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Caps {
+    /// Subgroup operations (wgpu `Features::SUBGROUP`).
+    pub subgroups: bool,
+    /// `binding_array` of storage buffers (wgpu `Features::STORAGE_RESOURCE_BINDING_ARRAY`).
+    pub binding_arrays: bool,
+    /// Shader f16 (wgpu `Features::SHADER_F16`).
+    pub shader_f16: bool,
+}
+
+impl Caps {
+    /// Debian 12's lavapipe (Mesa 22.3): subgroups (size 8) and f16, no binding arrays.
+    pub const LAVAPIPE: Caps = Caps {
+        subgroups: true,
+        binding_arrays: false,
+        shader_f16: true,
+    };
+    /// Everything the kernels can use (the H200 through Vulkan has all of it).
+    pub const FULL: Caps = Caps {
+        subgroups: true,
+        binding_arrays: true,
+        shader_f16: true,
+    };
+    /// No optional capability at all.
+    pub const MINIMAL: Caps = Caps {
+        subgroups: false,
+        binding_arrays: false,
+        shader_f16: false,
+    };
+
+    fn naga(self) -> naga::valid::Capabilities {
+        use naga::valid::Capabilities as C;
+        let mut c = C::empty();
+        if self.subgroups {
+            c |= C::SUBGROUP;
+        }
+        if self.binding_arrays {
+            c |= C::STORAGE_BUFFER_BINDING_ARRAY | C::BUFFER_BINDING_ARRAY;
+        }
+        if self.shader_f16 {
+            c |= C::SHADER_FLOAT16;
+        }
+        c
+    }
+}
+
+/// A module naga refused, with the message rendered against its source.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{module}: {message}")]
+pub struct ShaderError {
+    /// The module's name.
+    pub module: String,
+    /// naga's diagnostic, rendered with source context.
+    pub message: String,
+}
+
+/// Parses and validates one module, then specialises and re-validates it with `spec` for each
+/// entry point, as pipeline creation will.
+pub fn validate(
+    name: &str,
+    source: &str,
+    caps: Caps,
+    spec: &Specialization,
+) -> Result<(), ShaderError> {
+    let err = |message: String| ShaderError {
+        module: name.to_string(),
+        message,
+    };
+    let path = format!("{name}.wgsl");
+    let module = naga::front::wgsl::parse_str(source)
+        .map_err(|e| err(e.emit_to_string_with_path(source, &path)))?;
+    let mut validator =
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps.naga());
+    let info = validator
+        .validate(&module)
+        .map_err(|e| err(e.emit_to_string_with_path(source, &path)))?;
+    let mut constants = naga::back::PipelineConstants::default();
+    for (k, v) in &spec.0 {
+        constants.insert(k.clone(), *v);
+    }
+    for ep in &module.entry_points {
+        naga::back::pipeline_constants::process_overrides(
+            &module,
+            &info,
+            Some((ep.stage, ep.name.as_str())),
+            &constants,
+        )
+        .map_err(|e| err(format!("entry {} with {:?}: {e}", ep.name, spec.0)))?;
+    }
+    Ok(())
+}
+
+/// Validates every module of the registry and every specialisation under `caps`; modules that
+/// need a capability `caps` lacks are skipped (the runtime never builds them there). Returns
+/// every failure.
+pub fn validate_all(caps: Caps) -> Vec<ShaderError> {
+    let mut errors = Vec::new();
+    for m in registry() {
+        if m.needs_subgroups && !caps.subgroups {
+            continue;
+        }
+        for spec in &m.specializations {
+            if let Err(e) = validate(&m.name, &m.source, caps, spec) {
+                errors.push(e);
+                break;
+            }
+        }
+    }
+    errors
+}
