@@ -21,6 +21,60 @@ pub struct Cli {
 pub enum Command {
     /// Show what a CMF file holds: metadata, tensors, totals; optionally verify checksums.
     Inspect(InspectArgs),
+    /// Report the GPU (adapter, driver, features, limits, VRAM budget) and whether every kernel builds.
+    Doctor(DoctorArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+/// Options every command that may use the GPU takes.
+#[derive(Debug, Args)]
+pub struct DeviceArgs {
+    /// auto (GPU if present, else CPU), wgpu, or cpu. Default: $CORTIQ_GPU, else auto.
+    #[arg(long, value_name = "BACKEND")]
+    pub backend: Option<String>,
+    /// VRAM the weight arena may use, e.g. 16G. Default: $CORTIQ_VRAM, else by adapter type.
+    #[arg(long, value_name = "SIZE")]
+    pub vram: Option<String>,
+}
+
+/// `cortiq doctor`.
+#[derive(Debug, Args)]
+pub struct DoctorArgs {
+    /// Device selection.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `cortiq bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Matvec/matmat throughput of every format, against the same device's read bandwidth.
+    Kernels(BenchKernelsArgs),
+}
+
+/// `cortiq bench kernels`.
+#[derive(Debug, Args)]
+pub struct BenchKernelsArgs {
+    /// Device selection.
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Size of the large matrix, e.g. 1G (it must exceed every cache to measure memory).
+    #[arg(long, value_name = "SIZE", default_value = "1G")]
+    pub large: String,
+    /// Seconds of measurement per record.
+    #[arg(long, default_value_t = 0.5)]
+    pub seconds: f64,
+    /// Only these formats (comma-separated dtype names, e.g. q4tp,mxfp4).
+    #[arg(long, value_delimiter = ',')]
+    pub formats: Vec<String>,
 }
 
 /// `cortiq inspect`.

@@ -14,8 +14,12 @@
 #![deny(missing_docs)]
 
 pub use cmf_format;
+pub use gpu_runtime;
+pub use kernels_wgsl;
 pub use quant_codecs;
 
+pub mod bench;
+pub mod doctor;
 pub mod inspect;
 
 /// The example model shipped in the binary (`assets/tiny.cmf`, written by `cargo xtask

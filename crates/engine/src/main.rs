@@ -9,8 +9,9 @@ use std::io::{self, Write};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use cli::{Cli, Command, InspectArgs};
+use cli::{BenchCommand, BenchKernelsArgs, Cli, Command, DeviceArgs, DoctorArgs, InspectArgs};
 use engine::inspect::{self, InspectOptions};
+use engine::{gpu_runtime, quant_codecs};
 
 fn main() -> ExitCode {
     init_logging();
@@ -29,6 +30,8 @@ fn init_logging() {
 fn run(cli: Cli) -> ExitCode {
     let result = match cli.command {
         Command::Inspect(args) => run_inspect(args),
+        Command::Doctor(args) => run_doctor(args),
+        Command::Bench(BenchCommand::Kernels(args)) => run_bench_kernels(args),
     };
     match result {
         Ok(code) => code,
@@ -87,4 +90,72 @@ fn run_inspect(args: InspectArgs) -> anyhow::Result<ExitCode> {
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// Resolves `--backend` / `--vram` over the environment's settings.
+fn gpu_options(args: &DeviceArgs) -> anyhow::Result<gpu_runtime::GpuOptions> {
+    let mut o = gpu_runtime::GpuOptions::from_env()?;
+    if let Some(b) = &args.backend {
+        o.backend = b.parse()?;
+    }
+    if let Some(v) = &args.vram {
+        o.vram_budget = Some(
+            gpu_runtime::parse_size(v)
+                .with_context(|| format!("--vram {v:?}: expected a size like 16G or 512M"))?,
+        );
+    }
+    Ok(o)
+}
+
+fn run_doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
+    let report = engine::doctor::run(&gpu_options(&args.device)?)?;
+    let mut out = io::BufWriter::new(io::stdout().lock());
+    if args.json {
+        serde_json::to_writer_pretty(&mut out, &report).context("writing JSON to stdout")?;
+        writeln!(out)?;
+    } else {
+        report.write_text(&mut out)?;
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_bench_kernels(args: BenchKernelsArgs) -> anyhow::Result<ExitCode> {
+    let formats = args
+        .formats
+        .iter()
+        .map(|f| {
+            quant_codecs::DType::from_name(f).with_context(|| {
+                format!(
+                    "--formats: {f:?} is not a dtype (f32, f16, bf16, q8_2f, q4tp, q2tp, mxfp4)"
+                )
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let opts = engine::bench::KernelBenchOptions {
+        gpu: gpu_options(&args.device)?,
+        large_bytes: gpu_runtime::parse_size(&args.large)
+            .with_context(|| format!("--large {:?}: expected a size like 1G", args.large))?,
+        seconds: args.seconds,
+        formats,
+    };
+    let bar = indicatif::ProgressBar::new_spinner();
+    bar.set_message("measuring the read ceiling");
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    let report = engine::bench::kernels(&opts, &mut |r| {
+        bar.set_message(format!(
+            "{} {} {} T={}: {:.1} GB/s",
+            r.test, r.format, r.shape, r.rows_per_call, r.gbps
+        ))
+    })?;
+    bar.finish_and_clear();
+    let mut out = io::BufWriter::new(io::stdout().lock());
+    if args.json {
+        serde_json::to_writer_pretty(&mut out, &report).context("writing JSON to stdout")?;
+        writeln!(out)?;
+    } else {
+        report.write_text(&mut out)?;
+    }
+    out.flush()?;
+    Ok(ExitCode::SUCCESS)
 }

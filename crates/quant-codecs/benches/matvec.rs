@@ -8,72 +8,8 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use quant_codecs::{DType, Layout, MatRef};
+use quant_codecs::{DType, MatRef};
 use rayon::prelude::*;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-}
-
-/// A payload with random codes and realistic scales (no NaN, no subnormal), built directly:
-/// quantising gigabytes of random weights would dominate the run and measures nothing here.
-fn synth(dtype: DType, rows: usize, cols: usize) -> Vec<u8> {
-    let n = dtype.expected_nbytes(&[rows, cols]).unwrap();
-    let mut b = vec![0u8; n];
-    b.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| {
-        let mut r = Rng(0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1));
-        for w in c.chunks_mut(8) {
-            let v = r.next().to_le_bytes();
-            w.copy_from_slice(&v[..w.len()]);
-        }
-    });
-    let half = |v: f32| half::f16::from_f32(v).to_le_bytes();
-    match dtype {
-        DType::F32 => {
-            for (i, w) in b.chunks_exact_mut(4).enumerate() {
-                w.copy_from_slice(&(((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes());
-            }
-        }
-        DType::F16 => {
-            for (i, w) in b.chunks_exact_mut(2).enumerate() {
-                w.copy_from_slice(&half(((i * 2654435761) % 2001) as f32 / 1000.0 - 1.0));
-            }
-        }
-        DType::BF16 => {
-            for w in b.chunks_exact_mut(2) {
-                w[1] = 0x3c | (w[1] & 0x80); // exponent near 2^-7, random sign and mantissa
-            }
-        }
-        DType::Q8_2f => {
-            let l = Layout::new(dtype, rows, cols).unwrap();
-            for w in b[l.second..].chunks_exact_mut(2) {
-                w.copy_from_slice(&half(0.01));
-            }
-        }
-        DType::Q4tp | DType::Q2tp => {
-            let l = Layout::new(dtype, rows, cols).unwrap();
-            for w in b[l.second..l.third].chunks_exact_mut(4) {
-                w[..2].copy_from_slice(&half(-10.0));
-                w[2..].copy_from_slice(&half(0.25));
-            }
-        }
-        DType::Mxfp4 => {
-            let l = Layout::new(dtype, rows, cols).unwrap();
-            for k in &mut b[l.second..] {
-                *k = 110 + *k % 20;
-            }
-        }
-        _ => unreachable!(),
-    }
-    b
-}
 
 fn read_ceiling(c: &mut Criterion) {
     let len = 1usize << 30;
@@ -116,7 +52,7 @@ fn matvec(c: &mut Criterion) {
     for dtype in DType::ALL {
         let mut g = c.benchmark_group(format!("matvec_{dtype}"));
         for (name, rows, cols, nt) in shapes_for(dtype) {
-            let p = synth(dtype, rows, cols);
+            let p = quant_codecs::synthetic_payload(dtype, rows, cols, 1).unwrap();
             let m = MatRef::new(dtype, rows, cols, &p).unwrap();
             let xs: Vec<f32> = (0..nt * cols)
                 .map(|i| ((i % 17) as f32 - 8.0) / 8.0)

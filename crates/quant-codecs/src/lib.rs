@@ -350,6 +350,63 @@ pub fn slice_rows(
     Ok(out)
 }
 
+/// A valid payload with random codes and realistic scales (no NaN, no subnormal scale), built
+/// directly rather than by quantising: benchmarks need gigabytes of weights whose values do not
+/// matter, and quantising that much would dominate their run. Deterministic in `seed`.
+pub fn synthetic_payload(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> Result<Vec<u8>, CodecError> {
+    let l = Layout::new(dtype, rows, cols)?;
+    let mut b = vec![0u8; l.nbytes];
+    b.par_chunks_mut(1 << 20).enumerate().for_each(|(i, c)| {
+        let mut s = (seed ^ 0x9e37_79b9_7f4a_7c15)
+            .wrapping_add(i as u64)
+            .wrapping_mul(0x2545_f491_4f6c_dd1d)
+            | 1;
+        for w in c.chunks_mut(8) {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            w.copy_from_slice(&s.to_le_bytes()[..w.len()]);
+        }
+    });
+    let half = |v: f32| float::f32_to_f16_bits(v).to_le_bytes();
+    match dtype {
+        DType::F32 => b.par_chunks_exact_mut(4).for_each(|w| {
+            let v =
+                (u32::from_le_bytes([w[0], w[1], w[2], w[3]]) >> 9) as f32 / (1 << 23) as f32 - 0.5;
+            w.copy_from_slice(&v.to_le_bytes());
+        }),
+        // Exponent byte near 2^-7 (f16: 0x1c-0x23 range), random sign and mantissa.
+        DType::F16 => b
+            .par_chunks_exact_mut(2)
+            .for_each(|w| w[1] = 0x20 | (w[1] & 0x83)),
+        DType::BF16 => b
+            .par_chunks_exact_mut(2)
+            .for_each(|w| w[1] = 0x3c | (w[1] & 0x80)),
+        DType::Q8_2f => {
+            for w in b[l.second..].chunks_exact_mut(2) {
+                w.copy_from_slice(&half(0.01));
+            }
+        }
+        DType::Q4tp | DType::Q2tp => {
+            for w in b[l.second..l.third].chunks_exact_mut(4) {
+                w[..2].copy_from_slice(&half(-10.0));
+                w[2..].copy_from_slice(&half(0.25));
+            }
+        }
+        DType::Mxfp4 => {
+            for k in &mut b[l.second..] {
+                *k = 110 + *k % 20;
+            }
+        }
+    }
+    Ok(b)
+}
+
 /// Decodes a whole tensor of any shape (stacked matrices for quantised dtypes) to f32.
 pub fn dequantize(dtype: DType, shape: &[usize], bytes: &[u8]) -> Result<Vec<f32>, CodecError> {
     let expected = dtype.expected_nbytes(shape)?;

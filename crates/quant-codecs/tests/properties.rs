@@ -407,3 +407,13 @@ fn slice_rows_refuses_bad_ranges() {
     assert!(quant_codecs::slice_rows(DType::Q4tp, 4, 32, &p, 0, 5).is_err());
     assert!(quant_codecs::slice_rows(DType::Q4tp, 4, 32, &p[1..], 0, 2).is_err());
 }
+
+#[test]
+fn synthetic_payloads_decode_to_finite_values() {
+    for dtype in DType::ALL {
+        let p = quant_codecs::synthetic_payload(dtype, 33, 128, 5).unwrap();
+        let d = dequantize(dtype, &[33, 128], &p).unwrap();
+        assert!(d.iter().all(|v| v.is_finite()), "{dtype}");
+        assert!(d.iter().any(|v| *v != 0.0), "{dtype}");
+    }
+}

@@ -1,0 +1,339 @@
+//! `cortiq bench kernels`: every codec's matvec/matmat throughput in GB/s of weight bytes,
+//! next to the read bandwidth of the same device measured in the same run, plus the
+//! per-dispatch launch floor. One record type, printed as a table or JSON.
+
+use std::hint::black_box;
+use std::time::Instant;
+
+use gpu_runtime::ops::matvec::Plan;
+use gpu_runtime::staging::StagingRing;
+use gpu_runtime::{GpuContext, GpuError, GpuMatrix, GpuOptions, Selected};
+use quant_codecs::{DType, MatRef, synthetic_payload};
+use rayon::prelude::*;
+use serde::Serialize;
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct KernelBenchOptions {
+    /// Backend selection (auto falls back to the CPU).
+    pub gpu: GpuOptions,
+    /// Bytes of the large matrix (default 1 GiB: past every cache).
+    pub large_bytes: u64,
+    /// Target seconds of measurement per record.
+    pub seconds: f64,
+    /// Only these formats (all when empty).
+    pub formats: Vec<DType>,
+}
+
+/// One measurement.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchRecord {
+    /// `read_ceiling`, `launch_floor` or `matvec`.
+    pub test: &'static str,
+    /// Weight format (`-` for the ceiling and the floor).
+    pub format: String,
+    /// Matrix shape `ROWSxCOLS`.
+    pub shape: String,
+    /// Token rows per call (1 = matvec).
+    pub rows_per_call: usize,
+    /// Bytes read per call.
+    pub bytes: u64,
+    /// Microseconds per call.
+    pub us: f64,
+    /// GB/s (10^9 bytes per second) of the bytes read.
+    pub gbps: f64,
+    /// Percent of the read ceiling measured in the same run.
+    pub pct_of_ceiling: f64,
+    /// `timestamps` (GPU timer queries) or `wall` (clock around submit and wait).
+    pub timing: &'static str,
+}
+
+/// A whole run: the device and its records.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    /// `wgpu` or `cpu`.
+    pub backend: String,
+    /// The adapter line, or the CPU's ISA and threads.
+    pub device: String,
+    /// The records, ceiling first.
+    pub records: Vec<BenchRecord>,
+}
+
+const GPU_FORMATS: [DType; 6] = [
+    DType::F16,
+    DType::BF16,
+    DType::Q8_2f,
+    DType::Q4tp,
+    DType::Q2tp,
+    DType::Mxfp4,
+];
+
+/// The decode shapes of the target models, then the large matrix; `(rows, cols, token rows)`.
+fn shapes(dtype: DType, large_bytes: u64) -> Vec<(usize, usize, usize)> {
+    let cols = 8192;
+    let row_bytes = dtype.expected_nbytes(&[1, cols]).unwrap_or(cols) as u64;
+    let large = large_bytes.div_ceil(row_bytes) as usize;
+    vec![
+        (2560, 2560, 1),
+        (2560, 2560, 8),
+        (640, 2560, 1),
+        (10240, 2560, 1),
+        (248320, 2560, 1),
+        (large, cols, 1),
+        (large, cols, 8),
+    ]
+}
+
+fn record(
+    test: &'static str,
+    format: String,
+    shape: String,
+    nt: usize,
+    bytes: u64,
+    seconds: f64,
+    timing: &'static str,
+) -> BenchRecord {
+    BenchRecord {
+        test,
+        format,
+        shape,
+        rows_per_call: nt,
+        bytes,
+        us: seconds * 1e6,
+        gbps: bytes as f64 / seconds / 1e9,
+        pct_of_ceiling: 0.0,
+        timing,
+    }
+}
+
+fn finish(backend: &str, device: String, mut records: Vec<BenchRecord>) -> BenchReport {
+    let ceiling = records
+        .iter()
+        .find(|r| r.test == "read_ceiling")
+        .map_or(0.0, |r| r.gbps);
+    for r in records.iter_mut().filter(|r| r.test != "launch_floor") {
+        r.pct_of_ceiling = if ceiling > 0.0 {
+            100.0 * r.gbps / ceiling
+        } else {
+            0.0
+        };
+    }
+    BenchReport {
+        backend: backend.into(),
+        device,
+        records,
+    }
+}
+
+/// Runs the kernel benchmark on the selected backend; `progress` hears each record as it lands.
+pub fn kernels(
+    opts: &KernelBenchOptions,
+    progress: &mut dyn FnMut(&BenchRecord),
+) -> Result<BenchReport, GpuError> {
+    match gpu_runtime::select(&opts.gpu)? {
+        Selected::Gpu(ctx) => gpu(&ctx, opts, progress),
+        Selected::Cpu(reason) => {
+            tracing::info!("CPU kernels: {reason}");
+            Ok(cpu(opts, progress))
+        }
+    }
+}
+
+fn formats(opts: &KernelBenchOptions, all: &[DType]) -> Vec<DType> {
+    all.iter()
+        .copied()
+        .filter(|d| opts.formats.is_empty() || opts.formats.contains(d))
+        .collect()
+}
+
+fn gpu(
+    ctx: &GpuContext,
+    opts: &KernelBenchOptions,
+    progress: &mut dyn FnMut(&BenchRecord),
+) -> Result<BenchReport, GpuError> {
+    let mut records = Vec::new();
+    let mut push = |r: BenchRecord, records: &mut Vec<BenchRecord>| {
+        progress(&r);
+        records.push(r);
+    };
+    let reps_for = |one: f64| ((opts.seconds / one.max(1e-7)) as usize).clamp(3, 2000);
+    let probe = gpu_runtime::bench::read_ceiling(ctx, opts.large_bytes, 1)?;
+    let (bw, t) =
+        gpu_runtime::bench::read_ceiling(ctx, opts.large_bytes, reps_for(probe.1.seconds))?;
+    let bytes = (bw * t.seconds) as u64;
+    let timing = if t.timestamps { "timestamps" } else { "wall" };
+    push(
+        record(
+            "read_ceiling",
+            "-".into(),
+            format!("{bytes} B"),
+            1,
+            bytes,
+            t.seconds,
+            timing,
+        ),
+        &mut records,
+    );
+    let t = gpu_runtime::bench::launch_floor(ctx, 1000)?;
+    push(
+        record(
+            "launch_floor",
+            "-".into(),
+            "1 lane".into(),
+            1,
+            0,
+            t.seconds,
+            if t.timestamps { "timestamps" } else { "wall" },
+        ),
+        &mut records,
+    );
+    let plan = Plan::for_device(ctx);
+    let mut ring = StagingRing::new(ctx);
+    for dtype in formats(opts, &GPU_FORMATS) {
+        let mut last: Option<(usize, usize, GpuMatrix)> = None;
+        for (rows, cols, nt) in shapes(dtype, opts.large_bytes) {
+            if last
+                .as_ref()
+                .is_none_or(|(r, c, _)| (*r, *c) != (rows, cols))
+            {
+                drop(last.take()); // free the previous matrix before allocating the next
+                let p = synthetic_payload(dtype, rows, cols, 7)?;
+                let m = MatRef::new(dtype, rows, cols, &p)?;
+                last = Some((
+                    rows,
+                    cols,
+                    GpuMatrix::upload(ctx, &mut ring, &m, ctx.max_binding())?,
+                ));
+            }
+            let Some((_, _, g)) = &last else { continue };
+            let probe = gpu_runtime::bench::matmat(ctx, g, nt, plan, 1)?;
+            let t = gpu_runtime::bench::matmat(ctx, g, nt, plan, reps_for(probe.seconds))?;
+            let bytes = dtype.expected_nbytes(&[rows, cols])? as u64;
+            let timing = if t.timestamps { "timestamps" } else { "wall" };
+            push(
+                record(
+                    "matvec",
+                    dtype.name().into(),
+                    format!("{rows}x{cols}"),
+                    nt,
+                    bytes,
+                    t.seconds,
+                    timing,
+                ),
+                &mut records,
+            );
+        }
+    }
+    Ok(finish("wgpu", ctx.describe(), records))
+}
+
+fn time_cpu(seconds: f64, f: &mut dyn FnMut()) -> f64 {
+    f();
+    let t0 = Instant::now();
+    f();
+    let one = t0.elapsed().as_secs_f64();
+    let reps = ((seconds / one.max(1e-7)) as usize).clamp(2, 1000);
+    let t0 = Instant::now();
+    for _ in 0..reps {
+        f();
+    }
+    t0.elapsed().as_secs_f64() / reps as f64
+}
+
+fn cpu(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&BenchRecord)) -> BenchReport {
+    let mut records = Vec::new();
+    let buf: Vec<u64> = (0..opts.large_bytes as usize / 8)
+        .into_par_iter()
+        .map(|i| i as u64)
+        .collect();
+    let s = time_cpu(opts.seconds, &mut || {
+        black_box(
+            buf.par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, &b| a ^ b))
+                .reduce(|| 0, |a, b| a ^ b),
+        );
+    });
+    let bytes = buf.len() as u64 * 8;
+    drop(buf);
+    let r = record(
+        "read_ceiling",
+        "-".into(),
+        format!("{bytes} B"),
+        1,
+        bytes,
+        s,
+        "wall",
+    );
+    progress(&r);
+    records.push(r);
+    for dtype in formats(opts, &DType::ALL) {
+        let mut last: Option<(usize, usize, Vec<u8>)> = None;
+        for (rows, cols, nt) in shapes(dtype, opts.large_bytes) {
+            if last
+                .as_ref()
+                .is_none_or(|(r, c, _)| (*r, *c) != (rows, cols))
+            {
+                drop(last.take());
+                let Ok(p) = synthetic_payload(dtype, rows, cols, 7) else {
+                    continue;
+                };
+                last = Some((rows, cols, p));
+            }
+            let Some((_, _, p)) = &last else { continue };
+            let Ok(m) = MatRef::new(dtype, rows, cols, p) else {
+                continue;
+            };
+            let xs = vec![0.5f32; nt * cols];
+            let mut ys = vec![0.0f32; nt * rows];
+            let s = time_cpu(opts.seconds, &mut || {
+                let _ = m.matmat(black_box(&xs), &mut ys);
+            });
+            let r = record(
+                "matvec",
+                dtype.name().into(),
+                format!("{rows}x{cols}"),
+                nt,
+                p.len() as u64,
+                s,
+                "wall",
+            );
+            progress(&r);
+            records.push(r);
+        }
+    }
+    let device = format!(
+        "CPU, {} kernels, {} threads",
+        quant_codecs::Isa::detect().name(),
+        rayon::current_num_threads()
+    );
+    finish("cpu", device, records)
+}
+
+impl BenchReport {
+    /// The llama-bench style table.
+    pub fn write_text(&self, w: &mut dyn std::io::Write) -> std::io::Result<()> {
+        writeln!(w, "backend  {}", self.backend)?;
+        writeln!(w, "device   {}", self.device)?;
+        writeln!(
+            w,
+            "{:<13} {:<7} {:<14} {:>2} {:>14} {:>12} {:>9} {:>7}  timing",
+            "test", "format", "shape", "T", "bytes", "us/call", "GB/s", "% ceil"
+        )?;
+        for r in &self.records {
+            writeln!(
+                w,
+                "{:<13} {:<7} {:<14} {:>2} {:>14} {:>12.2} {:>9.1} {:>7.1}  {}",
+                r.test,
+                r.format,
+                r.shape,
+                r.rows_per_call,
+                r.bytes,
+                r.us,
+                r.gbps,
+                r.pct_of_ceiling,
+                r.timing
+            )?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,164 @@
+//! `cortiq doctor`: what the machine offers (adapter, backend, driver, features, limits,
+//! subgroup sizes, VRAM budget) and whether every kernel family builds on it: the report a
+//! user pastes into a bug report.
+
+use gpu_runtime::ops::matvec::Plan;
+use gpu_runtime::{GpuContext, GpuOptions, Selected};
+use kernels_wgsl::{Codec, Matvec};
+use serde::Serialize;
+
+/// The doctor's findings.
+#[derive(Debug, Serialize)]
+pub struct Doctor {
+    /// `gpu` or `cpu`.
+    pub backend: String,
+    /// Why the CPU was chosen, when it was.
+    pub cpu_reason: Option<String>,
+    /// The one-line adapter description.
+    pub adapter: Option<String>,
+    /// Selected limits by name.
+    pub limits: Vec<(String, u64)>,
+    /// The matvec plan: reduction, lanes per workgroup, lanes per row.
+    pub plan: Option<String>,
+    /// Each kernel family: name, then `ok` or the driver's refusal.
+    pub kernels: Vec<(String, String)>,
+    /// Errors the device reported outside any scope.
+    pub uncaptured_errors: Vec<String>,
+    /// The CPU kernels' instruction set.
+    pub cpu_isa: String,
+    /// CPU threads the kernels use.
+    pub cpu_threads: usize,
+}
+
+/// Opens the backend `opts` selects and checks every kernel family on it.
+pub fn run(opts: &GpuOptions) -> Result<Doctor, gpu_runtime::GpuError> {
+    let cpu_isa = quant_codecs::Isa::detect().name().to_string();
+    let cpu_threads = rayon::current_num_threads();
+    match gpu_runtime::select(opts)? {
+        Selected::Cpu(reason) => Ok(Doctor {
+            backend: "cpu".into(),
+            cpu_reason: Some(reason),
+            adapter: None,
+            limits: Vec::new(),
+            plan: None,
+            kernels: Vec::new(),
+            uncaptured_errors: Vec::new(),
+            cpu_isa,
+            cpu_threads,
+        }),
+        Selected::Gpu(ctx) => {
+            let plan = Plan::for_device(&ctx);
+            Ok(Doctor {
+                backend: "gpu".into(),
+                cpu_reason: None,
+                adapter: Some(ctx.describe()),
+                limits: limits(&ctx),
+                plan: Some(format!(
+                    "{:?} reduction, {} lanes per workgroup, {} per row",
+                    plan.reduce, plan.wg, plan.lanes
+                )),
+                kernels: kernels(&ctx, plan),
+                uncaptured_errors: ctx.uncaptured.lock().clone(),
+                cpu_isa,
+                cpu_threads,
+            })
+        }
+    }
+}
+
+fn limits(ctx: &GpuContext) -> Vec<(String, u64)> {
+    let l = &ctx.limits;
+    [
+        ("max_buffer_size", l.max_buffer_size),
+        (
+            "max_storage_buffer_binding_size",
+            l.max_storage_buffer_binding_size,
+        ),
+        (
+            "max_storage_buffers_per_shader_stage",
+            l.max_storage_buffers_per_shader_stage as u64,
+        ),
+        (
+            "max_compute_workgroups_per_dimension",
+            l.max_compute_workgroups_per_dimension as u64,
+        ),
+        (
+            "max_compute_invocations_per_workgroup",
+            l.max_compute_invocations_per_workgroup as u64,
+        ),
+        (
+            "max_compute_workgroup_storage_size",
+            l.max_compute_workgroup_storage_size as u64,
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v))
+    .collect()
+}
+
+fn kernels(ctx: &GpuContext, plan: Plan) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for codec in Codec::ALL {
+        let k = Matvec {
+            codec,
+            reduce: plan.reduce,
+        };
+        for nt in [1, 8] {
+            let consts = [
+                ("WG", plan.wg as f64),
+                ("LANES", plan.lanes as f64),
+                ("NT", nt as f64),
+            ];
+            let status =
+                match ctx.compute_pipeline(&k.name(), &|| k.source(), Matvec::ENTRY, &consts) {
+                    Ok(_) => "ok".to_string(),
+                    Err(e) => e.to_string(),
+                };
+            out.push((format!("{} NT={nt}", k.name()), status));
+        }
+    }
+    for entry in ["read_bw", "tiny"] {
+        let status = match ctx.compute_pipeline(
+            "read_bw",
+            &|| kernels_wgsl::READ_BW.to_string(),
+            entry,
+            &[("WG", 256.0)],
+        ) {
+            Ok(_) => "ok".to_string(),
+            Err(e) => e.to_string(),
+        };
+        out.push((entry.to_string(), status));
+    }
+    out
+}
+
+impl Doctor {
+    /// The human-readable report.
+    pub fn write_text(&self, w: &mut dyn std::io::Write) -> std::io::Result<()> {
+        writeln!(w, "backend     {}", self.backend)?;
+        if let Some(r) = &self.cpu_reason {
+            writeln!(w, "why cpu     {r}")?;
+        }
+        if let Some(a) = &self.adapter {
+            writeln!(w, "adapter     {a}")?;
+        }
+        if let Some(p) = &self.plan {
+            writeln!(w, "matvec      {p}")?;
+        }
+        writeln!(
+            w,
+            "cpu         {} kernels, {} threads",
+            self.cpu_isa, self.cpu_threads
+        )?;
+        for (k, v) in &self.limits {
+            writeln!(w, "limit       {k} = {v}")?;
+        }
+        for (k, v) in &self.kernels {
+            writeln!(w, "kernel      {k:<22} {v}")?;
+        }
+        for e in &self.uncaptured_errors {
+            writeln!(w, "error       {e}")?;
+        }
+        Ok(())
+    }
+}
