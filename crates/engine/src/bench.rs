@@ -187,7 +187,6 @@ fn gpu(
         ),
         &mut records,
     );
-    let plan = Plan::for_device(ctx);
     let mut ring = StagingRing::new(ctx);
     for dtype in formats(opts, &GPU_FORMATS) {
         let mut last: Option<(usize, usize, GpuMatrix)> = None;
@@ -206,6 +205,7 @@ fn gpu(
                 ));
             }
             let Some((_, _, g)) = &last else { continue };
+            let plan = Plan::for_matrix(ctx, rows);
             let probe = gpu_runtime::bench::matmat(ctx, g, nt, plan, 1)?;
             let t = gpu_runtime::bench::matmat(ctx, g, nt, plan, reps_for(probe.seconds))?;
             let bytes = dtype.expected_nbytes(&[rows, cols])? as u64;

@@ -47,7 +47,7 @@ pub fn run(opts: &GpuOptions) -> Result<Doctor, gpu_runtime::GpuError> {
             cpu_threads,
         }),
         Selected::Gpu(ctx) => {
-            let plan = Plan::for_device(&ctx);
+            let plan = Plan::for_matrix(&ctx, 1 << 20);
             Ok(Doctor {
                 backend: "gpu".into(),
                 cpu_reason: None,

@@ -13,7 +13,7 @@
 //! let w = quantize(DType::Q4tp, 64, 128, &vec![0.25; 64 * 128])?;
 //! let arena = WeightArena::new(&ctx);
 //! let m = arena.get_or_upload(&ctx, 0, "w", &MatRef::new(DType::Q4tp, 64, 128, &w)?)?;
-//! let y = matvec::matmat(&ctx, &m, &vec![1.0; 128], matvec::Plan::for_device(&ctx))?;
+//! let y = matvec::matmat(&ctx, &m, &vec![1.0; 128], matvec::Plan::for_matrix(&ctx, 64))?;
 //! assert_eq!(y.len(), 64);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```

@@ -113,11 +113,20 @@ fn run(
 fn every_codec_matches_f64_for_1_to_8_rows_in_both_reductions() {
     let Some(ctx) = ctx() else { return };
     let arena = WeightArena::new(ctx);
-    let device_plan = Plan::for_device(ctx);
-    for plan in [device_plan, device_plan.shared_memory()] {
-        for dtype in GPU_DTYPES {
-            for (rows, cols) in [(37, 128), (5, 320), (130, 640)] {
-                for nt in [1, 3, 8] {
+    for dtype in GPU_DTYPES {
+        for (rows, cols) in [(37, 128), (5, 320), (130, 640)] {
+            for r in [1, 2, 4] {
+                let device_plan = Plan {
+                    rows: r,
+                    ..Plan::for_matrix(ctx, rows)
+                };
+                for (plan, nt) in [
+                    (device_plan, 1),
+                    (device_plan, 3),
+                    (device_plan, 8),
+                    (device_plan.shared_memory(), 1),
+                    (device_plan.shared_memory(), 8),
+                ] {
                     let (w, xs, y) = run(ctx, &arena, dtype, rows, cols, nt, plan, 7);
                     check(dtype, rows, cols, &w, &xs, &y);
                 }
@@ -130,8 +139,8 @@ fn every_codec_matches_f64_for_1_to_8_rows_in_both_reductions() {
 fn matmat_row_t_equals_matvec_bit_for_bit() {
     let Some(ctx) = ctx() else { return };
     let arena = WeightArena::new(ctx);
-    let plan = Plan::for_device(ctx);
     let (rows, cols) = (70, 640);
+    let plan = Plan::for_matrix(ctx, rows);
     for dtype in GPU_DTYPES {
         let w = weights(rows, cols, 3);
         let p = quantize(dtype, rows, cols, &w).unwrap();
@@ -159,8 +168,12 @@ fn matmat_row_t_equals_matvec_bit_for_bit() {
 fn more_than_65535_workgroups_use_a_2d_grid() {
     let Some(ctx) = ctx() else { return };
     let arena = WeightArena::new(ctx);
-    let plan = Plan::for_device(ctx);
-    let rows = 4 * 65535 + 1000; // more workgroups than one grid dimension holds
+    let rows = 8 * 4 * 65535 + 1000; // more workgroups than one grid dimension holds
+    let plan = Plan {
+        rows: 1,
+        ..Plan::for_matrix(ctx, rows)
+    };
+    assert!(rows.div_ceil((plan.wg / plan.lanes * plan.rows) as usize) > 65535);
     let (w, xs, y) = run(ctx, &arena, DType::Mxfp4, rows, 32, 1, plan, 5);
     check(DType::Mxfp4, rows, 32, &w, &xs, &y);
 }
@@ -168,7 +181,6 @@ fn more_than_65535_workgroups_use_a_2d_grid() {
 #[test]
 fn a_matrix_split_over_several_bindings_is_still_one_matrix() {
     let Some(ctx) = ctx() else { return };
-    let plan = Plan::for_device(ctx);
     // A binding limit of 4 KiB forces many parts; q8_2f's shared column scales go with each.
     let arena = WeightArena::with_limits(1 << 30, 4096);
     for dtype in GPU_DTYPES {
@@ -186,7 +198,7 @@ fn a_matrix_split_over_several_bindings_is_still_one_matrix() {
         assert!(g.parts.len() > 1, "{dtype}: {} part(s)", g.parts.len());
         let mut r = rng(1);
         let xs: Vec<f32> = (0..2 * cols).map(|_| r()).collect();
-        let y = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+        let y = matvec::matmat(ctx, &g, &xs, Plan::for_matrix(ctx, rows)).unwrap();
         check(dtype, rows, cols, &w, &xs, &y);
     }
 }
@@ -201,10 +213,10 @@ fn a_tensor_larger_than_the_real_binding_limit() {
         );
         return;
     }
-    let plan = Plan::for_device(ctx);
     let arena = WeightArena::new(ctx);
     let cols = 8192;
     let rows = (max as usize / (2 * cols)) + 8; // f16: just past one binding
+    let plan = Plan::for_matrix(ctx, rows);
     let (w, xs, y) = run(ctx, &arena, DType::F16, rows, cols, 1, plan, 13);
     let g = arena
         .get_or_upload(
@@ -250,9 +262,9 @@ fn wrong_dtype_shape_or_length_is_refused() {
     let g = arena
         .get_or_upload(ctx, 1, "q4", &MatRef::new(DType::Q4tp, 4, 64, &q4).unwrap())
         .unwrap();
-    let e = matvec::matmat(ctx, &g, &[1.0; 63], Plan::for_device(ctx)).unwrap_err();
+    let e = matvec::matmat(ctx, &g, &[1.0; 63], Plan::for_matrix(ctx, 4)).unwrap_err();
     assert!(matches!(e, GpuError::BadLength { .. }), "{e}");
-    let e = matvec::matmat(ctx, &g, &[1.0; 64 * 9], Plan::for_device(ctx)).unwrap_err();
+    let e = matvec::matmat(ctx, &g, &[1.0; 64 * 9], Plan::for_matrix(ctx, 4)).unwrap_err();
     assert!(matches!(e, GpuError::BadLength { .. }), "{e}");
 }
 
@@ -295,7 +307,7 @@ fn a_rejected_kernel_is_an_error_not_a_crash() {
         8,
         64,
         1,
-        Plan::for_device(ctx),
+        Plan::for_matrix(ctx, 8),
         17,
     );
     check(DType::Q4tp, 8, 64, &w, &xs, &y);

@@ -10,7 +10,7 @@
 //!
 //! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory };
 //! assert_eq!(k.name(), "matvec_q4tp_smem");
-//! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64, 8)).unwrap();
+//! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64, 8, 4)).unwrap();
 //! ```
 #![deny(missing_docs)]
 
@@ -102,7 +102,8 @@ impl Codec {
 /// How a row's lanes are summed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reduce {
-    /// `subgroupAdd`, then the row's subgroup sums in order (needs the SUBGROUP feature).
+    /// One `subgroupAdd` per row group (needs the SUBGROUP feature and a fixed subgroup size,
+    /// which LANES must equal).
     Subgroup,
     /// A pairwise tree in workgroup memory (works everywhere).
     SharedMemory,
@@ -123,8 +124,9 @@ impl Reduce {
 /// Bindings: 0 weights as `array<vec4<u32>>`, 1 the same buffer as `array<u32>`, 2 the
 /// `Params` uniform (8 u32: rows, cols, row_offset, y_stride, second, third, code_stride, wg_x),
 /// 3 activations `array<vec4<f32>>` ([NT, cols]), 4 outputs `array<f32>` ([NT, y_stride]).
-/// Override constants: `WG` (lanes per workgroup), `LANES` (lanes per row, a power of two not
-/// above WG and a multiple of the subgroup size), `NT` (token rows, 1..=8).
+/// Override constants: `WG` (lanes per workgroup), `LANES` (lanes per row group, a power of two
+/// not above WG; equal to the subgroup size in the subgroup variant), `NT` (token rows, 1..=8),
+/// `R` (rows per row group, 1..=4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Matvec {
     /// The weight format.
@@ -186,8 +188,10 @@ pub fn registry() -> Vec<ModuleSpec> {
             let k = Matvec { codec, reduce };
             let mut specs = Vec::new();
             for nt in 1..=8 {
-                for (wg, lanes) in [(256, 64), (256, 32), (128, 32), (64, 64)] {
-                    specs.push(Specialization::matvec(wg, lanes, nt));
+                for (wg, lanes) in [(256, 64), (256, 32), (256, 8), (64, 64)] {
+                    for r in [1, 4] {
+                        specs.push(Specialization::matvec(wg, lanes, nt, r));
+                    }
                 }
             }
             out.push(ModuleSpec {
@@ -215,11 +219,12 @@ pub struct Specialization(pub Vec<(String, f64)>);
 
 impl Specialization {
     /// A matvec pipeline's constants.
-    pub fn matvec(wg: u32, lanes: u32, nt: u32) -> Self {
+    pub fn matvec(wg: u32, lanes: u32, nt: u32, rows_per_group: u32) -> Self {
         Specialization(vec![
             ("WG".into(), wg as f64),
             ("LANES".into(), lanes as f64),
             ("NT".into(), nt as f64),
+            ("R".into(), rows_per_group as f64),
         ])
     }
 

@@ -46,7 +46,7 @@ fn subgroup_variants_are_refused_without_subgroups() {
             &k.name(),
             &k.source(),
             Caps::MINIMAL,
-            &Specialization::matvec(256, 64, 1)
+            &Specialization::matvec(256, 64, 1, 4)
         )
         .is_err()
     );

@@ -1,17 +1,27 @@
 // f16 rows: a 16-byte chunk is 8 weights.
-const CHUNK_BYTES: u32 = 16u;
 const CHUNK_VEC4: u32 = 2u;
 
 fn row_chunks() -> u32 {
     return P.cols / 8u;
 }
 
-fn row_setup(row: u32) {}
+fn chunk_index(row: u32, c: u32) -> u32 {
+    return row * (P.cols / 8u) + c;
+}
 
-fn decode_chunk(row: u32, c: u32) {
-    let v = wv[(row * P.cols * 2u) / 16u + c];
-    wd[0] = vec4<f32>(f16x2(v.x), f16x2(v.y));
-    wd[1] = vec4<f32>(f16x2(v.z), f16x2(v.w));
+fn chunk_scale(row: u32, c: u32) -> vec2<f32> {
+    return vec2<f32>(1.0);
+}
+
+fn x_scale(c: u32, k: u32) -> vec4<f32> {
+    return vec4<f32>(1.0);
+}
+
+fn weight4(v: vec4<u32>, s: vec2<f32>, k: u32) -> vec4<f32> {
+    if (k == 0u) {
+        return vec4<f32>(f16x2(v.x), f16x2(v.y));
+    }
+    return vec4<f32>(f16x2(v.z), f16x2(v.w));
 }
 
 fn row_finish(sum: f32, row: u32) -> f32 {

@@ -1,22 +1,13 @@
 // mxfp4 rows: a 16-byte chunk is one 32-weight group of E2M1 nibbles; its E8M0 scale byte is in
 // the scale plane.
-const CHUNK_BYTES: u32 = 16u;
 const CHUNK_VEC4: u32 = 8u;
 
 fn row_chunks() -> u32 {
     return P.cols / 32u;
 }
 
-fn row_setup(row: u32) {}
-
-// E2M1 by bit construction: magnitudes 0, 0.5 for m < 2, else bits 0x3F000000 + (m << 22).
-fn e2m1x4(w: u32) -> vec4<f32> {
-    let n = (vec4<u32>(w) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u);
-    let m = n & vec4<u32>(7u);
-    let big = vec4<u32>(0x3f000000u) + (m << vec4<u32>(22u));
-    let small = bitcast<vec4<u32>>(vec4<f32>(m) * 0.5);
-    let mag = select(big, small, m < vec4<u32>(2u));
-    return bitcast<vec4<f32>>(mag | ((n & vec4<u32>(8u)) << vec4<u32>(28u)));
+fn chunk_index(row: u32, c: u32) -> u32 {
+    return row * (P.cols / 32u) + c;
 }
 
 fn e8m0(k: u32) -> f32 {
@@ -29,18 +20,23 @@ fn e8m0(k: u32) -> f32 {
     return bitcast<f32>(k << 23u);
 }
 
-fn decode_chunk(row: u32, c: u32) {
-    let gpr = P.cols / 32u;
-    let s = e8m0(byte_at(P.second + row * gpr + c));
-    let v = wv[row * gpr + c];
-    wd[0] = e2m1x4(v.x) * s;
-    wd[1] = e2m1x4(v.x >> 16u) * s;
-    wd[2] = e2m1x4(v.y) * s;
-    wd[3] = e2m1x4(v.y >> 16u) * s;
-    wd[4] = e2m1x4(v.z) * s;
-    wd[5] = e2m1x4(v.z >> 16u) * s;
-    wd[6] = e2m1x4(v.w) * s;
-    wd[7] = e2m1x4(v.w >> 16u) * s;
+fn chunk_scale(row: u32, c: u32) -> vec2<f32> {
+    return vec2<f32>(e8m0(byte_at(P.second + row * (P.cols / 32u) + c)));
+}
+
+fn x_scale(c: u32, k: u32) -> vec4<f32> {
+    return vec4<f32>(1.0);
+}
+
+// E2M1 by bit construction: magnitudes 0, 0.5 for m < 2, else bits 0x3F000000 + (m << 22).
+fn weight4(v: vec4<u32>, s: vec2<f32>, k: u32) -> vec4<f32> {
+    let w = v[k / 2u] >> (16u * (k % 2u));
+    let n = (vec4<u32>(w) >> vec4<u32>(0u, 4u, 8u, 12u)) & vec4<u32>(15u);
+    let m = n & vec4<u32>(7u);
+    let big = vec4<u32>(0x3f000000u) + (m << vec4<u32>(22u));
+    let small = bitcast<vec4<u32>>(vec4<f32>(m) * 0.5);
+    let mag = select(big, small, m < vec4<u32>(2u));
+    return bitcast<vec4<f32>>(mag | ((n & vec4<u32>(8u)) << vec4<u32>(28u))) * s.x;
 }
 
 fn row_finish(sum: f32, row: u32) -> f32 {

@@ -13,38 +13,46 @@ use crate::{GpuContext, GpuError};
 /// What output buffers are filled with before a test dispatch, so a row a kernel skips shows.
 pub const POISON: f32 = 7.7e30;
 
-/// How the matvec kernels are specialised on this device.
+/// How a matvec kernel is specialised for a device and a matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
     /// The reduction variant.
     pub reduce: Reduce,
     /// Lanes per workgroup.
     pub wg: u32,
-    /// Lanes per row.
+    /// Lanes per row group.
     pub lanes: u32,
+    /// Rows per row group (each activation load serves this many rows).
+    pub rows: u32,
 }
 
 impl Plan {
-    /// The subgroup variant where subgroups exist with power-of-two sizes of at most 128 (a row's
-    /// lanes are then whole subgroups whatever size the driver picks), else shared memory.
-    pub fn for_device(ctx: &GpuContext) -> Plan {
+    /// The subgroup variant where the adapter reports one fixed subgroup size of at most 128
+    /// (a row group is then exactly one subgroup), else shared memory with 64 lanes per row.
+    /// Tall matrices take 4 rows per row group (fewer activation loads per weight byte), short
+    /// ones 1 (more row groups in flight to fill the device).
+    pub fn for_matrix(ctx: &GpuContext, rows: usize) -> Plan {
         let (lo, hi) = ctx.caps.subgroup_sizes;
-        let sg_ok = ctx.caps.subgroups
-            && lo >= 1
-            && hi <= 128
-            && lo.is_power_of_two()
-            && hi.is_power_of_two();
-        if sg_ok {
+        let rows_per_group = if rows >= 16384 {
+            4
+        } else if rows >= 4096 {
+            2
+        } else {
+            1
+        };
+        if ctx.caps.subgroups && lo == hi && hi.is_power_of_two() && (4..=128).contains(&hi) {
             Plan {
                 reduce: Reduce::Subgroup,
-                wg: 256,
-                lanes: hi.max(64),
+                wg: hi.max(64),
+                lanes: hi,
+                rows: rows_per_group,
             }
         } else {
             Plan {
                 reduce: Reduce::SharedMemory,
-                wg: 256,
+                wg: 128,
                 lanes: 64,
+                rows: rows_per_group,
             }
         }
     }
@@ -53,9 +61,20 @@ impl Plan {
     pub fn shared_memory(self) -> Plan {
         Plan {
             reduce: Reduce::SharedMemory,
+            wg: 128,
             lanes: 64,
             ..self
         }
+    }
+
+    /// The override constants of the pipeline for `nt` token rows.
+    pub fn constants(&self, nt: usize) -> [(&'static str, f64); 4] {
+        [
+            ("WG", self.wg as f64),
+            ("LANES", self.lanes as f64),
+            ("NT", nt as f64),
+            ("R", self.rows as f64),
+        ]
     }
 }
 
@@ -188,7 +207,7 @@ pub fn prepare(
     }
     let pipe = pipeline(ctx, m, nt, plan)?;
     let (bgl, _) = ctx.matvec_layout();
-    let rows_per_wg = (plan.wg / plan.lanes) as usize;
+    let rows_per_wg = (plan.wg / plan.lanes * plan.rows) as usize;
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let mut groups = Vec::with_capacity(m.parts.len());
     for part in &m.parts {
