@@ -2,6 +2,8 @@
 //!
 //! Tasks:
 //! - `tiny-cmf [OUT]`: write the deterministic example model file (default `assets/tiny.cmf`).
+//! - `shaders`: parse and validate every WGSL module and specialisation with naga, for the
+//!   lavapipe, full and minimal capability sets, printing naga's rendered errors.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -29,8 +31,9 @@ fn run(args: Vec<String>) -> Result<()> {
             };
             tiny_cmf(&out)
         }
-        Some(other) => bail!("unknown task {other:?}; tasks: tiny-cmf [OUT]"),
-        None => bail!("usage: cargo xtask TASK; tasks: tiny-cmf [OUT]"),
+        Some("shaders") => shaders(),
+        Some(other) => bail!("unknown task {other:?}; tasks: tiny-cmf [OUT], shaders"),
+        None => bail!("usage: cargo xtask TASK; tasks: tiny-cmf [OUT], shaders"),
     }
 }
 
@@ -173,5 +176,33 @@ fn tiny_cmf(out: &Path) -> Result<()> {
         cmf.tensors().len(),
         cmf.uid()
     );
+    Ok(())
+}
+
+/// Validates every kernel module under every capability set the runtime targets.
+fn shaders() -> Result<()> {
+    use kernels_wgsl::{Caps, registry, validate_all};
+    let modules = registry();
+    let specs: usize = modules.iter().map(|m| m.specializations.len()).sum();
+    let mut failed = 0;
+    for (name, caps) in [
+        ("lavapipe", Caps::LAVAPIPE),
+        ("full", Caps::FULL),
+        ("minimal", Caps::MINIMAL),
+    ] {
+        let errors = validate_all(caps);
+        println!(
+            "{name:<9} {} module(s), {specs} specialisation(s): {} error(s)",
+            modules.len(),
+            errors.len()
+        );
+        for e in &errors {
+            println!("{e}");
+        }
+        failed += errors.len();
+    }
+    if failed > 0 {
+        bail!("{failed} shader validation error(s)");
+    }
     Ok(())
 }

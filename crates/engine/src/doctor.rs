@@ -99,22 +99,18 @@ fn limits(ctx: &GpuContext) -> Vec<(String, u64)> {
 fn kernels(ctx: &GpuContext, plan: Plan) -> Vec<(String, String)> {
     let mut out = Vec::new();
     for codec in Codec::ALL {
-        let k = Matvec {
-            codec,
-            reduce: plan.reduce,
-        };
         for nt in [1, 8] {
-            let consts = [
-                ("WG", plan.wg as f64),
-                ("LANES", plan.lanes as f64),
-                ("NT", nt as f64),
-            ];
-            let status =
-                match ctx.compute_pipeline(&k.name(), &|| k.source(), Matvec::ENTRY, &consts) {
-                    Ok(_) => "ok".to_string(),
-                    Err(e) => e.to_string(),
-                };
-            out.push((format!("{} NT={nt}", k.name()), status));
+            let k = plan.kernel(codec, nt);
+            let status = match ctx.compute_pipeline(
+                &k.name(),
+                &|| k.source(),
+                Matvec::ENTRY,
+                &plan.constants(),
+            ) {
+                Ok(_) => "ok".to_string(),
+                Err(e) => e.to_string(),
+            };
+            out.push((k.name(), status));
         }
     }
     for entry in ["read_bw", "tiny"] {

@@ -8,9 +8,9 @@
 //! ```
 //! use kernels_wgsl::{Caps, Codec, Matvec, Reduce, Specialization, validate};
 //!
-//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory };
-//! assert_eq!(k.name(), "matvec_q4tp_smem");
-//! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64, 8, 4)).unwrap();
+//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4 };
+//! assert_eq!(k.name(), "matvec_q4tp_smem_t8_r4");
+//! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64)).unwrap();
 //! ```
 #![deny(missing_docs)]
 
@@ -87,6 +87,16 @@ impl Codec {
         }
     }
 
+    /// Activation vec4s per 16-byte weight chunk (the codec's `CHUNK_VEC4`).
+    pub const fn chunk_vec4(self) -> u32 {
+        match self {
+            Codec::F16 | Codec::Bf16 => 2,
+            Codec::Q8_2f => 4,
+            Codec::Q4tp | Codec::Mxfp4 => 8,
+            Codec::Q2tp => 16,
+        }
+    }
+
     fn source(self) -> &'static str {
         match self {
             Codec::F16 => src::F16,
@@ -119,39 +129,141 @@ impl Reduce {
     }
 }
 
-/// The matvec/matmat kernel of one codec in one reduction variant (entry point `matvec`).
+/// The matvec/matmat kernel of one codec, one reduction variant, `nt` token rows and `rows`
+/// rows per row group (entry point `matvec`).
 ///
 /// Bindings: 0 weights as `array<vec4<u32>>`, 1 the same buffer as `array<u32>`, 2 the
 /// `Params` uniform (8 u32: rows, cols, row_offset, y_stride, second, third, code_stride, wg_x),
-/// 3 activations `array<vec4<f32>>` ([NT, cols]), 4 outputs `array<f32>` ([NT, y_stride]).
-/// Override constants: `WG` (lanes per workgroup), `LANES` (lanes per row group, a power of two
-/// not above WG; equal to the subgroup size in the subgroup variant), `NT` (token rows, 1..=8),
-/// `R` (rows per row group, 1..=4).
+/// 3 activations `array<vec4<f32>>` ([nt, cols]), 4 outputs `array<f32>` ([nt, y_stride]).
+/// Override constants: `WG` (lanes per workgroup) and `LANES` (lanes per row group, a power of
+/// two not above WG; equal to the subgroup size in the subgroup variant).
+///
+/// `nt` and `rows` are baked into the source by [`Matvec::source`]'s template step (every
+/// accumulator a named scalar, every loop over token rows, rows and a chunk's vec4s unrolled):
+/// runtime-indexed private arrays are spilled to memory by some drivers, and an override
+/// constant does not make a naga loop unroll.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Matvec {
     /// The weight format.
     pub codec: Codec,
     /// The reduction.
     pub reduce: Reduce,
+    /// Token rows, 1..=8: each weight chunk is decoded once and applied to all of them.
+    pub nt: u32,
+    /// Rows per row group, 1..=4: each activation load is applied to all of them.
+    pub rows: u32,
 }
 
 impl Matvec {
     /// The entry point.
     pub const ENTRY: &'static str = "matvec";
 
-    /// Systematic name, e.g. `matvec_q4tp_sg`.
+    /// Systematic name, e.g. `matvec_q4tp_sg_t8_r4`.
     pub fn name(&self) -> String {
-        format!("matvec_{}_{}", self.codec.name(), self.reduce.suffix())
+        format!(
+            "matvec_{}_{}_t{}_r{}",
+            self.codec.name(),
+            self.reduce.suffix(),
+            self.nt,
+            self.rows
+        )
     }
 
     /// The assembled module: common decoders, the codec's chunk decoder, the reduction, the
-    /// skeleton. (WGSL has no includes; concatenation is the whole template step.)
+    /// skeleton, and the body generated for `nt` and `rows`. (WGSL has no includes or
+    /// generics; concatenation plus [`Matvec::body`] is the whole template step.)
     pub fn source(&self) -> String {
         let reduce = match self.reduce {
             Reduce::Subgroup => src::REDUCE_SG,
             Reduce::SharedMemory => src::REDUCE_SMEM,
         };
-        [src::COMMON, self.codec.source(), reduce, src::MATVEC].join("\n")
+        [
+            src::COMMON,
+            self.codec.source(),
+            reduce,
+            src::MATVEC,
+            &self.body(),
+        ]
+        .join("\n")
+    }
+
+    /// The generated `matvec_body`: lane `l` of a row group walks chunks `l, l + LANES, ...`
+    /// of its `rows` rows; per chunk it loads each row's 16 bytes and scale once, then for each
+    /// of the chunk's vec4s loads the `nt` activation vectors once and adds
+    /// `dot(weight, x)` into accumulator `a{r}_{t}`; finally each accumulator is reduced across
+    /// the row group and lane 0 writes it.
+    pub fn body(&self) -> String {
+        use std::fmt::Write;
+        let (nt, nr, kv) = (
+            self.nt.clamp(1, 8),
+            self.rows.clamp(1, 4),
+            self.codec.chunk_vec4(),
+        );
+        let mut b = String::new();
+        let _ = writeln!(
+            b,
+            "fn matvec_body(wid: vec3<u32>, li: u32, sg_size: u32, sg_lane: u32) {{"
+        );
+        let _ = writeln!(b, "    let wg = wid.x + wid.y * P.wg_x;");
+        let _ = writeln!(
+            b,
+            "    let first = (wg * (WG / LANES) + li / LANES) * {nr}u;"
+        );
+        let _ = writeln!(b, "    let lane = li % LANES;");
+        let _ = writeln!(b, "    let last = P.rows - 1u;");
+        let _ = writeln!(b, "    let x_row = P.cols / 4u;");
+        for r in 0..nr {
+            // Rows past the end reuse the last row; their sums are never written.
+            let _ = writeln!(b, "    let row{r} = min(first + {r}u, last);");
+            for t in 0..nt {
+                let _ = writeln!(b, "    var a{r}_{t} = 0.0;");
+            }
+        }
+        let _ = writeln!(
+            b,
+            "    for (var c = lane; c < row_chunks(); c = c + LANES) {{"
+        );
+        let _ = writeln!(b, "        let xc = c * CHUNK_VEC4;");
+        for r in 0..nr {
+            let _ = writeln!(b, "        let v{r} = wv[chunk_index(row{r}, c)];");
+            let _ = writeln!(b, "        let s{r} = chunk_scale(row{r}, c);");
+        }
+        for k in 0..kv {
+            let _ = writeln!(b, "        {{");
+            let _ = writeln!(b, "            let xs = x_scale(c, {k}u);");
+            for t in 0..nt {
+                let _ = writeln!(
+                    b,
+                    "            let x{t} = x[{t}u * x_row + xc + {k}u] * xs;"
+                );
+            }
+            for r in 0..nr {
+                let _ = writeln!(b, "            let w{r} = weight4(v{r}, s{r}, {k}u);");
+                for t in 0..nt {
+                    let _ = writeln!(b, "            a{r}_{t} = a{r}_{t} + dot(w{r}, x{t});");
+                }
+            }
+            let _ = writeln!(b, "        }}");
+        }
+        let _ = writeln!(b, "    }}");
+        for r in 0..nr {
+            for t in 0..nt {
+                let _ = writeln!(b, "    {{");
+                let _ = writeln!(
+                    b,
+                    "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
+                );
+                let _ = writeln!(b, "        if (lane == 0u && first + {r}u < P.rows) {{");
+                let _ = writeln!(
+                    b,
+                    "            y[{t}u * P.y_stride + P.row_offset + first + {r}u] = row_finish(total, first + {r}u);"
+                );
+                let _ = writeln!(b, "        }}");
+                let _ = writeln!(b, "    }}");
+            }
+        }
+        let _ = writeln!(b, "}}");
+        b
     }
 
     /// Whether the module needs the SUBGROUP capability.
@@ -185,22 +297,33 @@ pub fn registry() -> Vec<ModuleSpec> {
     let mut out = Vec::new();
     for codec in Codec::ALL {
         for reduce in [Reduce::Subgroup, Reduce::SharedMemory] {
-            let k = Matvec { codec, reduce };
-            let mut specs = Vec::new();
             for nt in 1..=8 {
-                for (wg, lanes) in [(256, 64), (256, 32), (256, 8), (64, 64)] {
-                    for r in [1, 4] {
-                        specs.push(Specialization::matvec(wg, lanes, nt, r));
-                    }
+                for rows in [1, 2, 4] {
+                    let k = Matvec {
+                        codec,
+                        reduce,
+                        nt,
+                        rows,
+                    };
+                    let specializations = match reduce {
+                        // One subgroup per row group: LANES is the device's subgroup size.
+                        Reduce::Subgroup => [(64, 8), (64, 16), (64, 32), (64, 64), (128, 128)]
+                            .map(|(wg, lanes)| Specialization::matvec(wg, lanes))
+                            .to_vec(),
+                        Reduce::SharedMemory => vec![
+                            Specialization::matvec(128, 64),
+                            Specialization::matvec(256, 64),
+                        ],
+                    };
+                    out.push(ModuleSpec {
+                        name: k.name(),
+                        source: Cow::Owned(k.source()),
+                        entries: &[Matvec::ENTRY],
+                        needs_subgroups: k.needs_subgroups(),
+                        specializations,
+                    });
                 }
             }
-            out.push(ModuleSpec {
-                name: k.name(),
-                source: Cow::Owned(k.source()),
-                entries: &[Matvec::ENTRY],
-                needs_subgroups: k.needs_subgroups(),
-                specializations: specs,
-            });
         }
     }
     out.push(ModuleSpec {
@@ -219,12 +342,10 @@ pub struct Specialization(pub Vec<(String, f64)>);
 
 impl Specialization {
     /// A matvec pipeline's constants.
-    pub fn matvec(wg: u32, lanes: u32, nt: u32, rows_per_group: u32) -> Self {
+    pub fn matvec(wg: u32, lanes: u32) -> Self {
         Specialization(vec![
             ("WG".into(), wg as f64),
             ("LANES".into(), lanes as f64),
-            ("NT".into(), nt as f64),
-            ("R".into(), rows_per_group as f64),
         ])
     }
 

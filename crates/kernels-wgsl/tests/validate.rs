@@ -40,13 +40,15 @@ fn subgroup_variants_are_refused_without_subgroups() {
     let k = Matvec {
         codec: Codec::Q4tp,
         reduce: Reduce::Subgroup,
+        nt: 1,
+        rows: 4,
     };
     assert!(
         validate(
             &k.name(),
             &k.source(),
             Caps::MINIMAL,
-            &Specialization::matvec(256, 64, 1, 4)
+            &Specialization::matvec(64, 32)
         )
         .is_err()
     );
@@ -59,9 +61,9 @@ fn registry_names_are_systematic_and_unique() {
     sorted.sort();
     sorted.dedup();
     assert_eq!(sorted.len(), names.len());
-    assert!(names.contains(&"matvec_mxfp4_sg".to_string()));
-    assert!(names.contains(&"matvec_q2tp_smem".to_string()));
-    assert_eq!(registry().len(), 2 * Codec::ALL.len() + 1);
+    assert!(names.contains(&"matvec_mxfp4_sg_t1_r1".to_string()));
+    assert!(names.contains(&"matvec_q2tp_smem_t8_r4".to_string()));
+    assert_eq!(registry().len(), 2 * Codec::ALL.len() * 8 * 3 + 1);
 }
 
 #[test]
@@ -75,4 +77,35 @@ fn a_broken_module_reports_where() {
     .unwrap_err();
     assert!(e.to_string().contains("broken"), "{e}");
     assert!(e.message.contains("broken.wgsl"), "{}", e.message);
+}
+
+#[test]
+fn chunk_sizes_agree_between_rust_and_wgsl() {
+    for codec in Codec::ALL {
+        let k = Matvec {
+            codec,
+            reduce: Reduce::SharedMemory,
+            nt: 1,
+            rows: 1,
+        };
+        let want = format!("const CHUNK_VEC4: u32 = {}u;", codec.chunk_vec4());
+        assert!(k.source().contains(&want), "{codec:?}: {want}");
+    }
+}
+
+#[test]
+fn the_generated_body_names_every_accumulator_once() {
+    let k = Matvec {
+        codec: Codec::Mxfp4,
+        reduce: Reduce::Subgroup,
+        nt: 3,
+        rows: 2,
+    };
+    let body = k.body();
+    for r in 0..2 {
+        for t in 0..3 {
+            assert_eq!(body.matches(&format!("var a{r}_{t} = 0.0;")).count(), 1);
+        }
+    }
+    assert!(!body.contains("a2_0") && !body.contains("a0_3"));
 }

@@ -1,13 +1,14 @@
-// The matvec/matmat skeleton every codec shares. A row group of LANES lanes computes R
-// consecutive rows; lane l walks the 16-byte chunks l, l + LANES, ... of all R rows at once, so
-// each activation vector it loads is used for R rows, and each weight chunk, decoded once, for
-// all NT token rows. The row group's lanes are then reduced (`reduce`, from the subgroup or
-// the shared-memory variant) and lane 0 writes y[t * y_stride + row_offset + row]. A 2-D grid
+// The matvec/matmat declarations every codec shares; `matvec_body` itself is generated per
+// token-row count and rows per row group (kernels-wgsl's `Matvec::body`): a row group of LANES
+// lanes computes R consecutive rows, lane l walking the 16-byte chunks l, l + LANES, ... of
+// all of them, so each activation load serves R rows and each weight chunk, decoded once, all
+// token rows. The row group's lanes are then reduced (`reduce`, from the subgroup or the
+// shared-memory variant) and lane 0 writes y[t * y_stride + row_offset + row]. A 2-D grid
 // covers more than 65535 workgroups.
 //
-// Assembled as common.wgsl + <codec>.wgsl + reduce_{sg,smem}.wgsl + this file
-// (kernels-wgsl's `Matvec::source`). The codec supplies CHUNK_VEC4 (activation vec4s per chunk),
-// row_chunks, chunk_index, chunk_scale, x_scale, weight4 and row_finish.
+// Assembled as common.wgsl + <codec>.wgsl + reduce_{sg,smem}.wgsl + this file + the generated
+// body. The codec supplies CHUNK_VEC4 (activation vec4s per chunk), row_chunks, chunk_index,
+// chunk_scale, x_scale, weight4 and row_finish.
 
 struct Params {
     // Rows of this part of the matrix, and its columns.
@@ -33,47 +34,5 @@ struct Params {
 override WG: u32 = 256u;
 // Lanes per row group: a power of two; the subgroup variant needs it equal to the subgroup size.
 override LANES: u32 = 64u;
-// Token rows, 1..=8: each weight chunk is decoded once and applied to all of them.
-override NT: u32 = 1u;
-// Rows per row group, 1..=4: each activation load is applied to all of them.
-override R: u32 = 4u;
-
 var<workgroup> red: array<f32, WG>;
 
-fn matvec_body(wid: vec3<u32>, li: u32, sg_size: u32, sg_lane: u32) {
-    let wg = wid.x + wid.y * P.wg_x;
-    let row0 = (wg * (WG / LANES) + li / LANES) * R;
-    let lane = li % LANES;
-    let last = P.rows - 1u;
-    let x_row = P.cols / 4u;
-    let n = row_chunks();
-    // acc[r * 8 + t]: row r of the group, token row t.
-    var acc: array<f32, 32>;
-    for (var c = lane; c < n; c = c + LANES) {
-        var v: array<vec4<u32>, 4>;
-        var s: array<vec2<f32>, 4>;
-        for (var r = 0u; r < R; r = r + 1u) {
-            // Rows past the end reuse the last row (their sums are never written).
-            let row = min(row0 + r, last);
-            v[r] = wv[chunk_index(row, c)];
-            s[r] = chunk_scale(row, c);
-        }
-        for (var k = 0u; k < CHUNK_VEC4; k = k + 1u) {
-            let xs = x_scale(c, k);
-            for (var t = 0u; t < NT; t = t + 1u) {
-                let xv = x[t * x_row + c * CHUNK_VEC4 + k] * xs;
-                for (var r = 0u; r < R; r = r + 1u) {
-                    acc[r * 8u + t] = acc[r * 8u + t] + dot(weight4(v[r], s[r], k), xv);
-                }
-            }
-        }
-    }
-    for (var r = 0u; r < R; r = r + 1u) {
-        for (var t = 0u; t < NT; t = t + 1u) {
-            let total = reduce(acc[r * 8u + t], li, lane, sg_size, sg_lane);
-            if (lane == 0u && row0 + r < P.rows) {
-                y[t * P.y_stride + P.row_offset + row0 + r] = row_finish(total, row0 + r);
-            }
-        }
-    }
-}

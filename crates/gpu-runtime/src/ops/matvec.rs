@@ -67,14 +67,19 @@ impl Plan {
         }
     }
 
-    /// The override constants of the pipeline for `nt` token rows.
-    pub fn constants(&self, nt: usize) -> [(&'static str, f64); 4] {
-        [
-            ("WG", self.wg as f64),
-            ("LANES", self.lanes as f64),
-            ("NT", nt as f64),
-            ("R", self.rows as f64),
-        ]
+    /// The override constants of the pipeline.
+    pub fn constants(&self) -> [(&'static str, f64); 2] {
+        [("WG", self.wg as f64), ("LANES", self.lanes as f64)]
+    }
+
+    /// The kernel for `codec` and `nt` token rows under this plan.
+    pub fn kernel(&self, codec: kernels_wgsl::Codec, nt: usize) -> Matvec {
+        Matvec {
+            codec,
+            reduce: self.reduce,
+            nt: nt as u32,
+            rows: self.rows,
+        }
     }
 }
 
@@ -131,21 +136,14 @@ pub fn pipeline(
     plan: Plan,
 ) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
     let codec = kernel_codec(m.dtype).ok_or(GpuError::UnsupportedDtype { dtype: m.dtype })?;
-    let k = Matvec {
-        codec,
-        reduce: plan.reduce,
-    };
+    let k = plan.kernel(codec, nt);
     let (_, pl) = ctx.matvec_layout();
     ctx.pipelines.get(
         &ctx.device,
         &k.name(),
         &|| k.source(),
         Matvec::ENTRY,
-        &[
-            ("WG", plan.wg as f64),
-            ("LANES", plan.lanes as f64),
-            ("NT", nt as f64),
-        ],
+        &plan.constants(),
         Some(pl),
     )
 }
