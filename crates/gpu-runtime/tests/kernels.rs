@@ -114,7 +114,7 @@ fn every_codec_matches_f64_for_1_to_8_rows_in_both_reductions() {
     let Some(ctx) = ctx() else { return };
     let arena = WeightArena::new(ctx);
     for dtype in GPU_DTYPES {
-        for (rows, cols) in [(37, 128), (5, 320), (130, 640)] {
+        for (rows, cols) in [(37, 128), (5, 320), (130, 640), (64, 128)] {
             for r in [1, 2, 4] {
                 let device_plan = Plan {
                     rows: r,

@@ -10,14 +10,9 @@ fn chunk_index(row: u32, c: u32) -> u32 {
     return row * (P.cols / 32u) + c;
 }
 
+// E8M0 without branches: 255 is NaN, 0 is 2^-127, otherwise 2^(k - 127).
 fn e8m0(k: u32) -> f32 {
-    if (k == 255u) {
-        return bitcast<f32>(0x7fc00000u);
-    }
-    if (k == 0u) {
-        return bitcast<f32>(0x00400000u);
-    }
-    return bitcast<f32>(k << 23u);
+    return bitcast<f32>(select(select(k << 23u, 0x00400000u, k == 0u), 0x7fc00000u, k == 255u));
 }
 
 fn chunk_scale(row: u32, c: u32) -> vec2<f32> {

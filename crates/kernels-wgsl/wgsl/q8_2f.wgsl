@@ -16,6 +16,10 @@ fn chunk_scale(row: u32, c: u32) -> vec2<f32> {
 
 fn x_scale(c: u32, k: u32) -> vec4<f32> {
     let base = P.third + 2u * (c * 16u + 4u * k);
+    // The column scales start on a word boundary whenever rows is even: two word loads.
+    if ((P.third & 3u) == 0u) {
+        return vec4<f32>(f16x2(ww[base / 4u]), f16x2(ww[base / 4u + 1u]));
+    }
     return vec4<f32>(f16_at(base), f16_at(base + 2u), f16_at(base + 4u), f16_at(base + 6u));
 }
 
