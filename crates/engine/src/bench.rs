@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use gpu_runtime::ops::matvec::Plan;
 use gpu_runtime::staging::StagingRing;
-use gpu_runtime::{GpuContext, GpuError, GpuMatrix, GpuOptions, Selected};
+use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, GpuOptions, Selected};
 use quant_codecs::{DType, MatRef, synthetic_payload};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -223,6 +223,39 @@ fn gpu(
                 &mut records,
             );
         }
+        drop(last.take());
+        // One expert's fused gate/up at Qwen3.8-Flash-Next's decode shape: [2 x 640, 2560].
+        let (rows, cols) = (1280, 2560);
+        let p = synthetic_payload(dtype, rows, cols, 7)?;
+        let g = GpuMatrix::upload(
+            ctx,
+            &mut ring,
+            &MatRef::new(dtype, rows, cols, &p)?,
+            ctx.max_binding(),
+        )?;
+        let plan = Plan::for_matrix(ctx, rows);
+        let probe = gpu_runtime::bench::matmat_fused(ctx, &g, 1, plan, Epilogue::SiluGateUp, 1)?;
+        let t = gpu_runtime::bench::matmat_fused(
+            ctx,
+            &g,
+            1,
+            plan,
+            Epilogue::SiluGateUp,
+            reps_for(probe.seconds),
+        )?;
+        let timing = if t.timestamps { "timestamps" } else { "wall" };
+        push(
+            record(
+                "gate_up_silu",
+                dtype.name().into(),
+                format!("{rows}x{cols}"),
+                1,
+                p.len() as u64,
+                t.seconds,
+                timing,
+            ),
+            &mut records,
+        );
     }
     Ok(finish("wgpu", ctx.describe(), records))
 }

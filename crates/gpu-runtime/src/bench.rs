@@ -186,6 +186,18 @@ pub fn matmat(
     plan: Plan,
     reps: usize,
 ) -> Result<Timing, GpuError> {
+    matmat_fused(ctx, m, nt, plan, crate::Epilogue::None, reps)
+}
+
+/// [`matmat`] with a fused epilogue.
+pub fn matmat_fused(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    nt: usize,
+    plan: Plan,
+    epilogue: crate::Epilogue,
+    reps: usize,
+) -> Result<Timing, GpuError> {
     let x = ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("x"),
         size: (nt * m.cols * 4) as u64,
@@ -194,10 +206,10 @@ pub fn matmat(
     });
     let y = ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("y"),
-        size: (nt * m.rows * 4) as u64,
+        size: (nt * matvec::out_rows(m, epilogue) * 4) as u64,
         usage: wgpu::BufferUsages::STORAGE,
         mapped_at_creation: false,
     });
-    let p = matvec::prepare(ctx, m, &x, &y, nt, plan)?;
+    let p = matvec::prepare_fused(ctx, m, &x, &y, nt, plan, epilogue)?;
     time_pass(ctx, reps, &|pass| p.record(pass))
 }

@@ -94,6 +94,14 @@ pub enum GpuError {
         /// The driver's or validator's message.
         message: String,
     },
+    /// A fused kernel cannot take this matrix.
+    #[error("fused {epilogue}: {reason}")]
+    UnsupportedFusion {
+        /// The fused step.
+        epilogue: &'static str,
+        /// Why not.
+        reason: String,
+    },
     /// A buffer length that does not match.
     #[error("{what}: expected {expected} values, found {found}")]
     BadLength {

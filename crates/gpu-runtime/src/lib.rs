@@ -33,6 +33,7 @@ pub use context::{
     BackendChoice, DeviceCaps, GpuContext, GpuOptions, Selected, default_budget, parse_size, select,
 };
 pub use error::GpuError;
+pub use kernels_wgsl::Epilogue;
 
 impl GpuContext {
     pub(crate) fn matvec_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {

@@ -312,3 +312,79 @@ fn a_rejected_kernel_is_an_error_not_a_crash() {
     );
     check(DType::Q4tp, 8, 64, &w, &xs, &y);
 }
+
+fn silu(v: f64) -> f64 {
+    v / (1.0 + (-v).exp())
+}
+
+#[test]
+fn fused_silu_and_gate_up_match_f64() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let (half, cols) = (45, 256);
+    for dtype in GPU_DTYPES {
+        let w = weights(2 * half, cols, 21);
+        let p = quantize(dtype, 2 * half, cols, &w).unwrap();
+        let m = MatRef::new(dtype, 2 * half, cols, &p).unwrap();
+        let mut dq = vec![0.0f32; 2 * half * cols];
+        m.dequantize(&mut dq).unwrap();
+        let g = arena.get_or_upload(ctx, 21, dtype.name(), &m).unwrap();
+        for nt in [1, 5] {
+            let mut r = rng(4);
+            let xs: Vec<f32> = (0..nt * cols).map(|_| r() * 0.1).collect();
+            let dot = |row: usize, t: usize| -> (f64, f64) {
+                (0..cols).fold((0.0, 0.0), |(s, a), i| {
+                    let p = dq[row * cols + i] as f64 * xs[t * cols + i] as f64;
+                    (s + p, a + p.abs())
+                })
+            };
+            let plan = Plan::for_matrix(ctx, 2 * half);
+            let pair = matvec::matmat_fused(ctx, &g, &xs, plan, gpu_runtime::Epilogue::SiluGateUp)
+                .unwrap();
+            let act =
+                matvec::matmat_fused(ctx, &g, &xs, plan, gpu_runtime::Epilogue::Silu).unwrap();
+            assert_eq!(pair.len(), nt * half);
+            for t in 0..nt {
+                for row in 0..half {
+                    let ((gv, gm), (uv, um)) = (dot(row, t), dot(row + half, t));
+                    let want = silu(gv) * uv;
+                    let got = pair[t * half + row] as f64;
+                    // Propagated bound: silu' <= 1.1, each dot within 4e-6 of its magnitude sum.
+                    let tol = 4e-6 * (1.1 * gm * uv.abs() + silu(gv).abs() * um) + 1e-12;
+                    assert!(
+                        (got - want).abs() <= tol,
+                        "{dtype} gate/up row {row} t {t}: {got} vs {want}"
+                    );
+                }
+                for row in 0..2 * half {
+                    let (v, mag) = dot(row, t);
+                    let got = act[t * 2 * half + row] as f64;
+                    assert!(
+                        (got - silu(v)).abs() <= 1.1 * 4e-6 * mag + 1e-12,
+                        "{dtype} silu row {row}: {got} vs {}",
+                        silu(v)
+                    );
+                }
+            }
+        }
+    }
+    // An odd row count cannot be a gate/up pair.
+    let p = quantize(DType::Q4tp, 3, 64, &[0.5; 192]).unwrap();
+    let g = arena
+        .get_or_upload(
+            ctx,
+            22,
+            "odd",
+            &MatRef::new(DType::Q4tp, 3, 64, &p).unwrap(),
+        )
+        .unwrap();
+    let e = matvec::matmat_fused(
+        ctx,
+        &g,
+        &[1.0; 64],
+        Plan::for_matrix(ctx, 3),
+        gpu_runtime::Epilogue::SiluGateUp,
+    )
+    .unwrap_err();
+    assert!(matches!(e, GpuError::UnsupportedFusion { .. }), "{e}");
+}

@@ -6,9 +6,9 @@
 //! will build them.
 //!
 //! ```
-//! use kernels_wgsl::{Caps, Codec, Matvec, Reduce, Specialization, validate};
+//! use kernels_wgsl::{Caps, Codec, Epilogue, Matvec, Reduce, Specialization, validate};
 //!
-//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4 };
+//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None };
 //! assert_eq!(k.name(), "matvec_q4tp_smem_t8_r4");
 //! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64)).unwrap();
 //! ```
@@ -152,6 +152,33 @@ pub struct Matvec {
     pub nt: u32,
     /// Rows per row group, 1..=4: each activation load is applied to all of them.
     pub rows: u32,
+    /// What happens to a finished row sum before it is written.
+    pub epilogue: Epilogue,
+}
+
+/// A fused step after the matvec, saving a dispatch and a round trip through memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Epilogue {
+    /// `y = W x`.
+    #[default]
+    None,
+    /// `y = silu(W x)`, with `silu(v) = v / (1 + exp(-v))`.
+    Silu,
+    /// The gate/up pair on one input: the matrix is `[gate; up]` (`2 * half` rows, as the
+    /// checkpoints' fused `gate_up_proj` stores it) and `y[r] = silu(gate[r] . x) * (up[r] . x)`
+    /// for `r < half`. A row group holds rows `r` and `r + half` (`rows` must be 2).
+    SiluGateUp,
+}
+
+impl Epilogue {
+    /// Name suffix.
+    pub const fn suffix(self) -> &'static str {
+        match self {
+            Epilogue::None => "",
+            Epilogue::Silu => "_silu",
+            Epilogue::SiluGateUp => "_gateup",
+        }
+    }
 }
 
 impl Matvec {
@@ -161,11 +188,12 @@ impl Matvec {
     /// Systematic name, e.g. `matvec_q4tp_sg_t8_r4`.
     pub fn name(&self) -> String {
         format!(
-            "matvec_{}_{}_t{}_r{}",
+            "matvec_{}_{}_t{}_r{}{}",
             self.codec.name(),
             self.reduce.suffix(),
             self.nt,
-            self.rows
+            self.rows,
+            self.epilogue.suffix()
         )
     }
 
@@ -194,9 +222,10 @@ impl Matvec {
     /// the row group and lane 0 writes it.
     pub fn body(&self) -> String {
         use std::fmt::Write;
+        let pair = self.epilogue == Epilogue::SiluGateUp;
         let (nt, nr, kv) = (
             self.nt.clamp(1, 8),
-            self.rows.clamp(1, 4),
+            if pair { 2 } else { self.rows.clamp(1, 4) },
             self.codec.chunk_vec4(),
         );
         let mut b = String::new();
@@ -205,16 +234,28 @@ impl Matvec {
             "fn matvec_body(wid: vec3<u32>, li: u32, sg_size: u32, sg_lane: u32) {{"
         );
         let _ = writeln!(b, "    let wg = wid.x + wid.y * P.wg_x;");
-        let _ = writeln!(
-            b,
-            "    let first = (wg * (WG / LANES) + li / LANES) * {nr}u;"
-        );
+        if pair {
+            // Row group g computes gate row g and up row g + half.
+            let _ = writeln!(b, "    let first = wg * (WG / LANES) + li / LANES;");
+        } else {
+            let _ = writeln!(
+                b,
+                "    let first = (wg * (WG / LANES) + li / LANES) * {nr}u;"
+            );
+        }
         let _ = writeln!(b, "    let lane = li % LANES;");
         let _ = writeln!(b, "    let last = P.rows - 1u;");
         let _ = writeln!(b, "    let x_row = P.cols / 4u;");
         for r in 0..nr {
             // Rows past the end reuse the last row; their sums are never written.
-            let _ = writeln!(b, "    let row{r} = min(first + {r}u, last);");
+            if pair {
+                let _ = writeln!(
+                    b,
+                    "    let row{r} = min(first, P.half - 1u) + {r}u * P.half;"
+                );
+            } else {
+                let _ = writeln!(b, "    let row{r} = min(first + {r}u, last);");
+            }
             for t in 0..nt {
                 let _ = writeln!(b, "    var a{r}_{t} = 0.0;");
             }
@@ -246,20 +287,46 @@ impl Matvec {
             let _ = writeln!(b, "        }}");
         }
         let _ = writeln!(b, "    }}");
-        for r in 0..nr {
+        if pair {
             for t in 0..nt {
                 let _ = writeln!(b, "    {{");
                 let _ = writeln!(
                     b,
-                    "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
+                    "        let g = row_finish(reduce(a0_{t}, li, lane, sg_size, sg_lane), row0);"
                 );
-                let _ = writeln!(b, "        if (lane == 0u && first + {r}u < P.rows) {{");
                 let _ = writeln!(
                     b,
-                    "            y[{t}u * P.y_stride + P.row_offset + first + {r}u] = row_finish(total, first + {r}u);"
+                    "        let u = row_finish(reduce(a1_{t}, li, lane, sg_size, sg_lane), row1);"
+                );
+                let _ = writeln!(b, "        if (lane == 0u && first < P.half) {{");
+                let _ = writeln!(
+                    b,
+                    "            y[{t}u * P.y_stride + P.row_offset + first] = silu(g) * u;"
                 );
                 let _ = writeln!(b, "        }}");
                 let _ = writeln!(b, "    }}");
+            }
+        } else {
+            let act = if self.epilogue == Epilogue::Silu {
+                "silu"
+            } else {
+                ""
+            };
+            for r in 0..nr {
+                for t in 0..nt {
+                    let _ = writeln!(b, "    {{");
+                    let _ = writeln!(
+                        b,
+                        "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
+                    );
+                    let _ = writeln!(b, "        if (lane == 0u && first + {r}u < P.rows) {{");
+                    let _ = writeln!(
+                        b,
+                        "            y[{t}u * P.y_stride + P.row_offset + first + {r}u] = {act}(row_finish(total, first + {r}u));"
+                    );
+                    let _ = writeln!(b, "        }}");
+                    let _ = writeln!(b, "    }}");
+                }
             }
         }
         let _ = writeln!(b, "}}");
@@ -297,13 +364,22 @@ pub fn registry() -> Vec<ModuleSpec> {
     let mut out = Vec::new();
     for codec in Codec::ALL {
         for reduce in [Reduce::Subgroup, Reduce::SharedMemory] {
+            let shapes = [
+                (1, Epilogue::None),
+                (2, Epilogue::None),
+                (4, Epilogue::None),
+                (1, Epilogue::Silu),
+                (4, Epilogue::Silu),
+                (2, Epilogue::SiluGateUp),
+            ];
             for nt in 1..=8 {
-                for rows in [1, 2, 4] {
+                for (rows, epilogue) in shapes {
                     let k = Matvec {
                         codec,
                         reduce,
                         nt,
                         rows,
+                        epilogue,
                     };
                     let specializations = match reduce {
                         // One subgroup per row group: LANES is the device's subgroup size.

@@ -2,7 +2,9 @@
 //! two capability sets CI and the release machine have, and the subgroup-free modules also on
 //! a device with no optional capability. No GPU needed.
 
-use kernels_wgsl::{Caps, Codec, Matvec, Reduce, Specialization, registry, validate, validate_all};
+use kernels_wgsl::{
+    Caps, Codec, Epilogue, Matvec, Reduce, Specialization, registry, validate, validate_all,
+};
 
 fn assert_clean(caps: Caps) {
     let errors = validate_all(caps);
@@ -42,6 +44,7 @@ fn subgroup_variants_are_refused_without_subgroups() {
         reduce: Reduce::Subgroup,
         nt: 1,
         rows: 4,
+        epilogue: Epilogue::None,
     };
     assert!(
         validate(
@@ -63,7 +66,8 @@ fn registry_names_are_systematic_and_unique() {
     assert_eq!(sorted.len(), names.len());
     assert!(names.contains(&"matvec_mxfp4_sg_t1_r1".to_string()));
     assert!(names.contains(&"matvec_q2tp_smem_t8_r4".to_string()));
-    assert_eq!(registry().len(), 2 * Codec::ALL.len() * 8 * 3 + 1);
+    assert_eq!(registry().len(), 2 * Codec::ALL.len() * 8 * 6 + 1);
+    assert!(names.contains(&"matvec_q4tp_sg_t1_r2_gateup".to_string()));
 }
 
 #[test]
@@ -87,6 +91,7 @@ fn chunk_sizes_agree_between_rust_and_wgsl() {
             reduce: Reduce::SharedMemory,
             nt: 1,
             rows: 1,
+            epilogue: Epilogue::None,
         };
         let want = format!("const CHUNK_VEC4: u32 = {}u;", codec.chunk_vec4());
         assert!(k.source().contains(&want), "{codec:?}: {want}");
@@ -100,6 +105,7 @@ fn the_generated_body_names_every_accumulator_once() {
         reduce: Reduce::Subgroup,
         nt: 3,
         rows: 2,
+        epilogue: Epilogue::None,
     };
     let body = k.body();
     for r in 0..2 {

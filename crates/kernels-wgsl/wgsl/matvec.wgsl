@@ -24,6 +24,15 @@ struct Params {
     code_stride: u32,
     // Workgroups along x of the grid; the workgroup index is x + y * wg_x.
     wg_x: u32,
+    // The gate/up pair: rows of each half (the up rows start at `half`).
+    half: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+fn silu(v: f32) -> f32 {
+    return v / (1.0 + exp(-v));
 }
 
 @group(0) @binding(2) var<uniform> P: Params;

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kernels_wgsl::{Matvec, Reduce};
+use kernels_wgsl::{Epilogue, Matvec, Reduce};
 use quant_codecs::MAX_BATCH;
 use wgpu::util::DeviceExt;
 
@@ -74,11 +74,33 @@ impl Plan {
 
     /// The kernel for `codec` and `nt` token rows under this plan.
     pub fn kernel(&self, codec: kernels_wgsl::Codec, nt: usize) -> Matvec {
+        self.fused_kernel(codec, nt, Epilogue::None)
+    }
+
+    /// The kernel for `codec`, `nt` token rows and a fused `epilogue` under this plan (the
+    /// gate/up pair always takes 2 rows per row group: a gate row and its up row).
+    pub fn fused_kernel(
+        &self,
+        codec: kernels_wgsl::Codec,
+        nt: usize,
+        epilogue: Epilogue,
+    ) -> Matvec {
         Matvec {
             codec,
             reduce: self.reduce,
             nt: nt as u32,
-            rows: self.rows,
+            rows: self.rows_for(epilogue),
+            epilogue,
+        }
+    }
+
+    /// Matrix rows per row group for `epilogue` (the kernels built for it: silu takes 1 or 4,
+    /// the gate/up pair 2, a gate row and its up row).
+    pub fn rows_for(&self, epilogue: Epilogue) -> u32 {
+        match epilogue {
+            Epilogue::SiluGateUp => 2,
+            Epilogue::Silu if self.rows == 2 => 1,
+            _ => self.rows,
         }
     }
 }
@@ -134,9 +156,10 @@ pub fn pipeline(
     m: &GpuMatrix,
     nt: usize,
     plan: Plan,
+    epilogue: Epilogue,
 ) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
     let codec = kernel_codec(m.dtype).ok_or(GpuError::UnsupportedDtype { dtype: m.dtype })?;
-    let k = plan.kernel(codec, nt);
+    let k = plan.fused_kernel(codec, nt, epilogue);
     let (_, pl) = ctx.matvec_layout();
     ctx.pipelines.get(
         &ctx.device,
@@ -180,6 +203,40 @@ pub fn prepare(
     nt: usize,
     plan: Plan,
 ) -> Result<Prepared, GpuError> {
+    prepare_fused(ctx, m, x, y, nt, plan, Epilogue::None)
+}
+
+/// Rows of the output of `m` under `epilogue`: the gate/up pair writes one row per pair.
+pub fn out_rows(m: &GpuMatrix, epilogue: Epilogue) -> usize {
+    match epilogue {
+        Epilogue::SiluGateUp => m.rows / 2,
+        _ => m.rows,
+    }
+}
+
+/// [`prepare`] with a fused epilogue: `y = silu(W x)`, or for a `[gate; up]` matrix of
+/// `2 * half` rows, `y = silu(gate x) * (up x)` (`[nt, half]`).
+pub fn prepare_fused(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    nt: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<Prepared, GpuError> {
+    let pair = epilogue == Epilogue::SiluGateUp;
+    if pair && (!m.rows.is_multiple_of(2) || m.parts.len() != 1) {
+        return Err(GpuError::UnsupportedFusion {
+            epilogue: "silu gate/up",
+            reason: format!(
+                "needs an even row count in one binding; the matrix has {} rows in {} part(s)",
+                m.rows,
+                m.parts.len()
+            ),
+        });
+    }
+    let y_rows = out_rows(m, epilogue);
     if nt == 0 || nt > MAX_BATCH {
         return Err(GpuError::BadLength {
             what: "token rows (1..=8)",
@@ -188,7 +245,7 @@ pub fn prepare(
         });
     }
     let need_x = (nt * m.cols * 4) as u64;
-    let need_y = (nt * m.rows * 4) as u64;
+    let need_y = (nt * y_rows * 4) as u64;
     if x.size() < need_x {
         return Err(GpuError::BadLength {
             what: "x buffer bytes",
@@ -203,25 +260,31 @@ pub fn prepare(
             found: y.size() as usize,
         });
     }
-    let pipe = pipeline(ctx, m, nt, plan)?;
+    let pipe = pipeline(ctx, m, nt, plan, epilogue)?;
     let (bgl, _) = ctx.matvec_layout();
-    let rows_per_wg = (plan.wg / plan.lanes * plan.rows) as usize;
+    // Output rows per row group: the pair's two matrix rows make one output row.
+    let rows_per_group = if pair { 1 } else { plan.rows_for(epilogue) };
+    let rows_per_wg = (plan.wg / plan.lanes * rows_per_group) as usize;
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let mut groups = Vec::with_capacity(m.parts.len());
     for part in &m.parts {
-        let n = part.rows.div_ceil(rows_per_wg);
+        let n = if pair { part.rows / 2 } else { part.rows }.div_ceil(rows_per_wg);
         let wg_x = n.min(max_dim);
         let wg_y = n.div_ceil(wg_x);
         let l = &part.layout;
-        let params: [u32; 8] = [
+        let params: [u32; 12] = [
             part.rows as u32,
             m.cols as u32,
             part.row_start as u32,
-            m.rows as u32,
+            y_rows as u32,
             l.second as u32,
             l.third as u32,
             l.code_stride as u32,
             wg_x as u32,
+            (part.rows / 2) as u32,
+            0,
+            0,
+            0,
         ];
         let ubuf = ctx
             .device
@@ -310,4 +373,53 @@ pub fn matmat(
     encode(ctx, &mut enc, m, &x, &y, nt, plan)?;
     ctx.queue.submit([enc.finish()]);
     crate::readback::read_f32(ctx, &y, 0, nt * m.rows)
+}
+
+/// [`matmat`] with a fused epilogue (see [`prepare_fused`]); returns `[nt, out_rows]`.
+pub fn matmat_fused(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    xs: &[f32],
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<Vec<f32>, GpuError> {
+    let nt = xs.len() / m.cols.max(1);
+    if nt * m.cols != xs.len() || nt == 0 {
+        return Err(GpuError::BadLength {
+            what: "x (a whole number of rows of cols values)",
+            expected: m.cols,
+            found: xs.len(),
+        });
+    }
+    let rows = out_rows(m, epilogue);
+    let x = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("x"),
+            contents: bytemuck::cast_slice(xs),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+    let poison = vec![POISON; nt * rows];
+    let y = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("y"),
+            contents: bytemuck::cast_slice(&poison),
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        });
+    let p = prepare_fused(ctx, m, &x, &y, nt, plan, epilogue)?;
+    let mut enc = ctx
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("matmat"),
+        });
+    {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("matvec fused"),
+            timestamp_writes: None,
+        });
+        p.record(&mut pass);
+    }
+    ctx.queue.submit([enc.finish()]);
+    crate::readback::read_f32(ctx, &y, 0, nt * rows)
 }
