@@ -133,7 +133,7 @@ pub fn kernels(
     match gpu_runtime::select(&opts.gpu)? {
         Selected::Gpu(ctx) => gpu(&ctx, opts, progress),
         Selected::Cpu(reason) => {
-            tracing::info!("CPU kernels: {reason}");
+            tracing::warn!("no GPU in use ({reason}); measuring the CPU kernels");
             Ok(cpu(opts, progress))
         }
     }

@@ -65,6 +65,9 @@ fn check(dtype: DType, rows: usize, cols: usize, w: &[f32], xs: &[f32], got: &[f
     let mut dq = vec![0.0f32; rows * cols];
     m.dequantize(&mut dq).unwrap();
     let nt = xs.len() / cols;
+    // The CPU kernel is the second witness.
+    let mut cpu = vec![0.0f32; nt * rows];
+    m.matmat(xs, &mut cpu).unwrap();
     for t in 0..nt {
         let x = &xs[t * cols..(t + 1) * cols];
         for r in 0..rows {
@@ -76,6 +79,11 @@ fn check(dtype: DType, rows: usize, cols: usize, w: &[f32], xs: &[f32], got: &[f
             }
             let g = got[t * rows + r];
             assert_ne!(g, POISON, "{dtype} row {r} token {t} never written");
+            let c = cpu[t * rows + r] as f64;
+            assert!(
+                (g as f64 - c).abs() <= 8e-6 * mag + 1e-30,
+                "{dtype} [{rows}x{cols}] row {r} token {t}: gpu {g} cpu kernel {c}"
+            );
             assert!(
                 (g as f64 - exact).abs() <= 4e-6 * mag + 1e-30,
                 "{dtype} [{rows}x{cols}] row {r} token {t}: gpu {g} exact {exact} (|err| {} > {})",
@@ -387,4 +395,29 @@ fn fused_silu_and_gate_up_match_f64() {
     )
     .unwrap_err();
     assert!(matches!(e, GpuError::UnsupportedFusion { .. }), "{e}");
+}
+
+#[test]
+fn matmat_or_cpu_falls_back_with_the_cpu_result() {
+    use gpu_runtime::ops::matvec::{Ran, matmat_or_cpu};
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    // q2tp with 32 columns: no GPU kernel takes it (rows must be whole 16-byte chunks).
+    let w = weights(6, 32, 31);
+    let p = quantize(DType::Q2tp, 6, 32, &w).unwrap();
+    let m = MatRef::new(DType::Q2tp, 6, 32, &p).unwrap();
+    let xs: Vec<f32> = (0..32).map(|i| i as f32 / 32.0).collect();
+    let (ys, ran) = matmat_or_cpu(Some((ctx, &arena)), 31, "narrow", &m, &xs).unwrap();
+    assert!(matches!(ran, Ran::Cpu(_)), "{ran:?}");
+    let mut want = vec![0.0f32; 6];
+    m.matvec(&xs, &mut want).unwrap();
+    assert_eq!(ys, want);
+    // The same call with a shape the GPU takes runs there.
+    let p = quantize(DType::Q4tp, 6, 64, &weights(6, 64, 32)).unwrap();
+    let m = MatRef::new(DType::Q4tp, 6, 64, &p).unwrap();
+    let (_, ran) = matmat_or_cpu(Some((ctx, &arena)), 32, "ok", &m, &[0.5; 64]).unwrap();
+    assert_eq!(ran, Ran::Gpu);
+    // A wrong activation length is an error either way, never a panic.
+    assert!(matmat_or_cpu(Some((ctx, &arena)), 32, "ok", &m, &[0.5; 63]).is_err());
+    assert!(matmat_or_cpu(None, 32, "ok", &m, &[0.5; 63]).is_err());
 }

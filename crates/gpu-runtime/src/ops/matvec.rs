@@ -423,3 +423,47 @@ pub fn matmat_fused(
     ctx.queue.submit([enc.finish()]);
     crate::readback::read_f32(ctx, &y, 0, nt * rows)
 }
+
+/// Which kernel ran in [`matmat_or_cpu`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Ran {
+    /// The GPU kernel.
+    Gpu,
+    /// The CPU kernel, and why the GPU one did not run.
+    Cpu(String),
+}
+
+/// `ys = W xs` on the GPU when there is one and it takes this matrix, else with quant-codecs'
+/// CPU kernel: a dtype or shape the kernels do not read, a matrix over the VRAM budget, or a
+/// pipeline the driver rejects becomes a logged warning and the CPU result, never a failure.
+/// `uid` and `name` key the matrix in the arena.
+pub fn matmat_or_cpu(
+    gpu: Option<(&GpuContext, &crate::WeightArena)>,
+    uid: u64,
+    name: &str,
+    m: &quant_codecs::MatRef<'_>,
+    xs: &[f32],
+) -> Result<(Vec<f32>, Ran), quant_codecs::CodecError> {
+    let nt = xs.len() / m.cols().max(1);
+    let mut cpu = |why: String| -> Result<(Vec<f32>, Ran), quant_codecs::CodecError> {
+        let mut ys = vec![0.0f32; nt * m.rows()];
+        m.matmat(xs, &mut ys)?;
+        Ok((ys, Ran::Cpu(why)))
+    };
+    let Some((ctx, arena)) = gpu else {
+        return cpu("no GPU".into());
+    };
+    let gpu_result = arena
+        .get_or_upload(ctx, uid, name, m)
+        .and_then(|g| matmat(ctx, &g, xs, Plan::for_matrix(ctx, m.rows())));
+    match gpu_result {
+        Ok(ys) => Ok((ys, Ran::Gpu)),
+        Err(GpuError::Codec(e)) => Err(e),
+        // The CPU kernel reports a wrong activation length with its own error.
+        Err(e @ GpuError::BadLength { .. }) => cpu(e.to_string()),
+        Err(e) => {
+            tracing::warn!("{name}: GPU matvec unavailable ({e}); running the CPU kernel");
+            cpu(e.to_string())
+        }
+    }
+}
