@@ -445,7 +445,7 @@ pub fn matmat_or_cpu(
     xs: &[f32],
 ) -> Result<(Vec<f32>, Ran), quant_codecs::CodecError> {
     let nt = xs.len() / m.cols().max(1);
-    let mut cpu = |why: String| -> Result<(Vec<f32>, Ran), quant_codecs::CodecError> {
+    let cpu = |why: String| -> Result<(Vec<f32>, Ran), quant_codecs::CodecError> {
         let mut ys = vec![0.0f32; nt * m.rows()];
         m.matmat(xs, &mut ys)?;
         Ok((ys, Ran::Cpu(why)))
