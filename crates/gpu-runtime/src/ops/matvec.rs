@@ -342,37 +342,7 @@ pub fn matmat(
     xs: &[f32],
     plan: Plan,
 ) -> Result<Vec<f32>, GpuError> {
-    let nt = xs.len() / m.cols.max(1);
-    if nt * m.cols != xs.len() || nt == 0 {
-        return Err(GpuError::BadLength {
-            what: "x (a whole number of rows of cols values)",
-            expected: m.cols,
-            found: xs.len(),
-        });
-    }
-    let x = ctx
-        .device
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("x"),
-            contents: bytemuck::cast_slice(xs),
-            usage: wgpu::BufferUsages::STORAGE,
-        });
-    let poison = vec![POISON; nt * m.rows];
-    let y = ctx
-        .device
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("y"),
-            contents: bytemuck::cast_slice(&poison),
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
-        });
-    let mut enc = ctx
-        .device
-        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-            label: Some("matmat"),
-        });
-    encode(ctx, &mut enc, m, &x, &y, nt, plan)?;
-    ctx.queue.submit([enc.finish()]);
-    crate::readback::read_f32(ctx, &y, 0, nt * m.rows)
+    matmat_fused(ctx, m, xs, plan, Epilogue::None)
 }
 
 /// [`matmat`] with a fused epilogue (see [`prepare_fused`]); returns `[nt, out_rows]`.
