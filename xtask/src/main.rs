@@ -4,6 +4,8 @@
 //! - `tiny-cmf [OUT]`: write the deterministic example model file (default `assets/tiny.cmf`).
 //! - `shaders`: parse and validate every WGSL module and specialisation with naga, for the
 //!   lavapipe, full and minimal capability sets, printing naga's rendered errors.
+//! - `synth-checkpoint DIR [--gb N]`: write a deterministic synthetic `qwen4_exp` checkpoint of
+//!   at least N GB (default 4) for measuring `cortiq convert` (docs/perf.md); never committed.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -32,7 +34,24 @@ fn run(args: Vec<String>) -> Result<()> {
             tiny_cmf(&out)
         }
         Some("shaders") => shaders(),
-        Some(other) => bail!("unknown task {other:?}; tasks: tiny-cmf [OUT], shaders"),
+        Some("synth-checkpoint") => {
+            let dir = args
+                .get(1)
+                .context("usage: cargo xtask synth-checkpoint DIR [--gb N]")?;
+            let gb = match args.get(2).map(String::as_str) {
+                Some("--gb") => args
+                    .get(3)
+                    .context("--gb needs a number")?
+                    .parse::<f64>()
+                    .context("--gb")?,
+                Some(other) => bail!("unexpected argument {other:?}"),
+                None => 4.0,
+            };
+            synth_checkpoint(Path::new(dir), gb)
+        }
+        Some(other) => bail!(
+            "unknown task {other:?}; tasks: tiny-cmf [OUT], shaders, synth-checkpoint DIR [--gb N]"
+        ),
         None => bail!("usage: cargo xtask TASK; tasks: tiny-cmf [OUT], shaders"),
     }
 }
@@ -204,5 +223,187 @@ fn shaders() -> Result<()> {
     if failed > 0 {
         bail!("{failed} shader validation error(s)");
     }
+    Ok(())
+}
+
+/// Reads a safetensors file's header and data section (small files only: the fixture).
+fn read_safetensors(path: &Path) -> Result<(serde_json::Map<String, serde_json::Value>, Vec<u8>)> {
+    let buf = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let n = u64::from_le_bytes(buf[..8].try_into()?) as usize;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&buf[8..8 + n])?;
+    Ok((header, buf[8 + n..].to_vec()))
+}
+
+/// One tensor of a shard being written: name, dtype, shape, and how to produce its bytes.
+enum SynthData {
+    Copy(Vec<u8>),
+    Random { seed: u64, bytes: u64 },
+}
+
+fn write_shard(path: &Path, tensors: &[(String, String, Vec<usize>, SynthData)]) -> Result<u64> {
+    use std::io::Write;
+    let mut header = serde_json::Map::new();
+    let mut off = 0u64;
+    for (name, dtype, shape, data) in tensors {
+        let len = match data {
+            SynthData::Copy(b) => b.len() as u64,
+            SynthData::Random { bytes, .. } => *bytes,
+        };
+        header.insert(
+            name.clone(),
+            serde_json::json!({ "dtype": dtype, "shape": shape, "data_offsets": [off, off + len] }),
+        );
+        off += len;
+    }
+    let mut h = serde_json::to_vec(&header)?;
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut f = std::io::BufWriter::with_capacity(1 << 22, std::fs::File::create(path)?);
+    f.write_all(&(h.len() as u64).to_le_bytes())?;
+    f.write_all(&h)?;
+    let mut chunk = vec![0u8; 1 << 22];
+    for (_, _, _, data) in tensors {
+        match data {
+            SynthData::Copy(b) => f.write_all(b)?,
+            SynthData::Random { seed, bytes } => {
+                let mut rng = SplitMix(*seed);
+                let mut left = *bytes as usize;
+                while left > 0 {
+                    let n = left.min(chunk.len());
+                    for w in chunk[..n].chunks_exact_mut(8) {
+                        // Four bf16 values in [-1/16, 1/16): sign, exponent 0x3b-0x3d, any mantissa.
+                        let r = rng.next();
+                        for k in 0..4 {
+                            let m = (r >> (16 * k)) as u16;
+                            let v = (m & 0x807f) | (0x3d00 - ((m >> 7) & 0x3) * 0x80);
+                            w[2 * k..2 * k + 2].copy_from_slice(&v.to_le_bytes());
+                        }
+                    }
+                    f.write_all(&chunk[..n])?;
+                    left -= n;
+                }
+            }
+        }
+    }
+    f.flush()?;
+    Ok(8 + h.len() as u64 + off)
+}
+
+/// A `qwen4_exp` checkpoint shaped like fixtures/qwen4_exp_a but with many wide experts: every
+/// small tensor is the fixture's own, the routed experts (and router) are deterministic random
+/// bf16, one shard per layer of experts, with an index.
+fn synth_checkpoint(dir: &Path, gb: f64) -> Result<()> {
+    let src = workspace_root().join("fixtures/qwen4_exp_a/hf");
+    std::fs::create_dir_all(dir)?;
+    let mut config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("config.json"))?)?;
+    let text = &config["text_config"];
+    let d = text["hidden_size"].as_u64().context("hidden_size")? as usize;
+    let layers = text["num_hidden_layers"]
+        .as_u64()
+        .context("num_hidden_layers")? as usize;
+    let inter = 4096usize;
+    let per_expert = 3 * inter * d * 2; // gate, up, down in bf16
+    let experts = ((gb * 1e9) / (layers * per_expert) as f64).ceil() as usize;
+    config["text_config"]["num_experts"] = experts.into();
+    config["text_config"]["moe_intermediate_size"] = inter.into();
+    std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config)?)?;
+    for f in [
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ] {
+        std::fs::copy(src.join(f), dir.join(f))?;
+    }
+
+    // Every fixture tensor except experts and routers goes to shard 0.
+    let index: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(src.join("model.safetensors.index.json"))?)?;
+    let mut files: Vec<String> = index["weight_map"]
+        .as_object()
+        .context("weight_map")?
+        .values()
+        .filter_map(|v| v.as_str().map(String::from))
+        .collect();
+    files.sort();
+    files.dedup();
+    let mut small = Vec::new();
+    for f in &files {
+        let (header, data) = read_safetensors(&src.join(f))?;
+        for (name, info) in header {
+            if name == "__metadata__"
+                || name.contains(".mlp.experts.")
+                || name.ends_with(".mlp.gate.weight")
+            {
+                continue;
+            }
+            let off = info["data_offsets"].as_array().context("offsets")?;
+            let (a, b) = (
+                off[0].as_u64().unwrap_or(0) as usize,
+                off[1].as_u64().unwrap_or(0) as usize,
+            );
+            let shape: Vec<usize> = serde_json::from_value(info["shape"].clone())?;
+            let dtype = info["dtype"].as_str().unwrap_or("BF16").to_string();
+            small.push((name, dtype, shape, SynthData::Copy(data[a..b].to_vec())));
+        }
+    }
+    let n_shards = layers + 1;
+    let shard_name = |i: usize| format!("model-{:05}-of-{n_shards:05}.safetensors", i + 1);
+    let mut weight_map = serde_json::Map::new();
+    let mut total = 0u64;
+    for (name, ..) in &small {
+        weight_map.insert(name.clone(), shard_name(0).into());
+    }
+    total += write_shard(&dir.join(shard_name(0)), &small)?;
+    for l in 0..layers {
+        let stem = format!("model.language_model.layers.{l}.mlp.");
+        let tensors = vec![
+            (
+                format!("{stem}gate.weight"),
+                "BF16".to_string(),
+                vec![experts, d],
+                SynthData::Random {
+                    seed: 3 * l as u64,
+                    bytes: (experts * d * 2) as u64,
+                },
+            ),
+            (
+                format!("{stem}experts.gate_up_proj"),
+                "BF16".to_string(),
+                vec![experts, 2 * inter, d],
+                SynthData::Random {
+                    seed: 3 * l as u64 + 1,
+                    bytes: (experts * 2 * inter * d * 2) as u64,
+                },
+            ),
+            (
+                format!("{stem}experts.down_proj"),
+                "BF16".to_string(),
+                vec![experts, d, inter],
+                SynthData::Random {
+                    seed: 3 * l as u64 + 2,
+                    bytes: (experts * inter * d * 2) as u64,
+                },
+            ),
+        ];
+        for (name, ..) in &tensors {
+            weight_map.insert(name.clone(), shard_name(l + 1).into());
+        }
+        total += write_shard(&dir.join(shard_name(l + 1)), &tensors)?;
+        eprintln!("xtask: wrote {} ({l}/{layers})", shard_name(l + 1));
+    }
+    let index =
+        serde_json::json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::to_vec_pretty(&index)?,
+    )?;
+    eprintln!(
+        "xtask: {} ({experts} experts x {layers} layers, intermediate {inter}, hidden {d}): {:.2} GB",
+        dir.display(),
+        total as f64 / 1e9
+    );
     Ok(())
 }

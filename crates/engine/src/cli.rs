@@ -26,6 +26,24 @@ pub enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Convert a Hugging Face checkpoint directory (qwen4_exp, deepseek_v4) to one CMF file.
+    Convert(ConvertArgs),
+}
+
+/// `cortiq convert`.
+#[derive(Debug, Args)]
+pub struct ConvertArgs {
+    /// The checkpoint directory (config.json, *.safetensors, tokenizer files).
+    pub input: PathBuf,
+    /// The CMF file to write.
+    #[arg(short, long, value_name = "OUT.cmf")]
+    pub output: PathBuf,
+    /// Quantisation profile: f32, f16, bf16, q8, q4, q2 or fp4 (docs/convert.md).
+    #[arg(long, value_name = "PROFILE", default_value = "q4")]
+    pub quant: String,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 /// Options every command that may use the GPU takes.

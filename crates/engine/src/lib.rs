@@ -19,6 +19,7 @@ pub use kernels_wgsl;
 pub use quant_codecs;
 
 pub mod bench;
+pub mod convert;
 pub mod doctor;
 pub mod inspect;
 

@@ -9,7 +9,9 @@ use std::io::{self, Write};
 use std::process::ExitCode;
 
 use anyhow::Context;
-use cli::{BenchCommand, BenchKernelsArgs, Cli, Command, DeviceArgs, DoctorArgs, InspectArgs};
+use cli::{
+    BenchCommand, BenchKernelsArgs, Cli, Command, ConvertArgs, DeviceArgs, DoctorArgs, InspectArgs,
+};
 use engine::inspect::{self, InspectOptions};
 use engine::{gpu_runtime, quant_codecs};
 
@@ -32,6 +34,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Inspect(args) => run_inspect(args),
         Command::Doctor(args) => run_doctor(args),
         Command::Bench(BenchCommand::Kernels(args)) => run_bench_kernels(args),
+        Command::Convert(args) => run_convert(args),
     };
     match result {
         Ok(code) => code,
@@ -157,5 +160,59 @@ fn run_bench_kernels(args: BenchKernelsArgs) -> anyhow::Result<ExitCode> {
         report.write_text(&mut out)?;
     }
     out.flush()?;
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_convert(args: ConvertArgs) -> anyhow::Result<ExitCode> {
+    let profile: engine::convert::Profile = args
+        .quant
+        .parse()
+        .map_err(|e: String| anyhow::anyhow!("--quant: {e}"))?;
+    let opts = engine::convert::ConvertOptions {
+        input: args.input,
+        output: args.output,
+        profile,
+    };
+    let bar = if args.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(0)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{elapsed_precise} [{wide_bar}] {binary_bytes}/{binary_total_bytes} \
+             {binary_bytes_per_sec} ETA {eta} {msg}",
+        )
+        .context("progress bar template")?,
+    );
+    let start = std::time::Instant::now();
+    let report = engine::convert::convert(&opts, &mut |p| {
+        bar.set_length(p.bytes_total);
+        bar.set_position(p.bytes_done);
+        bar.set_message(format!("{}/{} tensors", p.tensors_done, p.tensors_total));
+    })?;
+    bar.finish_and_clear();
+    let secs = start.elapsed().as_secs_f64();
+    eprintln!(
+        "cortiq: wrote {} ({} {}, {} tensors, {:.1} MB from {:.1} MB of source in {:.1} s, {:.0} MB/s{}{})",
+        report.output.display(),
+        report.architecture,
+        profile,
+        report.tensors,
+        report.output_bytes as f64 / 1e6,
+        report.source_bytes as f64 / 1e6,
+        secs,
+        report.source_bytes as f64 / 1e6 / secs.max(1e-9),
+        if report.verbatim > 0 {
+            format!(", {} FP4 tensors copied verbatim", report.verbatim)
+        } else {
+            String::new()
+        },
+        if report.fallbacks > 0 {
+            format!(", {} narrow matrices fell back to q8_2f", report.fallbacks)
+        } else {
+            String::new()
+        },
+    );
     Ok(ExitCode::SUCCESS)
 }
