@@ -4,7 +4,7 @@
 //! - `tiny-cmf [OUT]`: write the deterministic example model file (default `assets/tiny.cmf`).
 //! - `shaders`: parse and validate every WGSL module and specialisation with naga, for the
 //!   lavapipe, full and minimal capability sets, printing naga's rendered errors.
-//! - `synth-checkpoint DIR [--gb N]`: write a deterministic synthetic `qwen4_exp` checkpoint of
+//! - `synth-checkpoint DIR [--gb N] [--vocab N]`: write a deterministic synthetic `qwen4_exp` checkpoint of
 //!   at least N GB (default 4) for measuring `cortiq convert` (docs/perf.md); never committed.
 
 use std::path::{Path, PathBuf};
@@ -37,20 +37,23 @@ fn run(args: Vec<String>) -> Result<()> {
         Some("synth-checkpoint") => {
             let dir = args
                 .get(1)
-                .context("usage: cargo xtask synth-checkpoint DIR [--gb N]")?;
-            let gb = match args.get(2).map(String::as_str) {
-                Some("--gb") => args
-                    .get(3)
-                    .context("--gb needs a number")?
-                    .parse::<f64>()
-                    .context("--gb")?,
-                Some(other) => bail!("unexpected argument {other:?}"),
-                None => 4.0,
-            };
-            synth_checkpoint(Path::new(dir), gb)
+                .context("usage: cargo xtask synth-checkpoint DIR [--gb N] [--vocab N]")?;
+            let (mut gb, mut vocab) = (4.0, None);
+            let mut rest = args[2..].iter();
+            while let Some(flag) = rest.next() {
+                let value = rest
+                    .next()
+                    .with_context(|| format!("{flag} needs a number"))?;
+                match flag.as_str() {
+                    "--gb" => gb = value.parse::<f64>().context("--gb")?,
+                    "--vocab" => vocab = Some(value.parse::<usize>().context("--vocab")?),
+                    other => bail!("unexpected argument {other:?}"),
+                }
+            }
+            synth_checkpoint(Path::new(dir), gb, vocab)
         }
         Some(other) => bail!(
-            "unknown task {other:?}; tasks: tiny-cmf [OUT], shaders, synth-checkpoint DIR [--gb N]"
+            "unknown task {other:?}; tasks: tiny-cmf [OUT], shaders, synth-checkpoint DIR [--gb N] [--vocab N]"
         ),
         None => bail!("usage: cargo xtask TASK; tasks: tiny-cmf [OUT], shaders"),
     }
@@ -294,7 +297,7 @@ fn write_shard(path: &Path, tensors: &[(String, String, Vec<usize>, SynthData)])
 /// A `qwen4_exp` checkpoint shaped like fixtures/qwen4_exp_a but with many wide experts: every
 /// small tensor is the fixture's own, the routed experts (and router) are deterministic random
 /// bf16, one shard per layer of experts, with an index.
-fn synth_checkpoint(dir: &Path, gb: f64) -> Result<()> {
+fn synth_checkpoint(dir: &Path, gb: f64, vocab: Option<usize>) -> Result<()> {
     let src = workspace_root().join("fixtures/qwen4_exp_a/hf");
     std::fs::create_dir_all(dir)?;
     let mut config: serde_json::Value =
@@ -308,6 +311,11 @@ fn synth_checkpoint(dir: &Path, gb: f64) -> Result<()> {
     let per_expert = 3 * inter * d * 2; // gate, up, down in bf16
     let experts = ((gb * 1e9) / (layers * per_expert) as f64).ceil() as usize;
     config["text_config"]["num_experts"] = experts.into();
+    // A large vocabulary makes the embedding and lm_head single tensors of gigabytes, the case
+    // the converter quantises a block of rows at a time.
+    if let Some(v) = vocab {
+        config["text_config"]["vocab_size"] = v.into();
+    }
     config["text_config"]["moe_intermediate_size"] = inter.into();
     std::fs::write(dir.join("config.json"), serde_json::to_vec_pretty(&config)?)?;
     for f in [
@@ -337,6 +345,17 @@ fn synth_checkpoint(dir: &Path, gb: f64) -> Result<()> {
                 || name.contains(".mlp.experts.")
                 || name.ends_with(".mlp.gate.weight")
             {
+                continue;
+            }
+            if let Some(v) = vocab
+                && (name.ends_with("embed_tokens.weight") || name == "lm_head.weight")
+            {
+                let seed = 7 + small.len() as u64;
+                let data = SynthData::Random {
+                    seed,
+                    bytes: (v * d * 2) as u64,
+                };
+                small.push((name, "BF16".to_string(), vec![v, d], data));
                 continue;
             }
             let off = info["data_offsets"].as_array().context("offsets")?;

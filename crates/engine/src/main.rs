@@ -168,11 +168,7 @@ fn run_convert(args: ConvertArgs) -> anyhow::Result<ExitCode> {
         .quant
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--quant: {e}"))?;
-    let opts = engine::convert::ConvertOptions {
-        input: args.input,
-        output: args.output,
-        profile,
-    };
+    let opts = engine::convert::ConvertOptions::new(args.input, args.output, profile);
     let bar = if args.quiet {
         indicatif::ProgressBar::hidden()
     } else {

@@ -37,6 +37,7 @@ mod q8_2f;
 mod simd256;
 #[cfg(target_arch = "x86_64")]
 mod simd512;
+mod stream;
 pub mod tiered;
 
 use rayon::prelude::*;
@@ -46,6 +47,7 @@ pub use error::CodecError;
 pub use float::round_bf16;
 use kernel::Permute;
 pub use kernel::{Isa, MAX_BATCH};
+pub use stream::{RowEncoder, column_maxima};
 
 /// A validated view of one `[rows, cols]` matrix payload in any dtype.
 #[derive(Debug, Clone, Copy)]
@@ -275,31 +277,11 @@ pub fn quantize(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Result<Vec
     }
     Ok(match dtype {
         DType::Q8_2f => q8_2f::quantize(&l, w),
-        DType::Q4tp | DType::Q2tp => {
-            let tier = if dtype == DType::Q4tp {
-                q4tp::TIER
-            } else {
-                q2tp::TIER
-            };
+        DType::Q4tp | DType::Q2tp | DType::Mxfp4 => {
             let mut out = vec![0u8; l.nbytes];
             let (plane, rest) = out.split_at_mut(l.second);
-            let (params, codes) = rest.split_at_mut(4 * rows);
-            plane
-                .par_chunks_mut(cols * tier.bits / 8)
-                .zip(params.par_chunks_mut(4))
-                .zip(codes.par_chunks_mut(l.code_stride))
-                .zip(w.par_chunks(cols))
-                .for_each(|(((p, pr), c), row)| tiered::quantize_row(&tier, row, p, pr, c));
-            out
-        }
-        DType::Mxfp4 => {
-            let mut out = vec![0u8; l.nbytes];
-            let (plane, scales) = out.split_at_mut(l.second);
-            plane
-                .par_chunks_mut(cols / 2)
-                .zip(scales.par_chunks_mut(cols / GROUP))
-                .zip(w.par_chunks(cols))
-                .for_each(|((p, s), row)| mxfp4::quantize_row(row, p, s));
+            let (second, third) = rest.split_at_mut(l.third - l.second);
+            stream::group_rows(&l, w, plane, second, third);
             out
         }
         DType::F32 | DType::F16 | DType::BF16 => unreachable!("float dtypes returned above"),

@@ -52,11 +52,9 @@ fn encode(v: f32, s: f32) -> i8 {
     (v / s).round().clamp(-127.0, 127.0) as i8
 }
 
-/// Quantises a `[rows, cols]` matrix of finite values.
-pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
-    let (rows, cols) = (l.rows, l.cols);
-    let colmax = w
-        .par_chunks(cols)
+/// Each column's largest magnitude.
+pub(crate) fn col_max(w: &[f32], cols: usize) -> Vec<f32> {
+    w.par_chunks(cols)
         .fold(
             || vec![0.0f32; cols],
             |mut m, row| {
@@ -74,10 +72,14 @@ pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
                 }
                 a
             },
-        );
+        )
+}
+
+/// Column scales (f16 bits) from the columns' maxima: sqrt(colmax / gmax), floored at the
+/// smallest normal f16.
+pub(crate) fn col_scales_from_max(colmax: &[f32]) -> Vec<u16> {
     let gmax = colmax.iter().fold(0.0f32, |m, &v| m.max(v));
-    // Column scales in (0, 1]: sqrt(colmax / gmax), floored at the smallest normal f16.
-    let cs16: Vec<u16> = colmax
+    colmax
         .iter()
         .map(|&m| {
             let c = if gmax > 0.0 {
@@ -87,14 +89,11 @@ pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
             };
             f32_to_f16_bits(c.max(f32::from_bits(0x3880_0000))) // 2^-14
         })
-        .collect();
-    let cs: Vec<f32> = cs16.iter().map(|&h| f16_bits_to_f32(h)).collect();
-    let mut out = vec![0u8; l.nbytes];
-    let (plane, rest) = out.split_at_mut(l.second);
-    let (rsec, csec) = rest.split_at_mut(2 * rows);
-    for (dst, h) in csec.chunks_exact_mut(2).zip(&cs16) {
-        dst.copy_from_slice(&h.to_le_bytes());
-    }
+        .collect()
+}
+
+/// Quantises rows given the column scales: writes each row's int8 codes and f16 row scale.
+pub(crate) fn quantize_rows(w: &[f32], cols: usize, cs: &[f32], plane: &mut [u8], rsec: &mut [u8]) {
     plane
         .par_chunks_mut(cols)
         .zip(rsec.par_chunks_mut(2))
@@ -102,7 +101,7 @@ pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
         .for_each(|((q, rs), row)| {
             let m = row
                 .iter()
-                .zip(&cs)
+                .zip(cs)
                 .fold(0.0f32, |m, (v, c)| m.max(v.abs() / c));
             let mut best: Option<(u16, f32)> = None;
             if m > 0.0 {
@@ -114,7 +113,7 @@ pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
                     }
                     let sse: f32 = row
                         .iter()
-                        .zip(&cs)
+                        .zip(cs)
                         .map(|(&v, &c)| {
                             let e = v - (encode(v / c, s) as f32 * s) * c;
                             e * e
@@ -129,11 +128,25 @@ pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
             rs.copy_from_slice(&h.to_le_bytes());
             let s = f16_bits_to_f32(h);
             if s > 0.0 {
-                for ((q, &v), &c) in q.iter_mut().zip(row).zip(&cs) {
+                for ((q, &v), &c) in q.iter_mut().zip(row).zip(cs) {
                     *q = encode(v / c, s) as u8;
                 }
             }
         });
+}
+
+/// Quantises a `[rows, cols]` matrix of finite values.
+pub(crate) fn quantize(l: &Layout, w: &[f32]) -> Vec<u8> {
+    let (rows, cols) = (l.rows, l.cols);
+    let cs16 = col_scales_from_max(&col_max(w, cols));
+    let cs: Vec<f32> = cs16.iter().map(|&h| f16_bits_to_f32(h)).collect();
+    let mut out = vec![0u8; l.nbytes];
+    let (plane, rest) = out.split_at_mut(l.second);
+    let (rsec, csec) = rest.split_at_mut(2 * rows);
+    for (dst, h) in csec.chunks_exact_mut(2).zip(&cs16) {
+        dst.copy_from_slice(&h.to_le_bytes());
+    }
+    quantize_rows(w, cols, &cs, plane, rsec);
     out
 }
 

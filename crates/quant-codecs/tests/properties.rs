@@ -417,3 +417,40 @@ fn synthetic_payloads_decode_to_finite_values() {
         assert!(d.iter().any(|v| *v != 0.0), "{dtype}");
     }
 }
+
+proptest! {
+    #![proptest_config(cfg(64))]
+
+    #[test]
+    fn row_blocks_encode_exactly_as_quantize((rows, cols, w) in weights(32), block in 1usize..5) {
+        for dtype in DType::ALL {
+            let whole = quantize(dtype, rows, cols, &w).unwrap();
+            let mut colmax = vec![0.0f32; cols];
+            for b in w.chunks(block * cols) {
+                quant_codecs::column_maxima(&mut colmax, b);
+            }
+            let mut enc = quant_codecs::RowEncoder::new(dtype, rows, cols, Some(&colmax)).unwrap();
+            let mut streamed = Vec::new();
+            for b in w.chunks(block * cols) {
+                streamed.extend(enc.push_rows(b).unwrap());
+            }
+            streamed.extend(enc.finish().unwrap());
+            prop_assert!(streamed == whole, "{} block {}", dtype, block);
+        }
+    }
+}
+
+#[test]
+fn row_encoder_refuses_misuse() {
+    use quant_codecs::RowEncoder;
+    assert!(RowEncoder::new(DType::Q8_2f, 2, 64, None).is_err());
+    assert!(RowEncoder::new(DType::Q8_2f, 2, 64, Some(&[1.0; 63])).is_err());
+    let mut e = RowEncoder::new(DType::Q4tp, 2, 64, None).unwrap();
+    assert!(e.push_rows(&[0.0; 65]).is_err());
+    assert!(
+        e.push_rows(&[0.0; 192]).is_err(),
+        "more rows than the matrix has"
+    );
+    e.push_rows(&[0.0; 64]).unwrap();
+    assert!(e.finish().is_err(), "a row is missing");
+}

@@ -9,11 +9,7 @@
 //!
 //! ```no_run
 //! use engine::convert::{ConvertOptions, Profile, convert};
-//! let opts = ConvertOptions {
-//!     input: "hf-dir".into(),
-//!     output: "model.cmf".into(),
-//!     profile: Profile::Q4,
-//! };
+//! let opts = ConvertOptions::new("hf-dir".into(), "model.cmf".into(), Profile::Q4);
 //! let report = convert(&opts, &mut |p| eprintln!("{}/{}", p.tensors_done, p.tensors_total))?;
 //! println!("{} tensors", report.tensors);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -46,6 +42,22 @@ pub struct ConvertOptions {
     pub output: PathBuf,
     /// The quantisation profile.
     pub profile: Profile,
+    /// Matrices of plain floats whose values take more than this many bytes as f32 are
+    /// quantised a block of rows at a time (same bytes, bounded memory). Default 64 MiB
+    /// ([`ConvertOptions::new`]); tests set 0 to stream everything.
+    pub stream_above: usize,
+}
+
+impl ConvertOptions {
+    /// Options with the default streaming threshold.
+    pub fn new(input: PathBuf, output: PathBuf, profile: Profile) -> ConvertOptions {
+        ConvertOptions {
+            input,
+            output,
+            profile,
+            stream_above: STREAM_F32_BYTES,
+        }
+    }
 }
 
 /// Progress, reported after each tensor is written.
@@ -80,6 +92,8 @@ pub struct ConvertReport {
     pub verbatim: usize,
     /// Tensors whose profile format did not fit their width and fell back (docs/convert.md).
     pub fallbacks: usize,
+    /// Matrices quantised a block of rows at a time (see [`ConvertOptions::stream_above`]).
+    pub streamed: usize,
 }
 
 /// Why a conversion failed. Every variant names the file and, where one is involved, the tensor.
@@ -288,7 +302,7 @@ pub fn convert(
     let mut writer = CmfWriter::create(&opts.output, header)?;
     let bytes_total: u64 = jobs.iter().map(|j| j.source_bytes).sum();
     let mut bytes_done = 0u64;
-    let (mut verbatim, mut fallbacks) = (0, 0);
+    let (mut verbatim, mut fallbacks, mut streamed) = (0, 0, 0);
     for (i, job) in jobs.iter().enumerate() {
         let report = |bytes_done| Progress {
             tensor: &job.name,
@@ -310,6 +324,12 @@ pub fn convert(
                     serde_json::json!({ "shape": job.shape, "data": ints }),
                 );
             }
+            bytes_done += job.source_bytes;
+            progress(&report(bytes_done));
+            continue;
+        }
+        if stream_job(&ckpt, job, opts.profile, opts.stream_above, &mut writer)? {
+            streamed += 1;
             bytes_done += job.source_bytes;
             progress(&report(bytes_done));
             continue;
@@ -342,6 +362,7 @@ pub fn convert(
         output_bytes,
         verbatim,
         fallbacks,
+        streamed,
     })
 }
 
@@ -367,6 +388,122 @@ fn wide_integers(ckpt: &Checkpoint, job: &Job) -> Result<Option<Vec<i64>>, Conve
             tensor: t.name.to_string(),
             value: bad,
         }),
+    }
+}
+
+/// The default [`ConvertOptions::stream_above`]: matrices whose f32 values would take more
+/// than this are quantised a block of rows at a time ([`stream_job`]).
+const STREAM_F32_BYTES: usize = 64 << 20;
+
+/// f32 bytes of source rows decoded per block when streaming.
+const BLOCK_F32_BYTES: usize = 16 << 20;
+
+/// Converts a large plain-float (f32, f16, bf16) matrix block by block: each block of rows is
+/// decoded, quantised and written, its source pages released (q8_2f first reads every block
+/// once for its column maxima). Returns false for a job it does not handle.
+fn stream_job(
+    ckpt: &Checkpoint,
+    job: &Job,
+    profile: Profile,
+    stream_above: usize,
+    writer: &mut CmfWriter,
+) -> Result<bool, ConvertError> {
+    let Src::Tensor(name) = &job.src else {
+        return Ok(false);
+    };
+    let [rows, cols] = job.shape[..] else {
+        return Ok(false);
+    };
+    let Some(meta) = ckpt.meta(name) else {
+        return Ok(false);
+    };
+    if !decode::is_float(meta.dtype) || rows * cols * 4 <= stream_above {
+        return Ok(false);
+    }
+    let dtype = profile.dtype_for(job.role, &job.shape);
+    let t = ckpt.get(name, &job.name)?;
+    let src_row = t.bytes.len() / rows;
+    let block = (BLOCK_F32_BYTES / (cols * 4)).max(1);
+    let decode_rows = |r0: usize, r1: usize| -> Result<Vec<f32>, ConvertError> {
+        let shape = [r1 - r0, cols];
+        let part = SourceTensor {
+            bytes: &t.bytes[r0 * src_row..r1 * src_row],
+            shape: &shape,
+            ..t
+        };
+        let v = decode::plain_f32(&part)?;
+        ckpt.release(&part);
+        Ok(v)
+    };
+    let codec_err = |source| ConvertError::Codec {
+        path: t.file.to_path_buf(),
+        tensor: job.name.clone(),
+        source,
+    };
+    let colmax = if dtype == DType::Q8_2f {
+        let mut m = vec![0.0f32; cols];
+        for r0 in (0..rows).step_by(block) {
+            quant_codecs::column_maxima(&mut m, &decode_rows(r0, (r0 + block).min(rows))?);
+        }
+        Some(m)
+    } else {
+        None
+    };
+    let mut enc = Some(
+        quant_codecs::RowEncoder::new(dtype, rows, cols, colmax.as_deref()).map_err(codec_err)?,
+    );
+    let mut next = 0usize;
+    let mut blocks = std::iter::from_fn(|| {
+        let e = enc.as_mut()?;
+        if next < rows {
+            let r1 = (next + block).min(rows);
+            let out = decode_rows(next, r1).and_then(|v| e.push_rows(&v).map_err(codec_err));
+            next = r1;
+            Some(out)
+        } else {
+            Some(enc.take()?.finish().map_err(codec_err))
+        }
+    });
+    // The writer pulls bytes and blocks are encoded as it asks; a failure inside is kept here
+    // and returned as itself once the writer reports the broken stream.
+    let failure = std::cell::RefCell::new(None);
+    let mut source = BlockReader {
+        blocks: &mut blocks,
+        current: std::io::Cursor::new(Vec::new()),
+        failure: &failure,
+    };
+    let result = writer.add_tensor_from_reader(&job.name, dtype, &job.shape, &mut source);
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    result?;
+    Ok(true)
+}
+
+/// Adapts an iterator of encoded blocks to `std::io::Read` for the CMF writer.
+struct BlockReader<'a, I: Iterator<Item = Result<Vec<u8>, ConvertError>>> {
+    blocks: &'a mut I,
+    current: std::io::Cursor<Vec<u8>>,
+    failure: &'a std::cell::RefCell<Option<ConvertError>>,
+}
+
+impl<I: Iterator<Item = Result<Vec<u8>, ConvertError>>> std::io::Read for BlockReader<'_, I> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let n = self.current.read(buf)?;
+            if n > 0 || buf.is_empty() {
+                return Ok(n);
+            }
+            match self.blocks.next() {
+                None => return Ok(0),
+                Some(Ok(bytes)) => self.current = std::io::Cursor::new(bytes),
+                Some(Err(e)) => {
+                    let msg = e.to_string();
+                    *self.failure.borrow_mut() = Some(e);
+                    return Err(std::io::Error::other(msg));
+                }
+            }
+        }
     }
 }
 
