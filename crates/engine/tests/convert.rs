@@ -856,3 +856,34 @@ fn streaming_row_blocks_writes_the_same_tensors() {
         }
     }
 }
+
+#[cfg(unix)]
+#[test]
+fn a_full_disk_is_an_error_naming_the_tensor_and_leaves_nothing() {
+    // A file-size limit makes writes fail with EFBIG part-way, as a full disk makes them fail
+    // with ENOSPC: the same error path. SIGXFSZ is ignored so the write returns the error.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.cmf");
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 40; exec '{}' convert '{}' -o '{}' --quant f32 --quiet",
+        env!("CARGO_BIN_EXE_cortiq"),
+        fixture("qwen4_exp_a").display(),
+        out.display()
+    );
+    let r = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert_eq!(r.status.code(), Some(2), "{r:?}");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        err.contains("writing tensor") && err.contains("out.cmf"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "files left behind"
+    );
+}

@@ -239,6 +239,16 @@ pub enum ConvertError {
     /// Writing the CMF file failed (nothing is left at the output path).
     #[error(transparent)]
     Cmf(#[from] CmfError),
+    /// Writing one tensor failed (a full disk, say); nothing is left at the output path.
+    #[error("{}: writing tensor {tensor}: {source}", path.display())]
+    WriteTensor {
+        /// The output file.
+        path: PathBuf,
+        /// The tensor being written.
+        tensor: String,
+        /// What the writer reported.
+        source: Box<CmfError>,
+    },
 }
 
 /// Where a CMF tensor's values come from.
@@ -328,7 +338,16 @@ pub fn convert(
             progress(&report(bytes_done));
             continue;
         }
-        if stream_job(&ckpt, job, opts.profile, opts.stream_above, &mut writer)? {
+        if stream_job(&ckpt, job, opts.profile, opts.stream_above, &mut writer).map_err(
+            |e| match e {
+                ConvertError::Cmf(source) => ConvertError::WriteTensor {
+                    path: opts.output.clone(),
+                    tensor: job.name.clone(),
+                    source: Box::new(source),
+                },
+                e => e,
+            },
+        )? {
             streamed += 1;
             bytes_done += job.source_bytes;
             progress(&report(bytes_done));
@@ -342,7 +361,13 @@ pub fn convert(
             fallbacks += 1;
         }
         verbatim += usize::from(was_verbatim);
-        writer.add_tensor(&job.name, dtype, &job.shape, &bytes)?;
+        writer
+            .add_tensor(&job.name, dtype, &job.shape, &bytes)
+            .map_err(|source| ConvertError::WriteTensor {
+                path: opts.output.clone(),
+                tensor: job.name.clone(),
+                source: Box::new(source),
+            })?;
         drop(bytes);
         bytes_done += job.source_bytes;
         progress(&report(bytes_done));
