@@ -79,14 +79,7 @@ fn run_inspect(args: InspectArgs) -> anyhow::Result<ExitCode> {
         Some(file) => inspect::inspect(file, &opts)?,
         None => inspect::inspect_cmf(&engine::embedded_model()?, &opts)?,
     };
-    let mut out = io::BufWriter::new(io::stdout().lock());
-    if args.json {
-        serde_json::to_writer_pretty(&mut out, &report).context("writing JSON to stdout")?;
-        writeln!(out)?;
-    } else {
-        report.write_text(&mut out)?;
-    }
-    out.flush()?;
+    print_report(args.json, &report, |w| report.write_text(w))?;
     let corrupt = report.verify.as_ref().is_some_and(|v| !v.bad.is_empty());
     Ok(if corrupt {
         ExitCode::from(1)
@@ -112,14 +105,7 @@ fn gpu_options(args: &DeviceArgs) -> anyhow::Result<gpu_runtime::GpuOptions> {
 
 fn run_doctor(args: DoctorArgs) -> anyhow::Result<ExitCode> {
     let report = engine::doctor::run(&gpu_options(&args.device)?)?;
-    let mut out = io::BufWriter::new(io::stdout().lock());
-    if args.json {
-        serde_json::to_writer_pretty(&mut out, &report).context("writing JSON to stdout")?;
-        writeln!(out)?;
-    } else {
-        report.write_text(&mut out)?;
-    }
-    out.flush()?;
+    print_report(args.json, &report, |w| report.write_text(w))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -152,14 +138,7 @@ fn run_bench_kernels(args: BenchKernelsArgs) -> anyhow::Result<ExitCode> {
         ))
     })?;
     bar.finish_and_clear();
-    let mut out = io::BufWriter::new(io::stdout().lock());
-    if args.json {
-        serde_json::to_writer_pretty(&mut out, &report).context("writing JSON to stdout")?;
-        writeln!(out)?;
-    } else {
-        report.write_text(&mut out)?;
-    }
-    out.flush()?;
+    print_report(args.json, &report, |w| report.write_text(w))?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -211,4 +190,21 @@ fn run_convert(args: ConvertArgs) -> anyhow::Result<ExitCode> {
         },
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// Prints a report to stdout: pretty JSON with `--json`, else its text form.
+fn print_report(
+    json: bool,
+    report: &impl serde::Serialize,
+    text: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+) -> anyhow::Result<()> {
+    let mut out = io::BufWriter::new(io::stdout().lock());
+    if json {
+        serde_json::to_writer_pretty(&mut out, report).context("writing JSON to stdout")?;
+        writeln!(out)?;
+    } else {
+        text(&mut out)?;
+    }
+    out.flush()?;
+    Ok(())
 }
