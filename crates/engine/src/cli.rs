@@ -28,6 +28,24 @@ pub enum Command {
     Bench(BenchCommand),
     /// Convert a Hugging Face checkpoint directory (qwen4_exp, deepseek_v4) to one CMF file.
     Convert(ConvertArgs),
+    /// Write float32 logits [T, vocab] of every prompt position as .npy (qwen4_exp, CPU).
+    Logits(LogitsArgs),
+}
+
+/// `cortiq logits`.
+#[derive(Debug, Args)]
+pub struct LogitsArgs {
+    /// The CMF model.
+    pub model: PathBuf,
+    /// Token ids, comma-separated, used exactly as given (no BOS added).
+    #[arg(long, value_delimiter = ',', required = true)]
+    pub tokens: Vec<u32>,
+    /// The .npy file to write.
+    #[arg(long, value_name = "FILE.npy")]
+    pub out: PathBuf,
+    /// Prefill K tokens, then decode the rest one at a time (same output shape).
+    #[arg(long, value_name = "K")]
+    pub decode_from: Option<usize>,
 }
 
 /// `cortiq convert`.

@@ -22,6 +22,7 @@ pub mod bench;
 pub mod convert;
 pub mod doctor;
 pub mod inspect;
+pub mod logits;
 
 /// The example model shipped in the binary (`assets/tiny.cmf`, written by `cargo xtask
 /// tiny-cmf`): what commands use when no model file is given.

@@ -11,6 +11,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use cli::{
     BenchCommand, BenchKernelsArgs, Cli, Command, ConvertArgs, DeviceArgs, DoctorArgs, InspectArgs,
+    LogitsArgs,
 };
 use engine::inspect::{self, InspectOptions};
 use engine::{gpu_runtime, quant_codecs};
@@ -35,6 +36,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Doctor(args) => run_doctor(args),
         Command::Bench(BenchCommand::Kernels(args)) => run_bench_kernels(args),
         Command::Convert(args) => run_convert(args),
+        Command::Logits(args) => run_logits(args),
     };
     match result {
         Ok(code) => code,
@@ -189,6 +191,21 @@ fn run_convert(args: ConvertArgs) -> anyhow::Result<ExitCode> {
             String::new()
         },
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_logits(args: LogitsArgs) -> anyhow::Result<ExitCode> {
+    let opts = engine::logits::LogitsOptions {
+        tokens: args.tokens,
+        decode_from: args.decode_from,
+    };
+    let l = engine::logits::logits(&args.model, &opts)?;
+    let file = std::fs::File::create(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let mut w = io::BufWriter::new(file);
+    engine::logits::write_npy(&mut w, l.rows, l.vocab, &l.data)
+        .and_then(|_| w.flush())
+        .with_context(|| format!("writing {}", args.out.display()))?;
     Ok(ExitCode::SUCCESS)
 }
 

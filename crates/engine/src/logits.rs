@@ -1,0 +1,109 @@
+//! `cortiq logits`: float32 logits `[T, vocab]` of every prompt position, written as numpy
+//! `.npy`. The ids are used exactly as given (no BOS). With `decode_from = K` the first K tokens
+//! are prefilled and the rest fed one at a time through the cache; the array has the same shape.
+//!
+//! Only qwen4_exp models run so far (the CPU reference forward of `model-qwen4`).
+
+use std::io::{self, Write};
+use std::path::Path;
+
+use cmf_format::{Cmf, CmfError};
+use model_qwen4::{ForwardError, Model, SeqState, WeightError, Weights};
+
+/// What to compute.
+#[derive(Debug, Clone, Default)]
+pub struct LogitsOptions {
+    /// Token ids, as given.
+    pub tokens: Vec<u32>,
+    /// Prefill this many tokens, then decode the rest one at a time.
+    pub decode_from: Option<usize>,
+}
+
+/// Logits of every position.
+#[derive(Debug, Clone)]
+pub struct Logits {
+    /// Positions (`T`).
+    pub rows: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Row-major `[rows, vocab]`.
+    pub data: Vec<f32>,
+}
+
+/// Why no logits came out.
+#[derive(Debug, thiserror::Error)]
+pub enum LogitsError {
+    /// The file does not open.
+    #[error(transparent)]
+    Open(#[from] CmfError),
+    /// Not a usable qwen4_exp model.
+    #[error(transparent)]
+    Weights(#[from] WeightError),
+    /// Bad tokens.
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    /// `--decode-from` past the prompt.
+    #[error("--decode-from {k} is beyond the {t} prompt tokens")]
+    DecodeFrom {
+        /// Requested K.
+        k: usize,
+        /// Prompt length.
+        t: usize,
+    },
+}
+
+/// Runs the model at `path` on `opts.tokens`.
+pub fn logits(path: &Path, opts: &LogitsOptions) -> Result<Logits, LogitsError> {
+    let cmf = Cmf::open(path)?;
+    let (config, weights) = Weights::bind(&cmf)?;
+    let model = Model::new(config, weights);
+    let t = opts.tokens.len();
+    let data = match opts.decode_from {
+        None => model.forward_prefill(&opts.tokens)?,
+        Some(k) => {
+            if k > t {
+                return Err(LogitsError::DecodeFrom { k, t });
+            }
+            if t == 0 {
+                return Err(ForwardError::Empty.into());
+            }
+            let mut st = SeqState::new(&model.config);
+            let mut data = if k > 0 {
+                model.forward(&opts.tokens[..k], &mut st)?
+            } else {
+                Vec::new()
+            };
+            for &id in &opts.tokens[k..] {
+                data.extend(model.forward(&[id], &mut st)?);
+            }
+            data
+        }
+    };
+    Ok(Logits {
+        rows: t,
+        vocab: model.config.vocab_size,
+        data,
+    })
+}
+
+/// Writes a little-endian float32 C-order `.npy` (format 1.0) of shape `[rows, cols]`.
+pub fn write_npy(out: &mut dyn Write, rows: usize, cols: usize, data: &[f32]) -> io::Result<()> {
+    assert_eq!(data.len(), rows * cols, "npy data length");
+    let mut header =
+        format!("{{'descr': '<f4', 'fortran_order': False, 'shape': ({rows}, {cols}), }}");
+    // Magic (6) + version (2) + length (2) + header, padded with spaces to a multiple of 64,
+    // ending in a newline.
+    let total = (10 + header.len() + 1).div_ceil(64) * 64;
+    while 10 + header.len() + 1 < total {
+        header.push(' ');
+    }
+    header.push('\n');
+    out.write_all(b"\x93NUMPY\x01\x00")?;
+    out.write_all(&(header.len() as u16).to_le_bytes())?;
+    out.write_all(header.as_bytes())?;
+    let mut buf = Vec::with_capacity(data.len() * 4);
+    for v in data {
+        buf.extend_from_slice(&v.to_le_bytes());
+    }
+    out.write_all(&buf)
+}

@@ -1,0 +1,132 @@
+//! `cortiq logits` (library side) against transformers' logits in the qwen4_exp fixtures.
+
+use engine::convert::{ConvertOptions, Profile, convert};
+use engine::logits::{LogitsError, LogitsOptions, logits, write_npy};
+use std::path::{Path, PathBuf};
+
+fn fixture(case: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(case)
+}
+
+/// Minimal `.npy` reader: (shape, little-endian payload).
+fn npy(path: &Path) -> (Vec<usize>, Vec<u8>) {
+    let b = std::fs::read(path).unwrap();
+    assert_eq!(&b[..6], b"\x93NUMPY");
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    let header = std::str::from_utf8(&b[10..10 + hlen]).unwrap();
+    assert_eq!(
+        (10 + hlen) % 64,
+        0,
+        "header not 64-byte aligned: {header:?}"
+    );
+    let shape = header
+        .split("'shape': (")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap();
+    let shape = shape
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    (shape, b[10 + hlen..].to_vec())
+}
+
+fn f32s(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+#[test]
+fn logits_npy_matches_transformers_prefill_and_decode() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmf = dir.path().join("b.cmf");
+    convert(
+        &ConvertOptions::new(fixture("qwen4_exp_b").join("hf"), cmf.clone(), Profile::F32),
+        &mut |_| {},
+    )
+    .unwrap();
+    let exp = fixture("qwen4_exp_b").join("expected");
+    let (_, ids) = npy(&exp.join("p1_ids.npy"));
+    let tokens: Vec<u32> = ids
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let (shape, want) = npy(&exp.join("p1_prefill_logits.npy"));
+    let want = f32s(&want);
+    let tol = 1e-4 * want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for decode_from in [None, Some(17)] {
+        let l = logits(
+            &cmf,
+            &LogitsOptions {
+                tokens: tokens.clone(),
+                decode_from,
+            },
+        )
+        .unwrap();
+        let out = dir.path().join("out.npy");
+        let mut f = std::fs::File::create(&out).unwrap();
+        write_npy(&mut f, l.rows, l.vocab, &l.data).unwrap();
+        drop(f);
+        let (got_shape, got) = npy(&out);
+        assert_eq!(got_shape, shape);
+        let err = f32s(&got)
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= tol,
+            "decode_from {decode_from:?}: {err:.3e} > {tol:.3e}"
+        );
+    }
+    let too_far = logits(
+        &cmf,
+        &LogitsOptions {
+            tokens: tokens.clone(),
+            decode_from: Some(tokens.len() + 1),
+        },
+    );
+    assert!(matches!(too_far, Err(LogitsError::DecodeFrom { .. })));
+    let bad_id = logits(
+        &cmf,
+        &LogitsOptions {
+            tokens: vec![1, 384],
+            decode_from: None,
+        },
+    );
+    assert!(matches!(bad_id, Err(LogitsError::Forward(_))));
+    let empty = logits(
+        &cmf,
+        &LogitsOptions {
+            tokens: vec![],
+            decode_from: Some(0),
+        },
+    );
+    assert!(matches!(empty, Err(LogitsError::Forward(_))));
+
+    let ds = dir.path().join("ds.cmf");
+    convert(
+        &ConvertOptions::new(
+            fixture("deepseek_v4_a").join("hf"),
+            ds.clone(),
+            Profile::F32,
+        ),
+        &mut |_| {},
+    )
+    .unwrap();
+    let arch = logits(
+        &ds,
+        &LogitsOptions {
+            tokens: vec![1, 2],
+            decode_from: None,
+        },
+    );
+    assert!(matches!(arch, Err(LogitsError::Weights(_))), "{arch:?}");
+}

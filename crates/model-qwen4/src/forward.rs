@@ -1,0 +1,175 @@
+//! The qwen4_exp forward, top to bottom (`Qwen4ExpTextModel.forward` + `lm_head`):
+//! embed -> H identical streams; per layer: PLE (on `ple_layer_ids`), HC mix, GDN or QSA
+//! attention, inject, HC mix, MoE, inject; final HC mixer (no final norm); `lm_head`.
+
+use crate::config::Qwen4ExpTextConfig;
+use crate::ops::{Rope, linear};
+use crate::state::{LayerState, SeqState};
+use crate::weights::{MixerWeights, Weights};
+use crate::{gdn, hc, moe, ple, qsa};
+
+/// Bad input to a forward.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// No tokens.
+    #[error("empty prompt: at least one token is required")]
+    Empty,
+    /// A token id outside the vocabulary.
+    #[error("token id {id} at position {index} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange {
+        /// Offending id.
+        id: u32,
+        /// Its index in the input.
+        index: usize,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// The sequence state was made for a different model.
+    #[error("the sequence state does not belong to this model (layer {0} differs)")]
+    StateMismatch(usize),
+}
+
+/// Called with every named intermediate: `(name, layer index, data [t, width])`. Names:
+/// `ple_streams` (streams after PLE), `attn_hc_input`, `mixer_out` (GDN / attention output),
+/// `attn_streams` (streams after the injection), `mlp_hc_input`, `moe_out`, `layer_out`; then
+/// `final_mixed` and `logits` with layer index `num_hidden_layers`.
+pub type Trace<'t> = dyn FnMut(&str, usize, &[f32]) + 't;
+
+/// A bound model: config + weights.
+pub struct Model<'a> {
+    /// The config.
+    pub config: Qwen4ExpTextConfig,
+    /// The weights.
+    pub weights: Weights<'a>,
+    rope: Rope,
+}
+
+impl<'a> Model<'a> {
+    /// Wraps a config and its weights.
+    pub fn new(config: Qwen4ExpTextConfig, weights: Weights<'a>) -> Model<'a> {
+        let rope = Rope::new(config.rotary_dim(), config.rope().rope_theta);
+        Model {
+            config,
+            weights,
+            rope,
+        }
+    }
+
+    /// Logits `[T, vocab]` of every position of `tokens`, from an empty sequence.
+    pub fn forward_prefill(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
+        let mut st = SeqState::new(&self.config);
+        self.forward(tokens, &mut st)
+    }
+
+    /// Feeds `tokens` after whatever `st` holds; returns their logits `[T, vocab]`.
+    pub fn forward(&self, tokens: &[u32], st: &mut SeqState) -> Result<Vec<f32>, ForwardError> {
+        self.forward_traced(tokens, st, &mut |_, _, _| {})
+    }
+
+    /// [`Model::forward`], reporting every named intermediate to `trace`.
+    pub fn forward_traced(
+        &self,
+        tokens: &[u32],
+        st: &mut SeqState,
+        trace: &mut Trace<'_>,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let w = &self.weights;
+        let t = tokens.len();
+        if t == 0 {
+            return Err(ForwardError::Empty);
+        }
+        if let Some((index, &id)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= c.vocab_size)
+        {
+            return Err(ForwardError::TokenOutOfRange {
+                id,
+                index,
+                vocab: c.vocab_size,
+            });
+        }
+        if st.layers.len() != w.layers.len() || st.ple_conv.len() != w.layers.len() {
+            return Err(ForwardError::StateMismatch(
+                st.layers.len().min(w.layers.len()),
+            ));
+        }
+        for (il, (lw, ls)) in w.layers.iter().zip(&st.layers).enumerate() {
+            let same = matches!(
+                (&lw.mixer, ls),
+                (MixerWeights::Gdn(_), LayerState::Gdn(_))
+                    | (MixerWeights::Attn(_), LayerState::Attn(_))
+            );
+            if !same {
+                return Err(ForwardError::StateMismatch(il));
+            }
+        }
+        let (h, d) = (c.hc_count, c.hidden_size);
+        let eps = c.rms_norm_eps as f32;
+
+        // Embedding, repeated into the H streams.
+        let mut x = vec![0f32; t * h * d];
+        let mut row = vec![0f32; d];
+        for (r, &id) in tokens.iter().enumerate() {
+            w.embed
+                .dequantize_row(id as usize, &mut row)
+                .expect("id checked");
+            for k in 0..h {
+                x[r * h * d + k * d..r * h * d + (k + 1) * d].copy_from_slice(&row);
+            }
+        }
+
+        // N-gram rows for the PLE layers (same token history for every PLE module).
+        let mut history = st.ngram_ctx.clone();
+        history.extend(tokens.iter().map(|&id| id as i64));
+
+        for (il, lw) in w.layers.iter().enumerate() {
+            if let Some(pw) = &lw.ple {
+                let rows = ple::ngram_rows(
+                    &pw.hash,
+                    &history,
+                    t,
+                    c.ngram_size,
+                    c.heads_per_ngram,
+                    c.eos_id().expect("validated"),
+                );
+                ple::forward_cpu(pw, c, &mut x, &rows, t, &mut st.ple_conv[il]);
+                trace("ple_streams", il, &x);
+            }
+
+            let mix = hc::forward_cpu(&lw.attn_hc, &x, t, h, d, eps);
+            trace("attn_hc_input", il, &mix.input);
+            let y = match (&lw.mixer, &mut st.layers[il]) {
+                (MixerWeights::Gdn(gw), LayerState::Gdn(gs)) => {
+                    gdn::forward_cpu(gw, c, &mix.input, t, gs)
+                }
+                (MixerWeights::Attn(aw), LayerState::Attn(as_)) => {
+                    qsa::forward_cpu(aw, c, &self.rope, &mix.input, t, as_)
+                }
+                _ => return Err(ForwardError::StateMismatch(il)),
+            };
+            trace("mixer_out", il, &y);
+            hc::inject(&mut x, &y, &mix.inject, t, h, d);
+            trace("attn_streams", il, &x);
+
+            let mix = hc::forward_cpu(&lw.mlp_hc, &x, t, h, d, eps);
+            trace("mlp_hc_input", il, &mix.input);
+            let y = moe::forward_cpu(&lw.moe, c, &mix.input, t);
+            trace("moe_out", il, &y);
+            hc::inject(&mut x, &y, &mix.inject, t, h, d);
+            trace("layer_out", il, &x);
+        }
+
+        let keep = c.ngram_size.saturating_sub(1);
+        st.ngram_ctx = history[history.len() - keep..].to_vec();
+        st.pos += t;
+
+        let nl = c.num_hidden_layers;
+        let mixed = hc::forward_cpu(&w.final_mixer, &x, t, h, d, eps);
+        trace("final_mixed", nl, &mixed.input);
+        let logits = linear(&w.lm_head, &mixed.input, t);
+        trace("logits", nl, &logits);
+        Ok(logits)
+    }
+}

@@ -1,0 +1,140 @@
+//! Gated DeltaNet (`Qwen4ExpTextGatedDeltaNet`): causal depthwise conv + SiLU over q|k|v, the
+//! gated delta rule per value head (key heads shared by `Hv/Hk` consecutive value heads), and
+//! a sigmoid-gated RMSNorm (`Qwen4ExpTextRMSNormGated`, plain weight) before `out_proj`.
+//!
+//! Per token: `beta = sigmoid(b)`, `g = -exp(A_log) softplus(a + dt_bias)`, `q,k = l2norm`,
+//! `q /= sqrt(dk)`; `S *= exp(g)`; `delta = beta (v - S^T k)`; `S += k delta^T`; `o = S^T q`.
+//! Prefill runs the recurrence token by token (the reference's chunked form is the same math).
+
+use crate::config::{GateAct, Qwen4ExpTextConfig};
+use crate::ops::{linear, sigmoid, silu, softplus};
+use crate::weights::GdnWeights;
+use rayon::prelude::*;
+
+/// Recurrent state of one GDN layer for one sequence.
+#[derive(Debug, Clone, Default)]
+pub struct GdnState {
+    /// Last `K-1` pre-conv inputs `[K-1, C]` (empty = zeros).
+    pub conv: Vec<f32>,
+    /// `[Hv, dk, dv]` (empty = zeros).
+    pub s: Vec<f32>,
+}
+
+fn l2norm(x: &mut [f32]) {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    let r = 1.0 / (ss + 1e-6).sqrt();
+    for v in x {
+        *v *= r;
+    }
+}
+
+/// Runs the block on block inputs `u` `[t, D]`; returns `[t, D]`.
+pub fn forward_cpu(
+    w: &GdnWeights<'_>,
+    c: &Qwen4ExpTextConfig,
+    u: &[f32],
+    t: usize,
+    st: &mut GdnState,
+) -> Vec<f32> {
+    let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+    let key_dim = hk * dk;
+    let cdim = 2 * key_dim + hv * dv;
+    let kk = c.linear_conv_kernel_dim;
+    let eps = c.rms_norm_eps as f32;
+    let qkv = linear(&w.in_qkv, u, t);
+    let z = linear(&w.in_z, u, t);
+    let b = linear(&w.in_b, u, t);
+    let a = linear(&w.in_a, u, t);
+    // Causal depthwise conv with the state as left context.
+    if st.conv.len() != (kk - 1) * cdim {
+        st.conv = vec![0f32; (kk - 1) * cdim];
+    }
+    let mut full = st.conv.clone();
+    full.extend_from_slice(&qkv);
+    let mut conv = vec![0f32; t * cdim];
+    for r in 0..t {
+        for ch in 0..cdim {
+            let mut acc = 0f32;
+            for j in 0..kk {
+                acc += w.conv[ch * kk + j] * full[(r + j) * cdim + ch];
+            }
+            conv[r * cdim + ch] = silu(acc);
+        }
+    }
+    let n = full.len() / cdim;
+    st.conv = full[(n - (kk - 1)) * cdim..].to_vec();
+    if st.s.len() != hv * dk * dv {
+        st.s = vec![0f32; hv * dk * dv];
+    }
+    let rep = hv / hk;
+    let qscale = 1.0 / (dk as f32).sqrt();
+    let gate_act = c.gate_act();
+    // Value heads are independent: each runs its own recurrence over the t tokens.
+    let per_head: Vec<Vec<f32>> =
+        st.s.par_chunks_mut(dk * dv)
+            .enumerate()
+            .map(|(h, s)| {
+                let kh = h / rep;
+                let mut out_h = vec![0f32; t * dv];
+                let mut delta = vec![0f32; dv];
+                for r in 0..t {
+                    let row = &conv[r * cdim..(r + 1) * cdim];
+                    let mut q = row[kh * dk..(kh + 1) * dk].to_vec();
+                    let mut k = row[key_dim + kh * dk..key_dim + (kh + 1) * dk].to_vec();
+                    let v = &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
+                    l2norm(&mut q);
+                    l2norm(&mut k);
+                    for x in &mut q {
+                        *x *= qscale;
+                    }
+                    let beta = sigmoid(b[r * hv + h]);
+                    let g = -w.a_log[h].exp() * softplus(a[r * hv + h] + w.dt_bias[h]);
+                    let decay = g.exp();
+                    for x in s.iter_mut() {
+                        *x *= decay;
+                    }
+                    delta.fill(0.0);
+                    for i in 0..dk {
+                        for j in 0..dv {
+                            delta[j] += s[i * dv + j] * k[i];
+                        }
+                    }
+                    for j in 0..dv {
+                        delta[j] = (v[j] - delta[j]) * beta;
+                    }
+                    for i in 0..dk {
+                        for j in 0..dv {
+                            s[i * dv + j] += k[i] * delta[j];
+                        }
+                    }
+                    let out = &mut out_h[r * dv..(r + 1) * dv];
+                    for i in 0..dk {
+                        for j in 0..dv {
+                            out[j] += s[i * dv + j] * q[i];
+                        }
+                    }
+                    // Gated RMSNorm: norm, plain weight, act(z).
+                    let ms = out.iter().map(|x| x * x).sum::<f32>() / dv as f32;
+                    let rr = 1.0 / (ms + eps).sqrt();
+                    let zz = &z[r * hv * dv + h * dv..r * hv * dv + (h + 1) * dv];
+                    for j in 0..dv {
+                        let gate = match gate_act {
+                            GateAct::Sigmoid => sigmoid(zz[j]),
+                            GateAct::Silu => silu(zz[j]),
+                        };
+                        out[j] = w.norm[j] * (out[j] * rr) * gate;
+                    }
+                }
+                out_h
+            })
+            .collect();
+    let mut o = vec![0f32; t * hv * dv];
+    for (h, out_h) in per_head.iter().enumerate() {
+        for r in 0..t {
+            o[r * hv * dv + h * dv..r * hv * dv + (h + 1) * dv]
+                .copy_from_slice(&out_h[r * dv..(r + 1) * dv]);
+        }
+    }
+    linear(&w.out, &o, t)
+}

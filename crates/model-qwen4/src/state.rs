@@ -1,0 +1,57 @@
+//! Per-sequence state: the KV + raw indexer keys of attention layers, the GDN conv ring and
+//! recurrent state, the PLE conv history and n-gram context. `Clone` is the snapshot.
+
+use crate::config::{LayerType, Qwen4ExpTextConfig};
+use crate::gdn::GdnState;
+use crate::qsa::AttnState;
+
+/// The cache of one layer.
+#[derive(Debug, Clone)]
+pub enum LayerState {
+    /// GDN conv ring + recurrent state.
+    Gdn(GdnState),
+    /// KV + raw indexer keys.
+    Attn(AttnState),
+}
+
+/// Everything one sequence carries between forwards.
+#[derive(Debug, Clone)]
+pub struct SeqState {
+    /// Tokens seen so far (the next position).
+    pub pos: usize,
+    /// Per layer.
+    pub layers: Vec<LayerState>,
+    /// Per layer: the PLE dilated-conv history (empty when the layer has no PLE or at start).
+    pub ple_conv: Vec<Vec<f32>>,
+    /// The last `ngram_size - 1` token ids (EOS-padded at the start).
+    pub ngram_ctx: Vec<i64>,
+}
+
+impl SeqState {
+    /// An empty sequence.
+    pub fn new(c: &Qwen4ExpTextConfig) -> SeqState {
+        let layers = (0..c.num_hidden_layers)
+            .map(|il| match c.layer_type(il) {
+                LayerType::LinearAttention => LayerState::Gdn(GdnState::default()),
+                LayerType::IndexedAttention => LayerState::Attn(AttnState::default()),
+            })
+            .collect();
+        let eos = c.eos_id().unwrap_or(0);
+        SeqState {
+            pos: 0,
+            layers,
+            ple_conv: vec![Vec::new(); c.num_hidden_layers],
+            ngram_ctx: vec![eos; c.ngram_size.saturating_sub(1)],
+        }
+    }
+
+    /// A copy to roll back to.
+    pub fn snapshot(&self) -> SeqState {
+        self.clone()
+    }
+
+    /// Rolls back to `snap`.
+    pub fn restore(&mut self, snap: &SeqState) {
+        *self = snap.clone();
+    }
+}

@@ -1,0 +1,436 @@
+//! Every tensor of a qwen4_exp CMF, bound by canonical name (docs/convert.md) with the shape the
+//! config implies, before anything runs.
+//!
+//! Matrices stay in their stored dtype as [`MatRef`]s (every profile goes through quant-codecs'
+//! CPU kernels); small vectors (norm weights, conv kernels, GDN `A_log`/`dt_bias`) are decoded to
+//! f32 once. A missing tensor or a wrong shape is a [`WeightError`] naming the tensor.
+
+use cmf_format::Cmf;
+use quant_codecs::{CodecError, MatRef};
+
+use crate::config::{ConfigError, LayerType, Qwen4ExpTextConfig};
+use crate::ple::PleHash;
+
+/// Why the weights cannot be bound.
+#[derive(Debug, thiserror::Error)]
+pub enum WeightError {
+    /// The CMF is not a qwen4_exp model.
+    #[error("not a qwen4_exp model: the CMF architecture is `{0}`")]
+    Architecture(String),
+    /// The header's config is unusable.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A tensor the config requires is absent.
+    #[error("missing tensor `{0}`")]
+    Missing(String),
+    /// A tensor has the wrong shape.
+    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    Shape {
+        /// Tensor name.
+        name: String,
+        /// Shape the config implies.
+        expected: Vec<usize>,
+        /// Stored shape.
+        found: Vec<usize>,
+    },
+    /// The payload does not decode.
+    #[error("tensor `{name}`: {source}")]
+    Codec {
+        /// Tensor name.
+        name: String,
+        /// Codec error.
+        source: CodecError,
+    },
+    /// A stored PLE hash buffer disagrees with the values the config implies.
+    #[error("PLE buffer `{name}` holds {found:?}, the config implies {expected:?}")]
+    PleBuffer {
+        /// Tensor name.
+        name: String,
+        /// Derived from the config (the reference's construction).
+        expected: Vec<i64>,
+        /// Stored.
+        found: Vec<i64>,
+    },
+}
+
+/// Binds tensors from one CMF.
+struct Binder<'a> {
+    cmf: &'a Cmf,
+}
+
+impl<'a> Binder<'a> {
+    fn view(&self, name: &str, shape: &[usize]) -> Result<cmf_format::TensorView<'a>, WeightError> {
+        let v = self
+            .cmf
+            .tensor(name)
+            .ok_or_else(|| WeightError::Missing(name.to_string()))?;
+        if v.shape() != shape {
+            return Err(WeightError::Shape {
+                name: name.to_string(),
+                expected: shape.to_vec(),
+                found: v.shape().to_vec(),
+            });
+        }
+        Ok(v)
+    }
+
+    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<MatRef<'a>, WeightError> {
+        let v = self.view(name, &[rows, cols])?;
+        MatRef::new(v.dtype(), rows, cols, v.bytes).map_err(|source| WeightError::Codec {
+            name: name.to_string(),
+            source,
+        })
+    }
+
+    fn vec(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, WeightError> {
+        let v = self.view(name, shape)?;
+        quant_codecs::dequantize(v.dtype(), shape, v.bytes).map_err(|source| WeightError::Codec {
+            name: name.to_string(),
+            source,
+        })
+    }
+}
+
+/// One gated hyper-connection site (`Qwen4ExpTextGatedResidual`).
+pub struct HcWeights<'a> {
+    /// `hc_norm.weight` `[H*D]`, applied as `1 + w`.
+    pub norm: Vec<f32>,
+    /// `input_mix_weight_down` `[R, H*D]`.
+    pub down: MatRef<'a>,
+    /// `input_mix_weight_up` `[H*D, R]`.
+    pub up: MatRef<'a>,
+    /// `block_inject_weight` `[H, H*D]` (absent on the final mixer).
+    pub inject: Option<MatRef<'a>>,
+}
+
+/// Gated DeltaNet (`linear_attn.*`).
+pub struct GdnWeights<'a> {
+    /// `in_proj_qkv` `[2*Hk*dk + Hv*dv, D]`.
+    pub in_qkv: MatRef<'a>,
+    /// `in_proj_z` `[Hv*dv, D]`.
+    pub in_z: MatRef<'a>,
+    /// `in_proj_b` `[Hv, D]`.
+    pub in_b: MatRef<'a>,
+    /// `in_proj_a` `[Hv, D]`.
+    pub in_a: MatRef<'a>,
+    /// `conv1d.weight` `[C, 1, K]` as `[C*K]`.
+    pub conv: Vec<f32>,
+    /// `dt_bias` `[Hv]`.
+    pub dt_bias: Vec<f32>,
+    /// `A_log` `[Hv]`.
+    pub a_log: Vec<f32>,
+    /// `norm.weight` `[dv]` (a plain multiplier, not 1+w).
+    pub norm: Vec<f32>,
+    /// `out_proj` `[D, Hv*dv]`.
+    pub out: MatRef<'a>,
+}
+
+/// Full attention with the QSA indexer (`self_attn.*`).
+pub struct AttnWeights<'a> {
+    /// `q_proj` `[Hq*2*hd, D]` (per head: q then gate).
+    pub q: MatRef<'a>,
+    /// `k_proj` `[Hkv*hd, D]`.
+    pub k: MatRef<'a>,
+    /// `v_proj` `[Hkv*hd, D]`.
+    pub v: MatRef<'a>,
+    /// `o_proj` `[D, Hq*hd]`.
+    pub o: MatRef<'a>,
+    /// `q_norm` `[hd]` (1+w).
+    pub q_norm: Vec<f32>,
+    /// `k_norm` `[hd]` (1+w).
+    pub k_norm: Vec<f32>,
+    /// `indexer.index_qk_proj` `[(nI+1)*dI, D]`.
+    pub idx_qk: MatRef<'a>,
+    /// `indexer.q_layernorm` `[dI]` (1+w).
+    pub idx_q_norm: Vec<f32>,
+    /// `indexer.k_layernorm` `[dI]` (1+w).
+    pub idx_k_norm: Vec<f32>,
+}
+
+/// The token mixer of one layer.
+pub enum MixerWeights<'a> {
+    /// Gated DeltaNet.
+    Gdn(GdnWeights<'a>),
+    /// Attention + QSA.
+    Attn(AttnWeights<'a>),
+}
+
+/// Per-layer n-gram embedding (`ple.*`).
+pub struct PleWeights<'a> {
+    /// The n-gram table shards `[shard_rows, head_dim]` (row `r` lives in shard `r / shard_rows`).
+    pub shards: Vec<MatRef<'a>>,
+    /// Rows per shard.
+    pub shard_rows: usize,
+    /// Hash constants (derived from the config, checked against the stored buffers).
+    pub hash: PleHash,
+    /// `key_proj` `[H*D, P]`.
+    pub key: MatRef<'a>,
+    /// `value_proj` `[D, P]`.
+    pub value: MatRef<'a>,
+    /// `norm_key` `[H*D]` (grouped, 1+w).
+    pub norm_key: Vec<f32>,
+    /// `norm_query` `[H*D]`.
+    pub norm_query: Vec<f32>,
+    /// `norm_conv` `[H*D]`.
+    pub norm_conv: Vec<f32>,
+    /// `conv1d.weight` `[H*D, 1, K]` as `[H*D*K]`.
+    pub conv: Vec<f32>,
+}
+
+/// Sparse MoE block (`mlp.*`).
+pub struct MoeWeights<'a> {
+    /// Router `gate.weight` `[E, D]`.
+    pub router: MatRef<'a>,
+    /// Per expert: `gate_up_proj` `[2I, D]` (gate rows then up rows) and `down_proj` `[D, I]`.
+    pub experts: Vec<(MatRef<'a>, MatRef<'a>)>,
+    /// `shared_expert.gate_proj` `[Is, D]`.
+    pub sh_gate: MatRef<'a>,
+    /// `shared_expert.up_proj` `[Is, D]`.
+    pub sh_up: MatRef<'a>,
+    /// `shared_expert.down_proj` `[D, Is]`.
+    pub sh_down: MatRef<'a>,
+    /// `shared_expert_gate` `[1, D]` as `[D]`.
+    pub sh_scale: Vec<f32>,
+}
+
+/// One decoder layer.
+pub struct LayerWeights<'a> {
+    /// PLE, on the layers of `ple_layer_ids`.
+    pub ple: Option<PleWeights<'a>>,
+    /// HC site before the mixer.
+    pub attn_hc: HcWeights<'a>,
+    /// GDN or attention.
+    pub mixer: MixerWeights<'a>,
+    /// HC site before the MoE.
+    pub mlp_hc: HcWeights<'a>,
+    /// MoE.
+    pub moe: MoeWeights<'a>,
+}
+
+/// All weights of the text model.
+pub struct Weights<'a> {
+    /// `model.embed_tokens.weight` `[V, D]`.
+    pub embed: MatRef<'a>,
+    /// Decoder layers.
+    pub layers: Vec<LayerWeights<'a>>,
+    /// `model.hyper_connection_mixer.*` (no inject).
+    pub final_mixer: HcWeights<'a>,
+    /// `lm_head.weight` `[V, D]`.
+    pub lm_head: MatRef<'a>,
+}
+
+fn hc<'a>(
+    b: &Binder<'a>,
+    p: &str,
+    c: &Qwen4ExpTextConfig,
+    inject: bool,
+) -> Result<HcWeights<'a>, WeightError> {
+    let hd = c.hc_count * c.hidden_size;
+    Ok(HcWeights {
+        norm: b.vec(&format!("{p}.hc_norm.weight"), &[hd])?,
+        down: b.mat(
+            &format!("{p}.input_mix_weight_down.weight"),
+            c.hc_lowrank,
+            hd,
+        )?,
+        up: b.mat(&format!("{p}.input_mix_weight_up.weight"), hd, c.hc_lowrank)?,
+        inject: if inject {
+            Some(b.mat(&format!("{p}.block_inject_weight.weight"), c.hc_count, hd)?)
+        } else {
+            None
+        },
+    })
+}
+
+fn integer_header_tensor(cmf: &Cmf, name: &str) -> Option<Vec<i64>> {
+    let t = cmf.header().extra.get("integer_tensors")?.get(name)?;
+    t.get("data")?
+        .as_array()?
+        .iter()
+        .map(|v| v.as_i64())
+        .collect()
+}
+
+impl<'a> Weights<'a> {
+    /// Reads the config from the header and binds every tensor.
+    pub fn bind(cmf: &'a Cmf) -> Result<(Qwen4ExpTextConfig, Weights<'a>), WeightError> {
+        let h = cmf.header();
+        if h.architecture != "qwen4_exp" {
+            return Err(WeightError::Architecture(h.architecture.clone()));
+        }
+        let c = Qwen4ExpTextConfig::from_json(&h.config)?;
+        let w = Self::bind_with(cmf, &c)?;
+        Ok((c, w))
+    }
+
+    /// Validates `c` and binds every tensor it requires.
+    pub fn bind_with(cmf: &'a Cmf, c: &Qwen4ExpTextConfig) -> Result<Weights<'a>, WeightError> {
+        c.validate()?;
+        let b = Binder { cmf };
+        let d = c.hidden_size;
+        let mut layers = Vec::with_capacity(c.num_hidden_layers);
+        for il in 0..c.num_hidden_layers {
+            let p = format!("model.layers.{il}");
+            let mixer = match c.layer_type(il) {
+                LayerType::LinearAttention => {
+                    let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+                    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+                    let conv_dim = 2 * hk * dk + hv * dv;
+                    let k = c.linear_conv_kernel_dim;
+                    let q = format!("{p}.linear_attn");
+                    MixerWeights::Gdn(GdnWeights {
+                        in_qkv: b.mat(&format!("{q}.in_proj_qkv.weight"), conv_dim, d)?,
+                        in_z: b.mat(&format!("{q}.in_proj_z.weight"), hv * dv, d)?,
+                        in_b: b.mat(&format!("{q}.in_proj_b.weight"), hv, d)?,
+                        in_a: b.mat(&format!("{q}.in_proj_a.weight"), hv, d)?,
+                        conv: b.vec(&format!("{q}.conv1d.weight"), &[conv_dim, 1, k])?,
+                        dt_bias: b.vec(&format!("{q}.dt_bias"), &[hv])?,
+                        a_log: b.vec(&format!("{q}.A_log"), &[hv])?,
+                        norm: b.vec(&format!("{q}.norm.weight"), &[dv])?,
+                        out: b.mat(&format!("{q}.out_proj.weight"), d, hv * dv)?,
+                    })
+                }
+                LayerType::IndexedAttention => {
+                    let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+                    let qsa = c
+                        .qsa()
+                        .expect("validated: indexed attention has QSA fields");
+                    let q = format!("{p}.self_attn");
+                    MixerWeights::Attn(AttnWeights {
+                        q: b.mat(&format!("{q}.q_proj.weight"), hq * 2 * hd, d)?,
+                        k: b.mat(&format!("{q}.k_proj.weight"), hkv * hd, d)?,
+                        v: b.mat(&format!("{q}.v_proj.weight"), hkv * hd, d)?,
+                        o: b.mat(&format!("{q}.o_proj.weight"), d, hq * hd)?,
+                        q_norm: b.vec(&format!("{q}.q_norm.weight"), &[hd])?,
+                        k_norm: b.vec(&format!("{q}.k_norm.weight"), &[hd])?,
+                        idx_qk: b.mat(
+                            &format!("{q}.indexer.index_qk_proj.weight"),
+                            (qsa.n_heads + 1) * qsa.head_dim,
+                            d,
+                        )?,
+                        idx_q_norm: b
+                            .vec(&format!("{q}.indexer.q_layernorm.weight"), &[qsa.head_dim])?,
+                        idx_k_norm: b
+                            .vec(&format!("{q}.indexer.k_layernorm.weight"), &[qsa.head_dim])?,
+                    })
+                }
+            };
+            let ple = match c.ple_layer_index(il) {
+                None => None,
+                Some(pi) => Some(Self::bind_ple(&b, c, &format!("{p}.ple"), pi)?),
+            };
+            let (e, i, is) = (
+                c.num_experts,
+                c.moe_intermediate_size,
+                c.shared_expert_intermediate_size,
+            );
+            let m = format!("{p}.mlp");
+            let mut experts = Vec::with_capacity(e);
+            for x in 0..e {
+                experts.push((
+                    b.mat(&format!("{m}.experts.{x}.gate_up_proj.weight"), 2 * i, d)?,
+                    b.mat(&format!("{m}.experts.{x}.down_proj.weight"), d, i)?,
+                ));
+            }
+            let moe = MoeWeights {
+                router: b.mat(&format!("{m}.gate.weight"), e, d)?,
+                experts,
+                sh_gate: b.mat(&format!("{m}.shared_expert.gate_proj.weight"), is, d)?,
+                sh_up: b.mat(&format!("{m}.shared_expert.up_proj.weight"), is, d)?,
+                sh_down: b.mat(&format!("{m}.shared_expert.down_proj.weight"), d, is)?,
+                sh_scale: b.vec(&format!("{m}.shared_expert_gate.weight"), &[1, d])?,
+            };
+            layers.push(LayerWeights {
+                ple,
+                attn_hc: hc(&b, &format!("{p}.attn_hyper_connection"), c, true)?,
+                mixer,
+                mlp_hc: hc(&b, &format!("{p}.mlp_hyper_connection"), c, true)?,
+                moe,
+            });
+        }
+        Ok(Weights {
+            embed: b.mat("model.embed_tokens.weight", c.vocab_size, d)?,
+            layers,
+            final_mixer: hc(&b, "model.hyper_connection_mixer", c, false)?,
+            lm_head: b.mat("lm_head.weight", c.vocab_size, d)?,
+        })
+    }
+
+    fn bind_ple(
+        b: &Binder<'a>,
+        c: &Qwen4ExpTextConfig,
+        p: &str,
+        ple_index: usize,
+    ) -> Result<PleWeights<'a>, WeightError> {
+        let hash = PleHash::new(c, ple_index);
+        let hdim = c.hc_count * c.hidden_size;
+        let pdim = c.ple_embed_dim();
+        let head_dim = pdim / c.ngram_heads();
+        let parts = c.split_ngram_parts.max(1);
+        let shard_rows = hash.padded_rows.div_ceil(parts);
+        let mut shards = Vec::with_capacity(parts);
+        for k in 0..parts {
+            shards.push(b.mat(
+                &format!("{p}.ple_embedding.ngram_embedding.shard_{k}.weight"),
+                shard_rows,
+                head_dim,
+            )?);
+        }
+        // The stored buffers must equal the reference's construction.
+        let nh = c.ngram_heads();
+        let check = |name: String, expected: Vec<i64>, found: Option<Vec<i64>>| match found {
+            Some(f) if f != expected => Err(WeightError::PleBuffer {
+                name,
+                expected,
+                found: f,
+            }),
+            _ => Ok(()),
+        };
+        let as_i64 = |v: Vec<f32>| v.into_iter().map(|x| x as i64).collect::<Vec<_>>();
+        let name = format!("{p}.ple_embedding.ngram_heads_vocab_sizes");
+        let found = b
+            .cmf
+            .tensor(&name)
+            .map(|_| b.vec(&name, &[nh]))
+            .transpose()?
+            .map(as_i64);
+        check(
+            name,
+            hash.vocab_sizes.iter().map(|&x| x as i64).collect(),
+            found,
+        )?;
+        let name = format!("{p}.ple_embedding.ngram_heads_offsets");
+        let found = b
+            .cmf
+            .tensor(&name)
+            .map(|_| b.vec(&name, &[nh]))
+            .transpose()?
+            .map(as_i64);
+        check(
+            name,
+            hash.offsets.iter().map(|&x| x as i64).collect(),
+            found,
+        )?;
+        let name = format!("{p}.ple_embedding.layer_multipliers");
+        let found = integer_header_tensor(b.cmf, &name);
+        check(
+            name,
+            hash.multipliers.iter().map(|&x| x as i64).collect(),
+            found,
+        )?;
+        Ok(PleWeights {
+            shards,
+            shard_rows,
+            hash,
+            key: b.mat(&format!("{p}.key_proj.weight"), hdim, pdim)?,
+            value: b.mat(&format!("{p}.value_proj.weight"), c.hidden_size, pdim)?,
+            norm_key: b.vec(&format!("{p}.norm_key.weight"), &[hdim])?,
+            norm_query: b.vec(&format!("{p}.norm_query.weight"), &[hdim])?,
+            norm_conv: b.vec(&format!("{p}.norm_conv.weight"), &[hdim])?,
+            conv: b.vec(
+                &format!("{p}.conv1d.weight"),
+                &[hdim, 1, c.ple_conv_kernel_size],
+            )?,
+        })
+    }
+}
