@@ -30,6 +30,8 @@ pub enum Command {
     Convert(ConvertArgs),
     /// Write float32 logits [T, vocab] of every prompt position as .npy (qwen4_exp, CPU).
     Logits(LogitsArgs),
+    /// Generate text from a prompt, streamed to stdout (qwen4_exp, CPU).
+    Run(RunArgs),
 }
 
 /// `cortiq logits`.
@@ -135,4 +137,29 @@ pub struct InspectArgs {
 /// Parses `std::env::args`, exiting with clap's usage message on error.
 pub fn parse() -> Cli {
     Cli::parse()
+}
+
+/// `cortiq run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The CMF model (with an embedded tokenizer).
+    pub model: PathBuf,
+    /// The prompt.
+    #[arg(short = 'p', long)]
+    pub prompt: String,
+    /// Most tokens to generate.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long = "temp", default_value_t = 0.8)]
+    pub temperature: f32,
+    /// Keep only the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches P.
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
 }

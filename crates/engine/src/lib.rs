@@ -23,6 +23,8 @@ pub mod convert;
 pub mod doctor;
 pub mod inspect;
 pub mod logits;
+pub mod run;
+pub mod sampling;
 
 /// The example model shipped in the binary (`assets/tiny.cmf`, written by `cargo xtask
 /// tiny-cmf`): what commands use when no model file is given.

@@ -37,6 +37,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Bench(BenchCommand::Kernels(args)) => run_bench_kernels(args),
         Command::Convert(args) => run_convert(args),
         Command::Logits(args) => run_logits(args),
+        Command::Run(args) => run_generate(args),
     };
     match result {
         Ok(code) => code,
@@ -224,4 +225,49 @@ fn print_report(
     }
     out.flush()?;
     Ok(())
+}
+
+fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
+    let cmf = engine::cmf_format::Cmf::open(&args.model)?;
+    let runner = engine::run::Runner::new(&cmf)?;
+    let prompt = runner.encode(&args.prompt)?;
+    let sampling = engine::sampling::Sampling {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let mut stream = engine::run::TextStream::new(&runner.tokenizer);
+    let mut out = io::stdout().lock();
+    let mut write_err = None;
+    let g = runner.generate(&prompt, args.max_tokens, sampling, &mut |id| {
+        if write_err.is_some() || runner.eos.contains(&id) {
+            return;
+        }
+        if let Some(piece) = stream.push(id)
+            && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
+        {
+            write_err = Some(e);
+        }
+    })?;
+    if let Some(e) = write_err {
+        return Err(e.into());
+    }
+    writeln!(out)?;
+    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
+    eprintln!(
+        "cortiq: prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s){}",
+        g.prompt.len(),
+        g.prompt_seconds,
+        rate(g.prompt.len(), g.prompt_seconds),
+        g.tokens.len(),
+        g.gen_seconds,
+        rate(g.tokens.len().saturating_sub(1), g.gen_seconds),
+        if g.stopped_at_eos {
+            ", stopped at EOS"
+        } else {
+            ""
+        }
+    );
+    Ok(ExitCode::SUCCESS)
 }
