@@ -11,7 +11,7 @@ use safetensors::Dtype;
 use serde_json::Value;
 
 use super::source::Checkpoint;
-use super::{ConvertError, Job, Role, Src, config_usize, decode, expect_job_shape, src_shape};
+use super::{ConvertError, Job, Role, Src, config_usize, expect_job_shape, push_job};
 
 const ARCH: &str = "deepseek_v4";
 
@@ -132,21 +132,7 @@ pub fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<(Value, Vec<Job>), 
     let i = config_usize(cfg, "moe_intermediate_size", config_path)?;
     let layers = config_usize(cfg, "num_hidden_layers", config_path)?;
 
-    let push = |jobs: &mut Vec<Job>, name: String, src: Src| -> Result<(), ConvertError> {
-        let (shape, source_bytes) = src_shape(ckpt, &src, &name)?;
-        let integer = match &src {
-            Src::Tensor(n) => ckpt.meta(n).is_some_and(|m| decode::is_integer(m.dtype)),
-            _ => false,
-        };
-        jobs.push(Job {
-            role: role(&name, integer),
-            name,
-            src,
-            shape,
-            source_bytes,
-        });
-        Ok(())
-    };
+    let push = |jobs: &mut Vec<Job>, name: String, src: Src| push_job(ckpt, jobs, name, src, role);
     let mut jobs = Vec::new();
     for name in ckpt.names() {
         // Scales travel with their weight.

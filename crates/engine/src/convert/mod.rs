@@ -677,6 +677,30 @@ fn fp4_verbatim(ckpt: &Checkpoint, job: &Job) -> Result<Option<Vec<u8>>, Convert
     Ok(Some(codes))
 }
 
+/// Adds the job writing `name` from `src`, its role given by the architecture's `role` rule
+/// (which also learns whether the source is an integer tensor).
+pub(crate) fn push_job(
+    ckpt: &Checkpoint,
+    jobs: &mut Vec<Job>,
+    name: String,
+    src: Src,
+    role: fn(&str, bool) -> Role,
+) -> Result<(), ConvertError> {
+    let (shape, source_bytes) = src_shape(ckpt, &src, &name)?;
+    let integer = match &src {
+        Src::Tensor(n) => ckpt.meta(n).is_some_and(|m| decode::is_integer(m.dtype)),
+        _ => false,
+    };
+    jobs.push(Job {
+        role: role(&name, integer),
+        name,
+        src,
+        shape,
+        source_bytes,
+    });
+    Ok(())
+}
+
 /// Logical shape and source byte count of `src`, checking that row-concatenated parts agree.
 pub(crate) fn src_shape(
     ckpt: &Checkpoint,

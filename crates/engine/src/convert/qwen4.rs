@@ -9,7 +9,7 @@ use std::path::Path;
 use serde_json::Value;
 
 use super::source::Checkpoint;
-use super::{ConvertError, Job, Role, Src, config_usize, decode, expect_job_shape, src_shape};
+use super::{ConvertError, Job, Role, Src, config_usize, expect_job_shape, push_job};
 
 const ARCH: &str = "qwen4_exp";
 
@@ -55,21 +55,7 @@ pub fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<(Value, Vec<Job>), 
     let layers = config_usize(&text, "num_hidden_layers", config_path)?;
 
     let mut jobs = Vec::new();
-    let push = |jobs: &mut Vec<Job>, name: String, src: Src| -> Result<(), ConvertError> {
-        let (shape, source_bytes) = src_shape(ckpt, &src, &name)?;
-        let integer = match &src {
-            Src::Tensor(n) => ckpt.meta(n).is_some_and(|m| decode::is_integer(m.dtype)),
-            _ => false,
-        };
-        jobs.push(Job {
-            role: role(&name, integer),
-            name,
-            src,
-            shape,
-            source_bytes,
-        });
-        Ok(())
-    };
+    let push = |jobs: &mut Vec<Job>, name: String, src: Src| push_job(ckpt, jobs, name, src, role);
     for src_name in ckpt.names() {
         let canon = if let Some(rest) = src_name.strip_prefix("model.language_model.") {
             format!("model.{rest}")
