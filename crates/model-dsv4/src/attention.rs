@@ -1,0 +1,221 @@
+//! Attention of every layer kind (`DeepseekV4Attention` + the CSA/HCA compressors' masks + the
+//! lightning indexer's selection) and its per-sequence cache.
+//!
+//! `q_res = q_a_norm(q_a_proj h)`; `q = UnweightedRMSNorm(q_b_proj q_res)` per head; one K = V
+//! latent `kv = kv_norm(kv_proj h)` shared by all heads; RoPE on the trailing channels of q and
+//! kv ("main" set on sliding layers, "compress" on CSA/HCA). Keys: the sliding window (the last
+//! `sliding_window` positions, self included) plus the compressed entries the query may see (all
+//! of them for HCA; for CSA the indexer's top `index_topk`). Scale `head_dim^-0.5`; a per-head
+//! sink logit joins the softmax denominator only. The output's trailing channels are rotated
+//! back by the query position (V carried RoPE), then the grouped low-rank projection: group `g`
+//! of the heads through `o_a` block `g`, concatenated, through `o_b`.
+//!
+//! Indexer (CSA): keys from its own overlapping compressor at `index_head_dim`; queries
+//! `q_I = RoPE(q_b_proj q_res)` per indexer head ("compress" set) at the query position;
+//! `score[s] = sum_h (weights_proj(h)_h / sqrt(nI)) relu(q_I[h] . K_I[s]) / sqrt(dI)` over the
+//! visible entries, top `min(index_topk, visible)` kept (ties: lower entry first).
+
+use rayon::prelude::*;
+
+use crate::compressor::{self, CompDims, CompState};
+use crate::config::{AttnKind, DeepseekV4Config};
+use crate::ops::{Rope, linear, rms_norm, rms_norm_unweighted, rope_tail, top_k};
+use crate::weights::AttnWeights;
+
+/// The cache of one attention layer for one sequence.
+#[derive(Debug, Clone, Default)]
+pub struct AttnState {
+    /// Rotated K = V latents of the last `min(pos, sliding_window - 1)` positions `[n, Dh]`.
+    pub window: Vec<f32>,
+    /// CSA/HCA compressor (buffer, overlap, entries).
+    pub comp: CompState,
+    /// CSA indexer compressor (its entries are the indexer keys).
+    pub index: CompState,
+}
+
+/// The two RoPE sets.
+pub struct Ropes {
+    /// `main` (sliding layers).
+    pub main: Rope,
+    /// `compress` (CSA/HCA attention, compressors, indexer).
+    pub compress: Rope,
+}
+
+/// Runs the layer's attention on its inputs `h` `[t, D]` (after `input_layernorm`) at positions
+/// `past..past+t`; returns `[t, D]`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_cpu(
+    w: &AttnWeights<'_>,
+    c: &DeepseekV4Config,
+    kind: AttnKind,
+    ropes: &Ropes,
+    h: &[f32],
+    t: usize,
+    past: usize,
+    st: &mut AttnState,
+) -> Vec<f32> {
+    let (nh, dh) = (c.num_attention_heads, c.head_dim);
+    let eps = c.rms_norm_eps as f32;
+    let rope = if kind == AttnKind::Sliding {
+        &ropes.main
+    } else {
+        &ropes.compress
+    };
+    let mut q_res = linear(&w.q_a, h, t);
+    rms_norm(&mut q_res, &w.q_a_norm, eps);
+    let mut q = linear(&w.q_b, &q_res, t);
+    rms_norm_unweighted(&mut q, dh, eps);
+    let mut kv = linear(&w.kv, h, t);
+    rms_norm(&mut kv, &w.kv_norm, eps);
+    let cs: Vec<(Vec<f32>, Vec<f32>)> = (0..t).map(|r| rope.at(past + r)).collect();
+    for r in 0..t {
+        let (cos, sin) = &cs[r];
+        for hh in 0..nh {
+            rope_tail(
+                &mut q[(r * nh + hh) * dh..(r * nh + hh + 1) * dh],
+                cos,
+                sin,
+                false,
+            );
+        }
+        rope_tail(&mut kv[r * dh..(r + 1) * dh], cos, sin, false);
+    }
+
+    // Sliding keys: the cached window, then this call's latents.
+    let old = st.window.len() / dh;
+    let first = past - old;
+    let mut keys = std::mem::take(&mut st.window);
+    keys.extend_from_slice(&kv);
+
+    // Compressed entries and, for CSA, the indexer's selection per query.
+    let rate = c.rate(kind).unwrap_or(1);
+    let mut selected: Vec<Vec<usize>> = Vec::new();
+    if let Some(cw) = &w.compressor {
+        let dims = CompDims {
+            rate,
+            head: dh,
+            overlap: kind == AttnKind::Csa,
+            eps,
+        };
+        compressor::update(cw, &dims, &ropes.compress, h, t, &mut st.comp);
+    }
+    if let Some(iw) = &w.indexer {
+        let (ni, di) = (c.index_n_heads, c.index_head_dim);
+        let dims = CompDims {
+            rate,
+            head: di,
+            overlap: true,
+            eps,
+        };
+        compressor::update(&iw.comp, &dims, &ropes.compress, h, t, &mut st.index);
+        let mut qi = linear(&iw.q_b, &q_res, t);
+        for r in 0..t {
+            let (cos, sin) = ropes.compress.at(past + r);
+            for hh in 0..ni {
+                rope_tail(
+                    &mut qi[(r * ni + hh) * di..(r * ni + hh + 1) * di],
+                    &cos,
+                    &sin,
+                    false,
+                );
+            }
+        }
+        let wts = linear(&iw.weights_proj, h, t);
+        let (wscale, sscale) = ((ni as f32).powf(-0.5), (di as f32).powf(-0.5));
+        let keys_i = &st.index.entries;
+        selected = (0..t)
+            .into_par_iter()
+            .map(|r| {
+                let vis = compressor::visible(past + r, rate).min(keys_i.len() / di);
+                let scores: Vec<f32> = (0..vis)
+                    .map(|s| {
+                        let k = &keys_i[s * di..(s + 1) * di];
+                        let mut acc = 0f32;
+                        for hh in 0..ni {
+                            let qh = &qi[(r * ni + hh) * di..(r * ni + hh + 1) * di];
+                            let dot: f32 = qh.iter().zip(k).map(|(a, b)| a * b).sum();
+                            acc += dot.max(0.0) * sscale * (wts[r * ni + hh] * wscale);
+                        }
+                        acc
+                    })
+                    .collect();
+                let mut pick = top_k(&scores, c.index_topk.min(vis));
+                pick.sort_unstable();
+                pick
+            })
+            .collect();
+    }
+    let entries = &st.comp.entries;
+    let n_entries = entries.len() / dh;
+
+    let scale = (dh as f32).powf(-0.5);
+    let window = c.sliding_window;
+    let mut o = vec![0f32; t * nh * dh];
+    o.par_chunks_mut(nh * dh)
+        .enumerate()
+        .for_each(|(r, o_row)| {
+            let p = past + r;
+            // Sliding keys at positions max(p + 1 - window, first)..=p.
+            let lo = (p + 1).saturating_sub(window).max(first);
+            let mut rows: Vec<&[f32]> = (lo..=p)
+                .map(|pos| &keys[(pos - first) * dh..(pos - first + 1) * dh])
+                .collect();
+            match kind {
+                AttnKind::Sliding => {}
+                AttnKind::Hca => {
+                    let vis = compressor::visible(p, rate).min(n_entries);
+                    rows.extend((0..vis).map(|s| &entries[s * dh..(s + 1) * dh]));
+                }
+                AttnKind::Csa => {
+                    rows.extend(selected[r].iter().map(|&s| &entries[s * dh..(s + 1) * dh]));
+                }
+            }
+            let mut logits = vec![0f32; rows.len()];
+            for hh in 0..nh {
+                let qh = &q[(r * nh + hh) * dh..(r * nh + hh + 1) * dh];
+                for (l, k) in logits.iter_mut().zip(&rows) {
+                    *l = qh.iter().zip(*k).map(|(a, b)| a * b).sum::<f32>() * scale;
+                }
+                let sink = w.sinks[hh];
+                let m = logits.iter().copied().fold(sink, f32::max);
+                let mut z = (sink - m).exp();
+                for l in logits.iter_mut() {
+                    *l = (*l - m).exp();
+                    z += *l;
+                }
+                let out = &mut o_row[hh * dh..(hh + 1) * dh];
+                for (pr, v) in logits.iter().zip(&rows) {
+                    let pw = pr / z;
+                    for (a, b) in out.iter_mut().zip(*v) {
+                        *a += pw * b;
+                    }
+                }
+                let (cos, sin) = &cs[r];
+                rope_tail(out, cos, sin, true);
+            }
+        });
+
+    // Keep the last `window - 1` latents for the next call.
+    let total = keys.len() / dh;
+    let keep = total.min(window - 1);
+    keys.drain(..(total - keep) * dh);
+    st.window = keys;
+
+    // Grouped output projection.
+    let groups = w.o_a.groups();
+    let gin = nh * dh / groups;
+    let r_rank = c.o_lora_rank;
+    let mut mid = vec![0f32; t * groups * r_rank];
+    for g in 0..groups {
+        let mut xs = Vec::with_capacity(t * gin);
+        for r in 0..t {
+            xs.extend_from_slice(&o[r * nh * dh + g * gin..r * nh * dh + (g + 1) * gin]);
+        }
+        let y = linear(&w.o_a.group(g), &xs, t);
+        for r in 0..t {
+            mid[r * groups * r_rank + g * r_rank..r * groups * r_rank + (g + 1) * r_rank]
+                .copy_from_slice(&y[r * r_rank..(r + 1) * r_rank]);
+        }
+    }
+    linear(&w.o_b, &mid, t)
+}

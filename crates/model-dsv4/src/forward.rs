@@ -1,0 +1,190 @@
+//! The deepseek_v4 forward, top to bottom (`DeepseekV4Model.forward` + `lm_head`): embed into
+//! `hc_mult` identical streams; per layer: mHC collapse, `input_layernorm`, attention, mHC
+//! expand, mHC collapse, `post_attention_layernorm`, MoE, mHC expand; the head's collapse,
+//! `norm`, `lm_head`.
+
+use crate::attention::{self, Ropes};
+use crate::config::DeepseekV4Config;
+use crate::hc::{self, HcDims};
+use crate::moe;
+use crate::ops::{Rope, linear, rms_norm};
+use crate::state::SeqState;
+use crate::weights::Weights;
+
+/// Bad input to a forward.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    /// No tokens.
+    #[error("empty prompt: at least one token is required")]
+    Empty,
+    /// A token id outside the vocabulary.
+    #[error("token id {id} at position {index} is outside the vocabulary (size {vocab})")]
+    TokenOutOfRange {
+        /// Offending id.
+        id: u32,
+        /// Its index in the input.
+        index: usize,
+        /// Vocabulary size.
+        vocab: usize,
+    },
+    /// The sequence state was made for a different model.
+    #[error(
+        "the sequence state does not belong to this model ({found} layers, the model has {expected})"
+    )]
+    StateMismatch {
+        /// Layers of the model.
+        expected: usize,
+        /// Layers in the state.
+        found: usize,
+    },
+}
+
+/// Called with every named intermediate: `(name, layer index, data [t, width])`. Names:
+/// `attn_input` (after `input_layernorm`), `attn_out`, `attn_streams`, `mlp_input` (after
+/// `post_attention_layernorm`), `moe_out`, `layer_out`; then `head_out` (after `norm`) and
+/// `logits` with layer index `num_hidden_layers`.
+pub type Trace<'t> = dyn FnMut(&str, usize, &[f32]) + 't;
+
+/// A bound model: config + weights.
+pub struct Model<'a> {
+    /// The config.
+    pub config: DeepseekV4Config,
+    /// The weights.
+    pub weights: Weights<'a>,
+    ropes: Ropes,
+}
+
+impl<'a> Model<'a> {
+    /// Wraps a config and its weights.
+    pub fn new(config: DeepseekV4Config, weights: Weights<'a>) -> Model<'a> {
+        let ropes = Ropes {
+            main: Rope::new(config.rope_main(), config.head_dim),
+            compress: Rope::new(config.rope_compress(), config.head_dim),
+        };
+        Model {
+            config,
+            weights,
+            ropes,
+        }
+    }
+
+    /// Logits `[T, vocab]` of every position of `tokens`, from an empty sequence.
+    pub fn forward_prefill(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
+        let mut st = SeqState::new(&self.config);
+        self.forward(tokens, &mut st)
+    }
+
+    /// Feeds `tokens` after whatever `st` holds; returns their logits `[T, vocab]`.
+    pub fn forward(&self, tokens: &[u32], st: &mut SeqState) -> Result<Vec<f32>, ForwardError> {
+        self.forward_traced(tokens, st, &mut |_, _, _| {})
+    }
+
+    /// [`Model::forward`], reporting every named intermediate to `trace`.
+    pub fn forward_traced(
+        &self,
+        tokens: &[u32],
+        st: &mut SeqState,
+        trace: &mut Trace<'_>,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let w = &self.weights;
+        let t = tokens.len();
+        if t == 0 {
+            return Err(ForwardError::Empty);
+        }
+        if let Some((index, &id)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, id)| **id as usize >= c.vocab_size)
+        {
+            return Err(ForwardError::TokenOutOfRange {
+                id,
+                index,
+                vocab: c.vocab_size,
+            });
+        }
+        if st.layers.len() != w.layers.len() {
+            return Err(ForwardError::StateMismatch {
+                expected: w.layers.len(),
+                found: st.layers.len(),
+            });
+        }
+        let (n, d) = (c.hc_mult, c.hidden_size);
+        let eps = c.rms_norm_eps as f32;
+        let dims = HcDims {
+            n,
+            d,
+            norm_eps: eps,
+            hc_eps: c.hc_eps as f32,
+            iters: c.hc_sinkhorn_iters,
+        };
+
+        // Embedding, repeated into the N streams.
+        let mut x = vec![0f32; t * n * d];
+        let mut row = vec![0f32; d];
+        for (r, &id) in tokens.iter().enumerate() {
+            w.embed
+                .dequantize_row(id as usize, &mut row)
+                .expect("id checked");
+            for k in 0..n {
+                x[(r * n + k) * d..(r * n + k + 1) * d].copy_from_slice(&row);
+            }
+        }
+
+        for (il, lw) in w.layers.iter().enumerate() {
+            let mix = hc::pre(&lw.attn_hc, &x, t, &dims);
+            let mut u = mix.input;
+            rms_norm(&mut u, &lw.attn_norm, eps);
+            trace("attn_input", il, &u);
+            let y = attention::forward_cpu(
+                &lw.attn,
+                c,
+                c.attn_kind(il),
+                &self.ropes,
+                &u,
+                t,
+                st.pos,
+                &mut st.layers[il],
+            );
+            trace("attn_out", il, &y);
+            hc::post(
+                &mut x,
+                &y,
+                &hc::Mix {
+                    input: Vec::new(),
+                    ..mix
+                },
+                t,
+                &dims,
+            );
+            trace("attn_streams", il, &x);
+
+            let mix = hc::pre(&lw.ffn_hc, &x, t, &dims);
+            let mut u = mix.input;
+            rms_norm(&mut u, &lw.ffn_norm, eps);
+            trace("mlp_input", il, &u);
+            let y = moe::forward_cpu(&lw.moe, c, &u, tokens, t);
+            trace("moe_out", il, &y);
+            hc::post(
+                &mut x,
+                &y,
+                &hc::Mix {
+                    input: Vec::new(),
+                    ..mix
+                },
+                t,
+                &dims,
+            );
+            trace("layer_out", il, &x);
+        }
+        st.pos += t;
+
+        let nl = c.num_hidden_layers;
+        let mut out = hc::head(&w.head_hc, &x, t, &dims);
+        rms_norm(&mut out, &w.norm, eps);
+        trace("head_out", nl, &out);
+        let logits = linear(&w.lm_head, &out, t);
+        trace("logits", nl, &logits);
+        Ok(logits)
+    }
+}

@@ -1,0 +1,151 @@
+//! Manifold-constrained hyper-connections (`DeepseekV4HyperConnection`, `DeepseekV4HyperHead`).
+//!
+//! Per site: `f = UnweightedRMSNorm(flatten(X))` over the `N*D` streams of a token,
+//! `m = fn . f`, split `[pre N | post N | comb N*N]`; `pre = sigmoid(m*s0 + b) + hc_eps`,
+//! `post = 2 sigmoid(m*s1 + b)`, `C = softmax_row(m*s2 + b) + hc_eps` made doubly stochastic by
+//! Sinkhorn-Knopp (a column normalisation, then `iters - 1` row+column rounds). The block input
+//! is `sum_k pre_k X_k`; after the block `X'_k = post_k y + sum_j C[j][k] X_j`. The head collapses
+//! the streams with `sigmoid(hc_fn . f * scale + base) + hc_eps` and no Sinkhorn.
+
+use crate::ops::{linear, rms_norm_unweighted, sigmoid};
+use crate::weights::{HcWeights, HeadHcWeights};
+
+/// The geometry and constants every site shares.
+#[derive(Debug, Clone, Copy)]
+pub struct HcDims {
+    /// Streams N.
+    pub n: usize,
+    /// Stream width D.
+    pub d: usize,
+    /// `rms_norm_eps` of the unweighted input norm.
+    pub norm_eps: f32,
+    /// `hc_eps`.
+    pub hc_eps: f32,
+    /// `hc_sinkhorn_iters`.
+    pub iters: usize,
+}
+
+/// What one site computes for `t` tokens.
+pub struct Mix {
+    /// The collapsed block input `[t, D]`.
+    pub input: Vec<f32>,
+    /// `post` `[t, N]`.
+    pub post: Vec<f32>,
+    /// The doubly-stochastic `C` `[t, N, N]` (row-major: `C[j][k]` at `j*N + k`).
+    pub comb: Vec<f32>,
+}
+
+fn normed(x: &[f32], dims: &HcDims) -> Vec<f32> {
+    let mut f = x.to_vec();
+    rms_norm_unweighted(&mut f, dims.n * dims.d, dims.norm_eps);
+    f
+}
+
+fn collapse(x: &[f32], pre: &[f32], t: usize, n: usize, d: usize) -> Vec<f32> {
+    let mut out = vec![0f32; t * d];
+    for r in 0..t {
+        let o = &mut out[r * d..(r + 1) * d];
+        for k in 0..n {
+            let p = pre[r * n + k];
+            for (a, b) in o.iter_mut().zip(&x[(r * n + k) * d..(r * n + k + 1) * d]) {
+                *a += p * b;
+            }
+        }
+    }
+    out
+}
+
+/// Sinkhorn-Knopp as the reference runs it on `c` (`N x N`, row-major).
+pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
+    let cols = |c: &mut [f32]| {
+        for k in 0..n {
+            let s: f32 = (0..n).map(|j| c[j * n + k]).sum();
+            for j in 0..n {
+                c[j * n + k] /= s + eps;
+            }
+        }
+    };
+    cols(c);
+    for _ in 0..iters.saturating_sub(1) {
+        for row in c.chunks_mut(n) {
+            let s: f32 = row.iter().sum();
+            for v in row.iter_mut() {
+                *v /= s + eps;
+            }
+        }
+        cols(c);
+    }
+}
+
+/// Runs the mixing of site `w` on the streams `x` `[t, N, D]`.
+pub fn pre(w: &HcWeights<'_>, x: &[f32], t: usize, dims: &HcDims) -> Mix {
+    let n = dims.n;
+    let m = (2 + n) * n;
+    let mixes = linear(&w.fn_, &normed(x, dims), t);
+    let (mut pre, mut post, mut comb) =
+        (vec![0f32; t * n], vec![0f32; t * n], vec![0f32; t * n * n]);
+    let (s0, s1, s2) = (w.scale[0], w.scale[1], w.scale[2]);
+    for r in 0..t {
+        let mr = &mixes[r * m..(r + 1) * m];
+        for k in 0..n {
+            pre[r * n + k] = sigmoid(mr[k] * s0 + w.base[k]) + dims.hc_eps;
+            post[r * n + k] = 2.0 * sigmoid(mr[n + k] * s1 + w.base[n + k]);
+        }
+        let c = &mut comb[r * n * n..(r + 1) * n * n];
+        for (j, row) in c.chunks_mut(n).enumerate() {
+            for (k, v) in row.iter_mut().enumerate() {
+                let at = 2 * n + j * n + k;
+                *v = mr[at] * s2 + w.base[at];
+            }
+            crate::ops::softmax(row);
+            for v in row.iter_mut() {
+                *v += dims.hc_eps;
+            }
+        }
+        sinkhorn(c, n, dims.iters, dims.hc_eps);
+    }
+    Mix {
+        input: collapse(x, &pre, t, n, dims.d),
+        post,
+        comb,
+    }
+}
+
+/// `X'_k = post_k y + sum_j C[j][k] X_j` in place on `x` `[t, N, D]`, with `y` `[t, D]`.
+pub fn post(x: &mut [f32], y: &[f32], mix: &Mix, t: usize, dims: &HcDims) {
+    let (n, d) = (dims.n, dims.d);
+    let mut out = vec![0f32; n * d];
+    for r in 0..t {
+        let xr = &mut x[r * n * d..(r + 1) * n * d];
+        let yr = &y[r * d..(r + 1) * d];
+        let c = &mix.comb[r * n * n..(r + 1) * n * n];
+        for k in 0..n {
+            let o = &mut out[k * d..(k + 1) * d];
+            let p = mix.post[r * n + k];
+            for (a, b) in o.iter_mut().zip(yr) {
+                *a = p * b;
+            }
+            let mut mixed = vec![0f32; d];
+            for j in 0..n {
+                let cjk = c[j * n + k];
+                for (a, b) in mixed.iter_mut().zip(&xr[j * d..(j + 1) * d]) {
+                    *a += cjk * b;
+                }
+            }
+            for (a, b) in o.iter_mut().zip(&mixed) {
+                *a += b;
+            }
+        }
+        xr.copy_from_slice(&out);
+    }
+}
+
+/// The head's collapse of `x` `[t, N, D]` to `[t, D]`.
+pub fn head(w: &HeadHcWeights<'_>, x: &[f32], t: usize, dims: &HcDims) -> Vec<f32> {
+    let n = dims.n;
+    let mixes = linear(&w.fn_, &normed(x, dims), t);
+    let pre: Vec<f32> = (0..t * n)
+        .map(|at| sigmoid(mixes[at] * w.scale + w.base[at % n]) + dims.hc_eps)
+        .collect();
+    collapse(x, &pre, t, n, dims.d)
+}
