@@ -1,0 +1,117 @@
+//! Prints, for every deepseek_v4 fixture and conversion profile, the prefill logits' agreement with
+//! transformers (max|diff| relative to max|logit|, top-1 agreement, mean KL(ref || ours)) as a
+//! markdown table (docs/quality.md).
+//!
+//!     cargo run --release -p model-dsv4 --example quality
+
+use cmf_format::Cmf;
+use engine::convert::{ConvertOptions, Profile, convert};
+use model_dsv4::{Model, Weights};
+use std::path::{Path, PathBuf};
+
+fn read_npy(path: &Path) -> (Vec<usize>, Vec<u8>, bool) {
+    let b = std::fs::read(path).unwrap();
+    let (hlen, start) = if b[6] == 1 {
+        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
+    } else {
+        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
+    };
+    let header = std::str::from_utf8(&b[start..start + hlen]).unwrap();
+    let shape_str = header
+        .split("'shape': (")
+        .nth(1)
+        .unwrap()
+        .split(')')
+        .next()
+        .unwrap();
+    let shape = shape_str
+        .split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse().unwrap())
+        .collect();
+    (shape, b[start + hlen..].to_vec(), header.contains("'<f4'"))
+}
+
+fn f32s(path: &Path) -> Vec<f32> {
+    let (_, d, is_f32) = read_npy(path);
+    assert!(is_f32);
+    d.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+fn ids(path: &Path) -> Vec<u32> {
+    let (_, d, _) = read_npy(path);
+    d.chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+fn log_softmax(x: &[f32]) -> Vec<f64> {
+    let m = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let z: f64 = x.iter().map(|&v| (v as f64 - m).exp()).sum::<f64>().ln();
+    x.iter().map(|&v| v as f64 - m - z).collect()
+}
+
+fn argmax(v: &[f32]) -> usize {
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b })
+}
+
+fn main() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let dir = tempfile::tempdir().unwrap();
+    println!("| case | profile | max\\|diff\\| / max\\|logit\\| | top-1 agreement | mean KL |");
+    println!("|---|---|---|---|---|");
+    for case in ["deepseek_v4_a", "deepseek_v4_b"] {
+        for profile in [
+            Profile::F32,
+            Profile::Bf16,
+            Profile::F16,
+            Profile::Q8,
+            Profile::Q4,
+            Profile::Q2,
+            Profile::Fp4,
+        ] {
+            let out = dir.path().join(format!("{case}-{profile:?}.cmf"));
+            convert(
+                &ConvertOptions::new(root.join(case).join("hf"), out.clone(), profile),
+                &mut |_| {},
+            )
+            .unwrap();
+            let cmf = Cmf::open(&out).unwrap();
+            let (config, weights) = Weights::bind(&cmf).unwrap();
+            let model = Model::new(config, weights);
+            let v = model.config.vocab_size;
+            let (mut rows, mut agree, mut kl, mut rel) = (0usize, 0usize, 0f64, 0f32);
+            for p in 0..3 {
+                let exp = root.join(case).join("expected");
+                let want = f32s(&exp.join(format!("p{p}_prefill_logits.npy")));
+                let got = model
+                    .forward_prefill(&ids(&exp.join(format!("p{p}_ids.npy"))))
+                    .unwrap();
+                let max_ref = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+                let diff = got
+                    .iter()
+                    .zip(&want)
+                    .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+                rel = rel.max(diff / max_ref);
+                for (g, w) in got.chunks(v).zip(want.chunks(v)) {
+                    rows += 1;
+                    agree += usize::from(argmax(g) == argmax(w));
+                    let (lp, lq) = (log_softmax(w), log_softmax(g));
+                    kl += lp
+                        .iter()
+                        .zip(&lq)
+                        .map(|(a, b)| a.exp() * (a - b))
+                        .sum::<f64>();
+                }
+            }
+            println!(
+                "| {case} | {profile:?} | {rel:.2e} | {:.2}% | {:.2e} |",
+                100.0 * agree as f64 / rows as f64,
+                kl / rows as f64
+            );
+        }
+    }
+}
