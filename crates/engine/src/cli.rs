@@ -28,9 +28,9 @@ pub enum Command {
     Bench(BenchCommand),
     /// Convert a Hugging Face checkpoint directory (qwen4_exp, deepseek_v4) to one CMF file.
     Convert(ConvertArgs),
-    /// Write float32 logits [T, vocab] of every prompt position as .npy (qwen4_exp, CPU).
+    /// Write float32 logits [T, vocab] of every prompt position as .npy (qwen4_exp, deepseek_v4; CPU).
     Logits(LogitsArgs),
-    /// Generate text from a prompt, streamed to stdout (qwen4_exp, CPU).
+    /// Generate text from a prompt, streamed to stdout (qwen4_exp, deepseek_v4; CPU).
     Run(RunArgs),
 }
 

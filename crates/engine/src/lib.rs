@@ -23,6 +23,7 @@ pub mod convert;
 pub mod doctor;
 pub mod inspect;
 pub mod logits;
+pub mod model;
 pub mod run;
 pub mod sampling;
 

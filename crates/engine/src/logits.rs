@@ -2,13 +2,14 @@
 //! `.npy`. The ids are used exactly as given (no BOS). With `decode_from = K` the first K tokens
 //! are prefilled and the rest fed one at a time through the cache; the array has the same shape.
 //!
-//! Only qwen4_exp models run so far (the CPU reference forward of `model-qwen4`).
+//! Any architecture [`AnyModel`] binds (qwen4_exp, deepseek_v4) runs, through its CPU reference
+//! forward.
 
 use std::io::{self, Write};
 use std::path::Path;
 
+use crate::model::{AnyModel, BindError, ForwardError};
 use cmf_format::{Cmf, CmfError};
-use model_qwen4::{ForwardError, Model, SeqState, WeightError, Weights};
 
 /// What to compute.
 #[derive(Debug, Clone, Default)]
@@ -36,9 +37,9 @@ pub enum LogitsError {
     /// The file does not open.
     #[error(transparent)]
     Open(#[from] CmfError),
-    /// Not a usable qwen4_exp model.
+    /// Not a usable model.
     #[error(transparent)]
-    Weights(#[from] WeightError),
+    Weights(#[from] BindError),
     /// Bad tokens.
     #[error(transparent)]
     Forward(#[from] ForwardError),
@@ -55,8 +56,7 @@ pub enum LogitsError {
 /// Runs the model at `path` on `opts.tokens`.
 pub fn logits(path: &Path, opts: &LogitsOptions) -> Result<Logits, LogitsError> {
     let cmf = Cmf::open(path)?;
-    let (config, weights) = Weights::bind(&cmf)?;
-    let model = Model::new(config, weights);
+    let model = AnyModel::bind(&cmf)?;
     let t = opts.tokens.len();
     let data = match opts.decode_from {
         None => model.forward_prefill(&opts.tokens)?,
@@ -65,9 +65,13 @@ pub fn logits(path: &Path, opts: &LogitsOptions) -> Result<Logits, LogitsError> 
                 return Err(LogitsError::DecodeFrom { k, t });
             }
             if t == 0 {
-                return Err(ForwardError::Empty.into());
+                // The model's own error for an empty prompt.
+                return Err(model
+                    .forward_prefill(&[])
+                    .err()
+                    .map_or(LogitsError::DecodeFrom { k, t }, LogitsError::Forward));
             }
-            let mut st = SeqState::new(&model.config);
+            let mut st = model.new_state();
             let mut data = if k > 0 {
                 model.forward(&opts.tokens[..k], &mut st)?
             } else {
@@ -81,7 +85,7 @@ pub fn logits(path: &Path, opts: &LogitsOptions) -> Result<Logits, LogitsError> 
     };
     Ok(Logits {
         rows: t,
-        vocab: model.config.vocab_size,
+        vocab: model.vocab_size(),
         data,
     })
 }

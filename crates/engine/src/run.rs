@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use cmf_format::{Cmf, CmfError};
-use model_qwen4::{ForwardError, Model, SeqState, WeightError, Weights};
 
+use crate::model::{AnyModel, BindError, ForwardError};
 use crate::sampling::{Sampler, Sampling};
 
 /// Why generation could not run.
@@ -18,7 +18,7 @@ pub enum RunError {
     Open(#[from] CmfError),
     /// Not a model this engine runs.
     #[error(transparent)]
-    Weights(#[from] WeightError),
+    Weights(#[from] BindError),
     /// The forward pass refused its input.
     #[error(transparent)]
     Forward(#[from] ForwardError),
@@ -38,7 +38,7 @@ pub enum RunError {
 /// A loaded model with its tokenizer.
 pub struct Runner<'a> {
     /// The forward pass.
-    pub model: Model<'a>,
+    pub model: AnyModel<'a>,
     /// The embedded tokenizer.
     pub tokenizer: tokenizers::Tokenizer,
     /// Token ids that end generation.
@@ -85,7 +85,7 @@ impl<'a> Runner<'a> {
                 file: file.clone(),
                 message: e.to_string(),
             })?;
-        let (config, weights) = Weights::bind(cmf)?;
+        let model = AnyModel::bind(cmf)?;
         let mut eos = h
             .generation
             .as_ref()
@@ -93,10 +93,11 @@ impl<'a> Runner<'a> {
             .map(ids)
             .unwrap_or_default();
         if eos.is_empty() {
-            eos = config.eos_id().map(|i| vec![i as u32]).unwrap_or_default();
+            // The config's `eos_token_id` (one id or a list; qwen4_exp and deepseek_v4 alike).
+            eos = h.config.get("eos_token_id").map(ids).unwrap_or_default();
         }
         Ok(Runner {
-            model: Model::new(config, weights),
+            model,
             tokenizer,
             eos,
         })
@@ -125,9 +126,9 @@ impl<'a> Runner<'a> {
         if prompt.is_empty() {
             return Err(RunError::EmptyPrompt);
         }
-        let vocab = self.model.config.vocab_size;
+        let vocab = self.model.vocab_size();
         let mut sampler = Sampler::new(sampling);
-        let mut st = SeqState::new(&self.model.config);
+        let mut st = self.model.new_state();
         let t0 = Instant::now();
         let logits = self.model.forward(prompt, &mut st)?;
         let mut next = sampler.sample(&logits[logits.len() - vocab..]);

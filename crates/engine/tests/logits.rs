@@ -1,7 +1,9 @@
-//! `cortiq logits` (library side) against transformers' logits in the qwen4_exp fixtures.
+//! `cortiq logits` (library side) against transformers' logits in the qwen4_exp and deepseek_v4
+//! fixtures.
 
 use engine::convert::{ConvertOptions, Profile, convert};
 use engine::logits::{LogitsError, LogitsOptions, logits, write_npy};
+use engine::model::BindError;
 use std::path::{Path, PathBuf};
 
 fn fixture(case: &str) -> PathBuf {
@@ -111,22 +113,76 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
     );
     assert!(matches!(empty, Err(LogitsError::Forward(_))));
 
-    let ds = dir.path().join("ds.cmf");
-    convert(
-        &ConvertOptions::new(
-            fixture("deepseek_v4_a").join("hf"),
-            ds.clone(),
-            Profile::F32,
-        ),
-        &mut |_| {},
-    )
-    .unwrap();
+    // An architecture no model crate runs: the embedded example model.
+    let other = dir.path().join("other.cmf");
+    std::fs::write(&other, engine::EMBEDDED_MODEL).unwrap();
     let arch = logits(
-        &ds,
+        &other,
         &LogitsOptions {
             tokens: vec![1, 2],
             decode_from: None,
         },
     );
-    assert!(matches!(arch, Err(LogitsError::Weights(_))), "{arch:?}");
+    match arch {
+        Err(LogitsError::Weights(e @ BindError::Architecture(_))) => {
+            assert!(e.to_string().contains("unsupported architecture"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The same engine path runs deepseek_v4 (one-shot prefill and cached decode).
+#[test]
+fn logits_of_a_deepseek_v4_model_match_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmf = dir.path().join("ds.cmf");
+    convert(
+        &ConvertOptions::new(
+            fixture("deepseek_v4_b").join("hf"),
+            cmf.clone(),
+            Profile::F32,
+        ),
+        &mut |_| {},
+    )
+    .unwrap();
+    let exp = fixture("deepseek_v4_b").join("expected");
+    let (_, ids) = npy(&exp.join("p0_ids.npy"));
+    let tokens: Vec<u32> = ids
+        .chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    let (shape, want) = npy(&exp.join("p0_prefill_logits.npy"));
+    let want = f32s(&want);
+    let tol = 1e-4 * want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    for decode_from in [None, Some(93)] {
+        let l = logits(
+            &cmf,
+            &LogitsOptions {
+                tokens: tokens.clone(),
+                decode_from,
+            },
+        )
+        .unwrap();
+        assert_eq!(vec![l.rows, l.vocab], shape);
+        let err = l
+            .data
+            .iter()
+            .zip(&want)
+            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+        assert!(
+            err <= tol,
+            "decode_from {decode_from:?}: {err:.3e} > {tol:.3e}"
+        );
+    }
+    let bad_id = logits(
+        &cmf,
+        &LogitsOptions {
+            tokens: vec![1, 512],
+            decode_from: None,
+        },
+    );
+    assert!(
+        matches!(&bad_id, Err(LogitsError::Forward(e)) if e.to_string().contains("token id 512")),
+        "{bad_id:?}"
+    );
 }

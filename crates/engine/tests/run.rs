@@ -55,8 +55,14 @@ fn prompts(case: &str) -> Vec<(String, Vec<u32>, Vec<u32>)> {
 #[test]
 fn greedy_generation_matches_transformers() {
     let dir = tempfile::tempdir().unwrap();
-    let mut checked = 0;
-    for case in ["qwen4_exp_a", "qwen4_exp_b", "qwen4_exp_c"] {
+    let (mut checked, mut checked_ds) = (0, 0);
+    for case in [
+        "qwen4_exp_a",
+        "qwen4_exp_b",
+        "qwen4_exp_c",
+        "deepseek_v4_a",
+        "deepseek_v4_b",
+    ] {
         let path = converted(case, dir.path());
         let cmf = Cmf::open(&path).unwrap();
         let runner = Runner::new(&cmf).unwrap();
@@ -76,8 +82,13 @@ fn greedy_generation_matches_transformers() {
             assert_eq!(g.tokens[..], greedy[..g.tokens.len()], "{case}: {text:?}");
             assert_eq!(streamed, g.tokens);
             checked += 1;
+            checked_ds += usize::from(case.starts_with("deepseek"));
         }
     }
+    assert!(
+        checked_ds >= 2,
+        "only {checked_ds} deepseek_v4 prompts checked"
+    );
     assert!(
         checked >= 3,
         "only {checked} prompts tokenised to transformers' ids"
@@ -132,7 +143,7 @@ fn bad_requests_are_errors() {
         runner.generate(&[], 4, Sampling::default(), &mut |_| {}),
         Err(RunError::EmptyPrompt)
     ));
-    let vocab = runner.model.config.vocab_size as u32;
+    let vocab = runner.model.vocab_size() as u32;
     assert!(matches!(
         runner.generate(&[vocab], 4, Sampling::default(), &mut |_| {}),
         Err(RunError::Forward(_))
