@@ -32,6 +32,10 @@ pub enum Command {
     Logits(LogitsArgs),
     /// Generate text from a prompt, streamed to stdout (qwen4_exp, deepseek_v4; CPU).
     Run(RunArgs),
+    /// Talk with a model through its chat template, one line per message (/reset, /quit).
+    Chat(ChatArgs),
+    /// Perplexity of a model on a text file; with --kl-base, KL and top-1 agreement vs a base.
+    Perplexity(PerplexityArgs),
 }
 
 /// `cortiq logits`.
@@ -139,14 +143,9 @@ pub fn parse() -> Cli {
     Cli::parse()
 }
 
-/// `cortiq run`.
+/// Sampling flags shared by `run` and `chat`.
 #[derive(Debug, Args)]
-pub struct RunArgs {
-    /// The CMF model (with an embedded tokenizer).
-    pub model: PathBuf,
-    /// The prompt.
-    #[arg(short = 'p', long)]
-    pub prompt: String,
+pub struct SamplingArgs {
     /// Most tokens to generate.
     #[arg(short = 'n', long, default_value_t = 128)]
     pub max_tokens: usize,
@@ -162,4 +161,56 @@ pub struct RunArgs {
     /// Random seed.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+}
+
+/// `cortiq run`.
+#[derive(Debug, Args)]
+pub struct RunArgs {
+    /// The CMF model, with an embedded tokenizer (default: the Shakespeare demo model embedded in
+    /// the binary).
+    pub model: Option<PathBuf>,
+    /// The prompt.
+    #[arg(short = 'p', long)]
+    pub prompt: String,
+    /// Sampling.
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+/// `cortiq chat`.
+#[derive(Debug, Args)]
+pub struct ChatArgs {
+    /// The CMF model, with an embedded tokenizer and chat template (default: the embedded demo).
+    pub model: Option<PathBuf>,
+    /// A system message to start the conversation with.
+    #[arg(long)]
+    pub system: Option<String>,
+    /// Sampling (-n is per reply).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+}
+
+/// `cortiq perplexity`.
+#[derive(Debug, Args)]
+pub struct PerplexityArgs {
+    /// The CMF model.
+    pub model: PathBuf,
+    /// The text file to score (tokenised with the model's tokenizer, no special tokens added).
+    pub file: PathBuf,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Tokens between window starts (default: ctx / 2).
+    #[arg(long)]
+    pub stride: Option<usize>,
+    /// Score only the first N tokens of the file.
+    #[arg(long, value_name = "N")]
+    pub max_tokens: Option<usize>,
+    /// Also run this model on the same windows: mean KL divergence and top-1 agreement of MODEL
+    /// against it.
+    #[arg(long, value_name = "BASE.cmf")]
+    pub kl_base: Option<PathBuf>,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
 }

@@ -19,19 +19,25 @@ pub use kernels_wgsl;
 pub use quant_codecs;
 
 pub mod bench;
+pub mod chat;
 pub mod convert;
 pub mod doctor;
 pub mod inspect;
 pub mod logits;
 pub mod model;
+pub mod perplexity;
 pub mod run;
 pub mod sampling;
 
-/// The example model shipped in the binary (`assets/tiny.cmf`, written by `cargo xtask
-/// tiny-cmf`): what commands use when no model file is given.
-pub const EMBEDDED_MODEL: &[u8] = include_bytes!("../../../assets/tiny.cmf");
+/// The default model shipped in the binary: the Shakespeare demo, a 12.6 M-parameter qwen4_exp
+/// trained by `tools/demo-model` (`assets/shakespeare.cmf`, the q8 conversion of
+/// `fixtures/shakespeare/hf`). `cortiq run`, `chat` and `inspect` use it when no model is given.
+pub const EMBEDDED_MODEL: &[u8] = include_bytes!("../../../assets/shakespeare.cmf");
 
-/// Opens the embedded example model.
+/// The profile the embedded model was converted with.
+pub const EMBEDDED_PROFILE: &str = "q8";
+
+/// Opens the embedded default model.
 pub fn embedded_model() -> Result<cmf_format::Cmf, cmf_format::CmfError> {
     cmf_format::Cmf::from_bytes(EMBEDDED_MODEL)
 }

@@ -38,6 +38,8 @@ fn run(cli: Cli) -> ExitCode {
         Command::Convert(args) => run_convert(args),
         Command::Logits(args) => run_logits(args),
         Command::Run(args) => run_generate(args),
+        Command::Chat(args) => run_chat(args),
+        Command::Perplexity(args) => run_perplexity(args),
     };
     match result {
         Ok(code) => code,
@@ -227,20 +229,36 @@ fn print_report(
     Ok(())
 }
 
-fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
-    let cmf = engine::cmf_format::Cmf::open(&args.model)?;
-    let runner = engine::run::Runner::new(&cmf)?;
-    let prompt = runner.encode(&args.prompt)?;
-    let sampling = engine::sampling::Sampling {
+/// The model at `path`, or the embedded demo model.
+fn open_model(path: Option<&std::path::Path>) -> anyhow::Result<engine::cmf_format::Cmf> {
+    Ok(match path {
+        Some(p) => engine::cmf_format::Cmf::open(p)?,
+        None => engine::embedded_model()?,
+    })
+}
+
+fn sampling(args: &cli::SamplingArgs) -> engine::sampling::Sampling {
+    engine::sampling::Sampling {
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
         seed: args.seed,
-    };
+    }
+}
+
+fn rate(n: usize, s: f64) -> f64 {
+    if s > 0.0 { n as f64 / s } else { 0.0 }
+}
+
+fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
+    let cmf = open_model(args.model.as_deref())?;
+    let runner = engine::run::Runner::new(&cmf)?;
+    let prompt = runner.encode(&args.prompt)?;
+    let sampling = sampling(&args.sampling);
     let mut stream = engine::run::TextStream::new(&runner.tokenizer);
     let mut out = io::stdout().lock();
     let mut write_err = None;
-    let g = runner.generate(&prompt, args.max_tokens, sampling, &mut |id| {
+    let g = runner.generate(&prompt, args.sampling.max_tokens, sampling, &mut |id| {
         if write_err.is_some() || runner.eos.contains(&id) {
             return;
         }
@@ -254,7 +272,6 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
         return Err(e.into());
     }
     writeln!(out)?;
-    let rate = |n: usize, s: f64| if s > 0.0 { n as f64 / s } else { 0.0 };
     eprintln!(
         "cortiq: prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s){}",
         g.prompt.len(),
@@ -269,5 +286,110 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
             ""
         }
     );
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
+    use std::io::{BufRead, IsTerminal};
+
+    let cmf = open_model(args.model.as_deref())?;
+    let runner = engine::run::Runner::new(&cmf)?;
+    let mut chat = engine::chat::Chat::new(
+        &runner,
+        &cmf,
+        args.system.as_deref(),
+        sampling(&args.sampling),
+    )?;
+    let interactive = io::stdin().is_terminal();
+    if interactive {
+        eprintln!("cortiq chat: one line per message; /reset starts over, /quit (or Ctrl-D) ends.");
+    }
+    let mut out = io::stdout().lock();
+    let mut lines = io::stdin().lock().lines();
+    loop {
+        if interactive {
+            eprint!("> ");
+        }
+        let Some(line) = lines.next().transpose()? else {
+            break;
+        };
+        let line = line.trim();
+        match line {
+            "" => continue,
+            "/quit" | "/exit" => break,
+            "/reset" => {
+                chat.reset();
+                continue;
+            }
+            _ => {}
+        }
+        let mut write_err = None;
+        let r = chat.reply(line, args.sampling.max_tokens, &mut |piece| {
+            if write_err.is_none()
+                && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
+            {
+                write_err = Some(e);
+            }
+        })?;
+        if let Some(e) = write_err {
+            return Err(e.into());
+        }
+        writeln!(out)?;
+        tracing::info!(
+            prefilled = r.prefilled,
+            reused = r.reused,
+            tokens = r.tokens,
+            "reply"
+        );
+        if interactive {
+            eprintln!(
+                "[{} prompt tokens ({} reused) at {:.1} tok/s; {} tokens at {:.1} tok/s]",
+                r.prefilled + r.reused,
+                r.reused,
+                rate(r.prefilled, r.prompt_seconds),
+                r.tokens,
+                rate(r.tokens.saturating_sub(1), r.gen_seconds)
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
+    let cmf = engine::cmf_format::Cmf::open(&args.model)?;
+    let runner = engine::run::Runner::new(&cmf)?;
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("reading {}", args.file.display()))?;
+    let mut ids = runner
+        .tokenizer
+        .encode(text.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("{}: tokenizing: {e}", args.file.display()))?
+        .get_ids()
+        .to_vec();
+    if let Some(n) = args.max_tokens {
+        ids.truncate(n);
+    }
+    let base_cmf = args
+        .kl_base
+        .as_ref()
+        .map(engine::cmf_format::Cmf::open)
+        .transpose()?;
+    let base = base_cmf
+        .as_ref()
+        .map(engine::model::AnyModel::bind)
+        .transpose()?;
+    let opts = engine::perplexity::PerplexityOptions {
+        ctx: args.ctx,
+        stride: args.stride.unwrap_or(args.ctx.div_ceil(2)),
+    };
+    // llama.cpp's running estimate: `[window]ppl` after each window, on stderr.
+    let mut err = io::stderr().lock();
+    let report =
+        engine::perplexity::perplexity(&runner.model, base.as_ref(), &ids, opts, &mut |p| {
+            let _ = write!(err, "[{}/{}]{:.4},", p.done, p.total, p.ppl);
+            let _ = err.flush();
+        })?;
+    let _ = writeln!(err);
+    print_report(args.json, &report, |w| report.write_text(w))?;
     Ok(ExitCode::SUCCESS)
 }

@@ -6,6 +6,9 @@ use engine::logits::{LogitsError, LogitsOptions, logits, write_npy};
 use engine::model::BindError;
 use std::path::{Path, PathBuf};
 
+/// The container example (`cargo xtask tiny-cmf`): an architecture no model crate runs.
+const TINY_EXAMPLE: &[u8] = include_bytes!("../../../assets/tiny.cmf");
+
 fn fixture(case: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../../fixtures")
@@ -113,9 +116,9 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
     );
     assert!(matches!(empty, Err(LogitsError::Forward(_))));
 
-    // An architecture no model crate runs: the embedded example model.
+    // An architecture no model crate runs: the container example assets/tiny.cmf.
     let other = dir.path().join("other.cmf");
-    std::fs::write(&other, engine::EMBEDDED_MODEL).unwrap();
+    std::fs::write(&other, TINY_EXAMPLE).unwrap();
     let arch = logits(
         &other,
         &LogitsOptions {

@@ -10,6 +10,9 @@ use engine::convert::{ConvertOptions, Profile, convert};
 use engine::run::{RunError, Runner};
 use engine::sampling::Sampling;
 
+/// The container example (`cargo xtask tiny-cmf`): an architecture no model crate runs.
+const TINY_EXAMPLE: &[u8] = include_bytes!("../../../assets/tiny.cmf");
+
 fn fixture(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../fixtures")
@@ -130,8 +133,8 @@ fn the_binary_streams_the_greedy_text() {
 #[test]
 fn bad_requests_are_errors() {
     let dir = tempfile::tempdir().unwrap();
-    // The embedded example has no tokenizer (and is not a qwen4_exp model).
-    let tiny = Cmf::from_bytes(engine::EMBEDDED_MODEL).unwrap();
+    // The container example assets/tiny.cmf has no tokenizer (and is not a qwen4_exp model).
+    let tiny = Cmf::from_bytes(TINY_EXAMPLE).unwrap();
     assert!(matches!(
         Runner::new(&tiny),
         Err(RunError::Tokenizer { .. })

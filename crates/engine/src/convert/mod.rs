@@ -886,11 +886,19 @@ fn build_header(
 }
 
 /// The current UTC time as `YYYY-MM-DDTHH:MM:SSZ`.
+/// `SOURCE_DATE_EPOCH` (the reproducible-builds convention), when set, stands for "now", so
+/// that converting the same checkpoint twice gives the same bytes (the shipped demo model is
+/// checked that way).
 fn utc_now() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
+    let secs = std::env::var("SOURCE_DATE_EPOCH")
+        .ok()
+        .and_then(|v| v.trim().parse::<i64>().ok())
+        .unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or(0)
+        });
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Howard Hinnant's civil_from_days.
     let z = days + 719_468;

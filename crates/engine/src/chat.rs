@@ -1,0 +1,262 @@
+//! `cortiq chat`: a conversation rendered through the model's own chat template (Jinja, via
+//! minijinja), one sequence state kept across turns.
+//!
+//! Each turn renders the whole conversation with `add_generation_prompt`, tokenises it, and reuses
+//! the state saved after the previous turn's prompt when the new ids extend those (the usual
+//! case): only the reply as the template renders it and the new message are prefilled. When they
+//! do not (a template that rewrites history), the conversation is prefilled from scratch: slower,
+//! never wrong. A reply ends at an EOS id or at one of the generation defaults' `stop_strings`
+//! (which is not part of the reply).
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::model::AnyState;
+use crate::run::{RunError, Runner, TextStream};
+use crate::sampling::{Sampler, Sampling};
+
+/// One message.
+#[derive(Debug, Clone, Serialize)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The text.
+    pub content: String,
+}
+
+/// Why a turn failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ChatError {
+    /// The file has no chat template.
+    #[error(
+        "{file}: no chat template embedded (convert from a checkpoint whose tokenizer_config.json has one)"
+    )]
+    NoTemplate {
+        /// The model file.
+        file: String,
+    },
+    /// The template does not parse or render.
+    #[error("chat template: {0}")]
+    Template(#[from] minijinja::Error),
+    /// Tokenising or the forward pass.
+    #[error(transparent)]
+    Run(#[from] RunError),
+}
+
+/// What one reply did.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    /// The reply's text (stop string removed).
+    pub text: String,
+    /// Tokens generated.
+    pub tokens: usize,
+    /// Prompt tokens prefilled this turn (after reuse).
+    pub prefilled: usize,
+    /// Prompt tokens reused from the previous turn's state.
+    pub reused: usize,
+    /// Seconds of prefill.
+    pub prompt_seconds: f64,
+    /// Seconds of generation.
+    pub gen_seconds: f64,
+}
+
+/// A conversation with one model.
+pub struct Chat<'r, 'a> {
+    runner: &'r Runner<'a>,
+    env: minijinja::Environment<'static>,
+    /// The conversation so far.
+    pub messages: Vec<Message>,
+    stop: Vec<String>,
+    bos: String,
+    eos: String,
+    /// The rendered prompt's ids of the last turn and the state right after them.
+    saved: Option<(Vec<u32>, AnyState)>,
+    sampler: Sampler,
+}
+
+/// The token text of the config's `key` id (the first, when it is a list), for templates that
+/// write `bos_token` / `eos_token`.
+fn special(runner: &Runner<'_>, config: &serde_json::Value, key: &str) -> String {
+    let id = match config.get(key) {
+        Some(serde_json::Value::Number(n)) => n.as_u64(),
+        Some(serde_json::Value::Array(a)) => a.first().and_then(serde_json::Value::as_u64),
+        _ => None,
+    };
+    id.and_then(|i| runner.tokenizer.id_to_token(i as u32))
+        .unwrap_or_default()
+}
+
+impl<'r, 'a> Chat<'r, 'a> {
+    /// A new conversation (optionally starting with a system message).
+    pub fn new(
+        runner: &'r Runner<'a>,
+        cmf: &cmf_format::Cmf,
+        system: Option<&str>,
+        sampling: Sampling,
+    ) -> Result<Self, ChatError> {
+        let h = cmf.header();
+        let src = h
+            .chat_template
+            .clone()
+            .ok_or_else(|| ChatError::NoTemplate {
+                file: cmf.display_path().display().to_string(),
+            })?;
+        let mut env = minijinja::Environment::new();
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template_owned("chat", src)?;
+        let stop = h
+            .generation
+            .as_ref()
+            .and_then(|g| g.get("stop_strings"))
+            .map(|v| match v {
+                serde_json::Value::String(s) => vec![s.clone()],
+                serde_json::Value::Array(a) => a
+                    .iter()
+                    .filter_map(|s| s.as_str().map(str::to_string))
+                    .collect(),
+                _ => Vec::new(),
+            })
+            .unwrap_or_default();
+        let messages = system
+            .map(|s| Message {
+                role: "system".into(),
+                content: s.into(),
+            })
+            .into_iter()
+            .collect();
+        Ok(Chat {
+            runner,
+            env,
+            messages,
+            stop,
+            bos: special(runner, &h.config, "bos_token_id"),
+            eos: special(runner, &h.config, "eos_token_id"),
+            saved: None,
+            sampler: Sampler::new(sampling),
+        })
+    }
+
+    /// The text the template makes of the conversation, ready for the assistant's turn.
+    pub fn render(&self) -> Result<String, ChatError> {
+        let t = self.env.get_template("chat")?;
+        Ok(t.render(minijinja::context! {
+            messages => &self.messages,
+            add_generation_prompt => true,
+            bos_token => &self.bos,
+            eos_token => &self.eos,
+        })?)
+    }
+
+    /// Forgets the conversation (keeps the system message).
+    pub fn reset(&mut self) {
+        self.messages.retain(|m| m.role == "system");
+        self.saved = None;
+    }
+
+    /// Adds the user's message and generates the reply, handing each printable piece to
+    /// `on_text` as it completes.
+    pub fn reply(
+        &mut self,
+        user: &str,
+        max_new: usize,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Reply, ChatError> {
+        self.messages.push(Message {
+            role: "user".into(),
+            content: user.into(),
+        });
+        let prompt = self.render()?;
+        let ids = self
+            .runner
+            .tokenizer
+            .encode(prompt.as_str(), false)
+            .map_err(|e| RunError::Tokenizer {
+                file: String::new(),
+                message: e.to_string(),
+            })?
+            .get_ids()
+            .to_vec();
+        if ids.is_empty() {
+            return Err(RunError::EmptyPrompt.into());
+        }
+        let model = &self.runner.model;
+        let vocab = model.vocab_size();
+        let t0 = Instant::now();
+        let (mut st, reused) = match self.saved.take() {
+            // Keep at least one token to prefill: its logits start the reply.
+            Some((prev, st)) if prev.len() < ids.len() && ids.starts_with(&prev) => {
+                (st, prev.len())
+            }
+            _ => (model.new_state(), 0),
+        };
+        let logits = model
+            .forward(&ids[reused..], &mut st)
+            .map_err(RunError::from)?;
+        self.saved = Some((ids.clone(), st.clone()));
+        let prompt_seconds = t0.elapsed().as_secs_f64();
+
+        let t1 = Instant::now();
+        let mut next = self.sampler.sample(&logits[logits.len() - vocab..]);
+        let mut stream = TextStream::new(&self.runner.tokenizer);
+        let mut text = String::new();
+        let mut shown = 0usize;
+        let hold = self.stop.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
+        let mut tokens = 0;
+        let mut stopped = false;
+        while tokens < max_new && !self.runner.eos.contains(&next) {
+            tokens += 1;
+            if let Some(piece) = stream.push(next) {
+                text.push_str(&piece);
+                if let Some(cut) = self.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
+                    text.truncate(cut);
+                    stopped = true;
+                }
+                // Hold back what could still become a stop string.
+                let mut safe = if stopped {
+                    text.len()
+                } else {
+                    text.len().saturating_sub(hold)
+                };
+                while !text.is_char_boundary(safe) {
+                    safe -= 1;
+                }
+                if safe > shown {
+                    on_text(&text[shown..safe]);
+                    shown = safe;
+                }
+                if stopped {
+                    break;
+                }
+            }
+            if tokens == max_new {
+                break;
+            }
+            let logits = model.forward(&[next], &mut st).map_err(RunError::from)?;
+            next = self.sampler.sample(&logits);
+        }
+        if shown < text.len() {
+            on_text(&text[shown..]);
+        }
+        self.messages.push(Message {
+            role: "assistant".into(),
+            content: text.clone(),
+        });
+        Ok(Reply {
+            text,
+            tokens,
+            prefilled: ids.len() - reused,
+            reused,
+            prompt_seconds,
+            gen_seconds: t1.elapsed().as_secs_f64(),
+        })
+    }
+}

@@ -1,0 +1,289 @@
+//! The trained demo model (fixtures/shakespeare, tools/demo-model) against transformers: logits on
+//! held-out text, perplexity, greedy generation; and the shipped default model is exactly the q8
+//! conversion of that checkpoint. Witness: tools/demo-model/reference.py (transformers 5.24,
+//! float32, CPU) wrote fixtures/shakespeare/expected.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use engine::cmf_format::Cmf;
+use engine::convert::{ConvertOptions, Profile, convert};
+use engine::model::AnyModel;
+use engine::perplexity::{PerplexityOptions, perplexity};
+use engine::run::Runner;
+use engine::sampling::Sampling;
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/shakespeare")
+}
+
+fn converted(profile: Profile, dir: &Path) -> PathBuf {
+    let out = dir.join(format!("shakespeare-{}.cmf", profile.name()));
+    convert(
+        &ConvertOptions::new(fixture().join("hf"), out.clone(), profile),
+        &mut |_| {},
+    )
+    .unwrap();
+    out
+}
+
+/// A little-endian C-order .npy: (shape, element bytes).
+fn npy(name: &str) -> (Vec<usize>, Vec<u8>) {
+    let b = std::fs::read(fixture().join("expected").join(name)).unwrap();
+    assert_eq!(&b[..6], b"\x93NUMPY");
+    let hlen = u16::from_le_bytes([b[8], b[9]]) as usize;
+    let header = std::str::from_utf8(&b[10..10 + hlen]).unwrap();
+    let shape = header.split("'shape': (").nth(1).unwrap();
+    let shape = shape[..shape.find(')').unwrap()]
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect();
+    (shape, b[10 + hlen..].to_vec())
+}
+
+fn cases() -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(fixture().join("expected/cases.json")).unwrap()).unwrap()
+}
+
+fn heldout_ids() -> Vec<u32> {
+    let (_, b) = npy("heldout_ids.npy");
+    b.chunks_exact(4)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+#[test]
+fn f32_logits_on_heldout_text_match_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmf = Cmf::open(converted(Profile::F32, dir.path())).unwrap();
+    let model = AnyModel::bind(&cmf).unwrap();
+    let (shape, bytes) = npy("parity_logits.npy");
+    let want: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let ids = heldout_ids();
+    let got = model.forward_prefill(&ids[..shape[0]]).unwrap();
+    assert_eq!(got.len(), want.len());
+    let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    // The bound of the random fixtures (1e-5 x max|logit|); measured here ~2e-6 x max|logit|.
+    // Positions past the QSA budget (64) are included, so the indexer's choices agree too.
+    assert!(
+        err <= 1e-5 * max,
+        "max |diff| {err} vs max |logit| {max} over {} positions",
+        shape[0]
+    );
+}
+
+#[test]
+fn perplexity_on_heldout_text_matches_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmf = Cmf::open(converted(Profile::F32, dir.path())).unwrap();
+    let model = AnyModel::bind(&cmf).unwrap();
+    let c = cases();
+    let h = &c["heldout"];
+    let opts = PerplexityOptions {
+        ctx: h["ctx"].as_u64().unwrap() as usize,
+        stride: h["stride"].as_u64().unwrap() as usize,
+    };
+    let mut windows = 0;
+    let r = perplexity(&model, None, &heldout_ids(), opts, &mut |_| windows += 1).unwrap();
+    let (_, nll) = npy("heldout_nll.npy");
+    let want: Vec<f64> = nll
+        .chunks_exact(8)
+        .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    assert_eq!(r.scored, want.len());
+    assert_eq!(r.scored, h["scored"].as_u64().unwrap() as usize);
+    // Token by token (same windows, same targets) ...
+    let worst = r
+        .nll
+        .iter()
+        .zip(&want)
+        .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+    assert!(worst < 1e-4, "worst per-token nll difference {worst}");
+    // ... and the 4 significant digits on the perplexity.
+    let (ours, theirs) = (r.ppl.value, h["ppl"].as_f64().unwrap());
+    assert!(
+        ((ours - theirs) / theirs).abs() < 5e-5,
+        "PPL {ours} vs transformers {theirs}"
+    );
+    assert!(windows > 1, "the text should span several windows");
+}
+
+#[test]
+fn greedy_generation_matches_transformers_generate() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmf = Cmf::open(converted(Profile::F32, dir.path())).unwrap();
+    let runner = Runner::new(&cmf).unwrap();
+    let c = cases();
+    for case in c["greedy"].as_array().unwrap() {
+        let prompt = case["prompt"].as_str().unwrap();
+        let ids_want = ids(&case["ids"]);
+        let greedy_want = ids(&case["greedy_ids"]);
+        assert_eq!(runner.encode(prompt).unwrap(), ids_want, "{prompt:?}");
+        let greedy = Sampling {
+            temperature: 0.0,
+            ..Sampling::default()
+        };
+        let g = runner.generate(&ids_want, 64, greedy, &mut |_| {}).unwrap();
+        assert_eq!(g.tokens, greedy_want, "{prompt:?}");
+    }
+}
+
+#[test]
+fn the_shipped_model_is_the_q8_conversion_of_the_trained_checkpoint() {
+    assert_eq!(engine::EMBEDDED_PROFILE, "q8");
+    let dir = tempfile::tempdir().unwrap();
+    let fresh = Cmf::open(converted(Profile::Q8, dir.path())).unwrap();
+    let shipped = engine::embedded_model().unwrap();
+    assert!(engine::EMBEDDED_MODEL.len() < 16 << 20, "over 16 MiB");
+    assert_eq!(shipped.header().architecture, "qwen4_exp");
+    assert_eq!(shipped.header().config, fresh.header().config);
+    assert_eq!(shipped.header().tokenizer, fresh.header().tokenizer);
+    assert_eq!(shipped.header().chat_template, fresh.header().chat_template);
+    assert_eq!(shipped.tensors().len(), fresh.tensors().len());
+    for t in fresh.tensors() {
+        let s = shipped
+            .tensor(&t.name)
+            .unwrap_or_else(|| panic!("{} missing", t.name));
+        let f = fresh.tensor(&t.name).unwrap();
+        assert_eq!((s.dtype(), s.shape()), (f.dtype(), f.shape()), "{}", t.name);
+        assert!(s.bytes == f.bytes, "{} differs", t.name);
+    }
+}
+
+fn cortiq(args: &[&str], stdin: &str) -> (String, String, bool) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cortiq"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        String::from_utf8(out.stdout).unwrap(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+        out.status.success(),
+    )
+}
+
+#[test]
+fn run_and_chat_default_to_the_embedded_model() {
+    // Greedy from the shipped q8 model: the text must be what the same model's tokens decode to
+    // (checked through the library), and the binary needs no model argument.
+    let cmf = engine::embedded_model().unwrap();
+    let runner = Runner::new(&cmf).unwrap();
+    let prompt = "ROMEO.\n";
+    let greedy = Sampling {
+        temperature: 0.0,
+        ..Sampling::default()
+    };
+    let g = runner
+        .generate(&runner.encode(prompt).unwrap(), 24, greedy, &mut |_| {})
+        .unwrap();
+    let want = runner.tokenizer.decode(&g.tokens, true).unwrap();
+    let (out, err, ok) = cortiq(&["run", "-p", prompt, "-n", "24", "--temp", "0"], "");
+    assert!(ok, "{err}");
+    assert_eq!(out.trim_end(), want.trim_end());
+    assert!(err.contains("tok/s"), "{err}");
+
+    // Chat: two messages on stdin, one reply line each (a reply stops at the blank line that
+    // ends a speech, so it never contains one).
+    let (out, err, ok) = cortiq(
+        &["chat", "--temp", "0", "-n", "40"],
+        "Good morrow, lady.\n/reset\nWhat news?\n",
+    );
+    assert!(ok, "{err}");
+    let replies: Vec<&str> = out.split('\n').filter(|l| !l.is_empty()).collect();
+    assert!(!replies.is_empty(), "no reply: {out:?} {err}");
+    assert!(!out.contains("\n\n\n"), "{out:?}");
+}
+
+#[test]
+fn chat_reuses_the_previous_turn_and_equals_a_fresh_prefill() {
+    let cmf = engine::embedded_model().unwrap();
+    let runner = Runner::new(&cmf).unwrap();
+    let greedy = Sampling {
+        temperature: 0.0,
+        ..Sampling::default()
+    };
+    let mut chat = engine::chat::Chat::new(&runner, &cmf, None, greedy).unwrap();
+    let first = chat.reply("Good morrow, lady.", 30, &mut |_| {}).unwrap();
+    assert_eq!(first.reused, 0);
+    let second = chat
+        .reply("What news from Mantua?", 30, &mut |_| {})
+        .unwrap();
+    assert!(second.reused > 0, "the second turn should reuse the first");
+
+    // The same conversation replayed with nothing cached gives the same second reply.
+    let mut fresh = engine::chat::Chat::new(&runner, &cmf, None, greedy).unwrap();
+    fresh.messages = chat.messages[..2].to_vec();
+    let replay = fresh
+        .reply("What news from Mantua?", 30, &mut |_| {})
+        .unwrap();
+    assert_eq!(replay.reused, 0);
+    assert_eq!(replay.text, second.text);
+    let rendered = fresh.render().unwrap();
+    assert!(
+        rendered.starts_with("ROMEO.\nGood morrow, lady.\n\nJULIET.\n"),
+        "{rendered:?}"
+    );
+}
+
+#[test]
+fn perplexity_cli_reports_ppl_and_kl_against_a_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("shipped.cmf");
+    std::fs::write(&model, engine::EMBEDDED_MODEL).unwrap();
+    let text = dir.path().join("t.txt");
+    std::fs::write(
+        &text,
+        &std::fs::read_to_string(fixture().join("heldout.txt")).unwrap()[..3000],
+    )
+    .unwrap();
+    let m = model.to_str().unwrap();
+    let (out, err, ok) = cortiq(
+        &[
+            "perplexity",
+            m,
+            text.to_str().unwrap(),
+            "--ctx",
+            "128",
+            "--kl-base",
+            m,
+        ],
+        "",
+    );
+    assert!(ok, "{err}");
+    assert!(out.contains("PPL = "), "{out}");
+    // Against itself: the same windows give zero KL and full agreement.
+    assert!(out.contains("mean KL = 0.000000 +/- 0.000000"), "{out}");
+    assert!(out.contains("top-1 agreement = 100.000%"), "{out}");
+    assert!(err.contains("[1/"), "running estimate missing: {err}");
+
+    let (_, err, ok) = cortiq(&["perplexity", m, text.to_str().unwrap(), "--ctx", "1"], "");
+    assert!(!ok && err.contains("--ctx 1"), "{err}");
+    let (_, err, ok) = cortiq(&["perplexity", m, "/nonexistent.txt"], "");
+    assert!(!ok && err.contains("/nonexistent.txt"), "{err}");
+}
