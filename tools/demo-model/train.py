@@ -1,6 +1,6 @@
 """Train the demo model with transformers' own `Qwen4ExpForCausalLM` (runs on a CUDA GPU; minutes).
 
-    python tools/demo-model/train.py --data .demo --out OUT_DIR [--steps N] [--probe]
+    python tools/demo-model/train.py --data .demo --out OUT_DIR [--config config.json] [--steps N] [--probe]
 
 Reads DATA/{train.u16, heldout.txt, tokenizer.json, tokenizer_config.json, prepare.json} from
 prepare.py and config.json next to this file; writes OUT_DIR/hf/ in the released Qwen3.8 layout
@@ -35,7 +35,7 @@ def build(cfg, prep):
     import cases
     from transformers import AutoModelForCausalLM
 
-    case = {"family": "qwen4_exp", "cfg": cfg["model"], "vocab_size": prep["vocab_size"]}
+    case = {"family": cfg["family"], "cfg": cfg["model"], "vocab_size": prep["vocab_size"]}
     text_cfg, released = cases.make_config(case, prep["special_ids"])
     gen = cases.generation_config(case, prep["special_ids"])
     gen["stop_strings"] = ["\n\n"]  # a reply in `cortiq chat` is one speech (prepare.py)
@@ -64,24 +64,26 @@ def main():
     ap.add_argument("--data", type=Path, default=Path(".demo"))
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--steps", type=int, help="override config.json train.steps")
+    ap.add_argument("--config", type=Path, default=HERE / "config.json")
     ap.add_argument("--probe", action="store_true")
     ap.add_argument("--batch", type=int, help="override config.json train.batch_size")
     ap.add_argument("--max-seconds", type=float, default=1e9, help="stop early (and save) after this long")
     args = ap.parse_args()
     import transformers
 
-    cfg = json.loads((HERE / "config.json").read_text())
+    cfg = json.loads(args.config.read_text())
     tc = cfg["train"]
     prep = json.loads((args.data / "prepare.json").read_text())
     torch.manual_seed(tc["seed"])
     np.random.seed(tc["seed"])
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     text_cfg, released, gen, model = build(cfg, prep)
-    import fast_indexer
+    if cfg["family"] == "qwen4_exp":
+        import fast_indexer
 
-    rows, ties = fast_indexer.check(text_cfg, seq_len=tc["seq_len"], batch=2)
-    print(f"batched QSA indexer agrees with the reference on {rows} queries ({ties} differ only by ties)")
-    fast_indexer.install()
+        rows, ties = fast_indexer.check(text_cfg, seq_len=tc["seq_len"], batch=2)
+        print(f"batched QSA indexer agrees with the reference on {rows} queries ({ties} differ only by ties)")
+        fast_indexer.install()
     nparams = sum(p.numel() for p in model.parameters())
     print(f"transformers {transformers.__version__} torch {torch.__version__}; {nparams / 1e6:.2f} M parameters",
           flush=True)
@@ -158,7 +160,7 @@ def main():
             break
     log["heldout_ce"] = log["history"][-1]["heldout_ce"]
     log["heldout_ppl"] = math.exp(log["heldout_ce"])
-    save(model.cpu(), text_cfg, released, gen, args, log)
+    save(model.cpu(), cfg["family"], text_cfg, released, gen, args, log)
 
 
 def _encode_heldout(data: Path) -> list[int]:
@@ -168,19 +170,25 @@ def _encode_heldout(data: Path) -> list[int]:
     return tk.encode((data / "heldout.txt").read_text(), add_special_tokens=False).ids
 
 
-def save(model, text_cfg, released, gen, args, log):
+def save(model, family, text_cfg, released, gen, args, log):
+    """The released layout: Qwen3.8's bf16 safetensors, or V4-Flash's FP8 block-scaled projections
+    and FP4 experts (so the released deepseek_v4 model is the quantised one, as DeepSeek ships it)."""
     import shutil
 
-    from make_fixtures import bf16_round, clean_config_dict, dump_json, qwen_released_tensors, write_safetensors
+    from make_fixtures import (bf16_round, clean_config_dict, ds_quantise_in_place, ds_released_tensors,
+                               dump_json, qwen_released_tensors, write_safetensors)
 
     hf = args.out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
     model.eval()
-    with torch.no_grad():
-        for t in model.state_dict().values():
-            if t.is_floating_point():
-                t.copy_(bf16_round(t))
-    tensors = qwen_released_tensors(model, text_cfg)
+    if family == "qwen4_exp":
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                if t.is_floating_point():
+                    t.copy_(bf16_round(t))
+        tensors = qwen_released_tensors(model, text_cfg)
+    else:
+        tensors = ds_released_tensors(model, ds_quantise_in_place(model))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     files = write_safetensors(tensors, hf, max(1, math.ceil(total / 12e6)))
     dump_json(hf / "config.json", clean_config_dict(released))
