@@ -110,7 +110,9 @@ pub fn role(name: &str, integer: bool) -> Role {
         Role::Router
     } else if name.contains("embed_tokens.") || name.starts_with("lm_head.") {
         Role::Embedding
-    } else if name.contains(".mlp.experts.") || name.contains(".mlp.shared_experts.") {
+    } else if name.contains(".mlp.shared_experts.") {
+        Role::SharedExpert
+    } else if name.contains(".mlp.experts.") {
         if name.ends_with("down_proj.weight") {
             Role::ExpertDown
         } else {

@@ -17,9 +17,13 @@ pub enum Role {
     Embedding,
     /// Every other projection matrix.
     Projection,
-    /// Routed or shared expert gate/up (fused gate_up for routed experts).
+    /// The shared expert's gate, up and down projections: every token runs them, so the 4-bit
+    /// and 2-bit profiles keep them at 8 bits (docs/quality.md: on the trained deepseek_v4 demo,
+    /// a 4-bit shared expert alone made fp4's KL 13x larger).
+    SharedExpert,
+    /// Routed expert gate/up (fused gate_up).
     ExpertGateUp,
-    /// Routed or shared expert down projection.
+    /// Routed expert down projection.
     ExpertDown,
 }
 
@@ -34,11 +38,11 @@ pub enum Profile {
     Bf16,
     /// Every matrix q8_2f, vectors f32.
     Q8,
-    /// Experts q4tp, HC/router f16, other matrices q8_2f, vectors f32.
+    /// Routed experts q4tp, HC/router f16, other matrices (shared expert too) q8_2f, vectors f32.
     Q4,
-    /// As q4 but expert gate/up q2tp (down q4tp).
+    /// As q4 but routed expert gate/up q2tp (down q4tp).
     Q2,
-    /// As q4 but experts mxfp4 (DeepSeek FP4 experts copied verbatim).
+    /// As q4 but routed experts mxfp4 (DeepSeek FP4 experts copied verbatim).
     Fp4,
 }
 
@@ -86,7 +90,7 @@ impl Profile {
         }
         match role {
             Role::HyperConnection | Role::Router => DType::F16,
-            Role::Embedding | Role::Projection => DType::Q8_2f,
+            Role::Embedding | Role::Projection | Role::SharedExpert => DType::Q8_2f,
             Role::ExpertGateUp => match self {
                 Profile::Q2 => DType::Q2tp,
                 Profile::Fp4 => DType::Mxfp4,

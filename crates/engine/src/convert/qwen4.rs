@@ -27,7 +27,9 @@ pub fn role(name: &str, integer: bool) -> Role {
         || name.starts_with("lm_head.")
     {
         Role::Embedding
-    } else if name.contains(".mlp.experts.") || name.contains(".mlp.shared_expert.") {
+    } else if name.contains(".mlp.shared_expert.") {
+        Role::SharedExpert
+    } else if name.contains(".mlp.experts.") {
         if name.ends_with("down_proj.weight") {
             Role::ExpertDown
         } else {
