@@ -189,7 +189,6 @@ impl<'r, 'a> Chat<'r, 'a> {
             return Err(RunError::EmptyPrompt.into());
         }
         let model = &self.runner.model;
-        let vocab = model.vocab_size();
         let t0 = Instant::now();
         let (mut st, reused) = match self.saved.take() {
             // Keep at least one token to prefill: its logits start the reply.
@@ -199,13 +198,13 @@ impl<'r, 'a> Chat<'r, 'a> {
             _ => (model.new_state(), 0),
         };
         let logits = model
-            .forward(&ids[reused..], &mut st)
+            .forward_last(&ids[reused..], &mut st)
             .map_err(RunError::from)?;
         self.saved = Some((ids.clone(), st.clone()));
         let prompt_seconds = t0.elapsed().as_secs_f64();
 
         let t1 = Instant::now();
-        let mut next = self.sampler.sample(&logits[logits.len() - vocab..]);
+        let mut next = self.sampler.sample(&logits);
         let mut stream = TextStream::new(&self.runner.tokenizer);
         let mut text = String::new();
         let mut shown = 0usize;

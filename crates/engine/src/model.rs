@@ -90,6 +90,23 @@ impl<'a> AnyModel<'a> {
         }
     }
 
+    /// Feeds `tokens` after whatever `st` holds; returns the logits `[vocab]` of the last one
+    /// (what sampling needs; qwen4_exp skips the lm_head rows nobody reads).
+    pub fn forward_last(
+        &self,
+        tokens: &[u32],
+        st: &mut AnyState,
+    ) -> Result<Vec<f32>, ForwardError> {
+        match (self, st) {
+            (AnyModel::Qwen4(m), AnyState::Qwen4(s)) => Ok(m.forward_last(tokens, s)?),
+            (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => {
+                let all = m.forward(tokens, s)?;
+                Ok(all[all.len() - m.config.vocab_size..].to_vec())
+            }
+            _ => Err(ForwardError::StateMismatch),
+        }
+    }
+
     /// Logits `[T, vocab]` of every position of `tokens`, from an empty sequence.
     pub fn forward_prefill(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
         self.forward(tokens, &mut self.new_state())

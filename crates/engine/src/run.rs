@@ -126,12 +126,11 @@ impl<'a> Runner<'a> {
         if prompt.is_empty() {
             return Err(RunError::EmptyPrompt);
         }
-        let vocab = self.model.vocab_size();
         let mut sampler = Sampler::new(sampling);
         let mut st = self.model.new_state();
         let t0 = Instant::now();
-        let logits = self.model.forward(prompt, &mut st)?;
-        let mut next = sampler.sample(&logits[logits.len() - vocab..]);
+        let logits = self.model.forward_last(prompt, &mut st)?;
+        let mut next = sampler.sample(&logits);
         let prompt_seconds = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         let mut tokens = Vec::new();

@@ -66,12 +66,33 @@ impl<'a> Model<'a> {
         self.forward_traced(tokens, st, &mut |_, _, _| {})
     }
 
+    /// Feeds `tokens` after whatever `st` holds; returns the logits `[vocab]` of the last one
+    /// only. What generation needs: the lm_head (vocab x hidden, the largest matrix) then runs
+    /// once per call instead of once per prompt token.
+    pub fn forward_last(
+        &self,
+        tokens: &[u32],
+        st: &mut SeqState,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.run(tokens, st, &mut |_, _, _| {}, true)
+    }
+
     /// [`Model::forward`], reporting every named intermediate to `trace`.
     pub fn forward_traced(
         &self,
         tokens: &[u32],
         st: &mut SeqState,
         trace: &mut Trace<'_>,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.run(tokens, st, trace, false)
+    }
+
+    fn run(
+        &self,
+        tokens: &[u32],
+        st: &mut SeqState,
+        trace: &mut Trace<'_>,
+        last_only: bool,
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let w = &self.weights;
@@ -166,7 +187,12 @@ impl<'a> Model<'a> {
         st.pos += t;
 
         let nl = c.num_hidden_layers;
-        let mixed = hc::forward_cpu(&w.final_mixer, &x, t, h, d, eps);
+        let (x, t) = if last_only {
+            (&x[(t - 1) * h * d..], 1)
+        } else {
+            (&x[..], t)
+        };
+        let mixed = hc::forward_cpu(&w.final_mixer, x, t, h, d, eps);
         trace("final_mixed", nl, &mixed.input);
         let logits = linear(&w.lm_head, &mixed.input, t);
         trace("logits", nl, &logits);
