@@ -170,13 +170,27 @@ impl<'a> Binder<'a> {
                 found,
             });
         }
-        t.get("data")
+        let data = t
+            .get("data")
             .and_then(|d| d.as_array())
             .and_then(|d| d.iter().map(|v| v.as_i64()).collect::<Option<Vec<_>>>())
             .ok_or_else(|| WeightError::Integer {
                 name: name.to_string(),
                 detail: "the header entry has no integer `data`".into(),
-            })
+            })?;
+        // The header's `shape` and `data` are independent JSON fields: a short (or long) array
+        // under a correct shape would otherwise bind and be indexed out of bounds later.
+        let want = shape.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
+        if want != Some(data.len()) {
+            return Err(WeightError::Integer {
+                name: name.to_string(),
+                detail: format!(
+                    "the header entry declares shape {shape:?} but `data` holds {} values",
+                    data.len()
+                ),
+            });
+        }
+        Ok(data)
     }
 }
 

@@ -10,6 +10,7 @@ use common::{
 };
 use engine::convert::Profile;
 use model_dsv4::{ForwardError, Model, WeightError, Weights};
+use serde_json::json;
 
 /// With `index_topk` raised past the number of compressed entries every CSA query attends all
 /// visible entries. The reference's logits must then differ beyond tolerance at positions that
@@ -97,6 +98,97 @@ fn weight_binding_names_the_tensor_at_fault() {
         Err(e) => panic!("wrong error: {e}"),
         Ok(_) => panic!("bound a qwen4_exp model"),
     }
+}
+
+/// A copy of `src` at `dst` whose `tid2eid` of layer 0 lives in the header's `integer_tensors`
+/// (as the converter stores integers f32 cannot hold) with `shape` and `data` as given.
+fn with_header_tid2eid(
+    src: &Cmf,
+    dst: &std::path::Path,
+    shape: serde_json::Value,
+    data: Vec<i64>,
+) -> Cmf {
+    let name = "model.layers.0.mlp.gate.tid2eid";
+    let mut header = src.header().clone();
+    header.extra.insert(
+        "integer_tensors".into(),
+        serde_json::json!({ name: { "shape": shape, "data": data } }),
+    );
+    let mut w = cmf_format::CmfWriter::create(dst, header).unwrap();
+    for t in src.tensors() {
+        if t.name != name {
+            let v = src.tensor(&t.name).unwrap();
+            w.add_tensor(&t.name, v.dtype(), v.shape(), v.bytes)
+                .unwrap();
+        }
+    }
+    w.finish().unwrap();
+    Cmf::open(dst).unwrap()
+}
+
+/// A header-stored `tid2eid` must hold exactly as many values as its shape says, each a valid
+/// expert id; a malformed one is a [`WeightError`] naming it, never a panic in routing.
+#[test]
+fn malformed_header_tid2eid_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = convert_fixture("deepseek_v4_a", dir.path(), Profile::F32);
+    let cmf = Cmf::open(&path).unwrap();
+    let (config, weights) = Weights::bind(&cmf).unwrap();
+    let stored = match &weights.layers[0].moe.routing {
+        model_dsv4::weights::Routing::Hash(t) => t.iter().map(|&x| x as i64).collect::<Vec<_>>(),
+        model_dsv4::weights::Routing::Scored(_) => panic!("layer 0 of deepseek_v4_a is hash_moe"),
+    };
+    let (v, k) = (config.vocab_size, config.num_experts_per_tok);
+    let name = "model.layers.0.mlp.gate.tid2eid";
+
+    // The same table moved to the header binds and routes exactly as before.
+    let good = with_header_tid2eid(
+        &cmf,
+        &dir.path().join("good.cmf"),
+        json!([v, k]),
+        stored.clone(),
+    );
+    let (_, w) = Weights::bind(&good).unwrap();
+    assert!(matches!(&w.layers[0].moe.routing,
+        model_dsv4::weights::Routing::Hash(t) if t.iter().map(|&x| x as i64).eq(stored.iter().copied())));
+
+    let integer_error = |cmf: &Cmf| match Weights::bind(cmf) {
+        Err(e @ WeightError::Integer { .. }) => {
+            let WeightError::Integer { name: n, .. } = &e else {
+                unreachable!()
+            };
+            assert_eq!(n, name);
+            e.to_string()
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("bound a malformed tid2eid"),
+    };
+    // Declared [V, k] but one row short.
+    let short = with_header_tid2eid(
+        &cmf,
+        &dir.path().join("short.cmf"),
+        json!([v, k]),
+        stored[..(v - 1) * k].to_vec(),
+    );
+    let msg = integer_error(&short);
+    assert!(
+        msg.contains(&format!("holds {} values", (v - 1) * k)),
+        "{msg}"
+    );
+    // An expert id outside [0, E).
+    let mut bad = stored.clone();
+    bad[7] = config.n_routed_experts as i64;
+    let bad = with_header_tid2eid(&cmf, &dir.path().join("bad.cmf"), json!([v, k]), bad);
+    let msg = integer_error(&bad);
+    assert!(msg.contains("outside"), "{msg}");
+    // A wrong declared shape is a shape error naming the tensor.
+    let wrong = with_header_tid2eid(
+        &cmf,
+        &dir.path().join("wrong.cmf"),
+        json!([v, k + 1]),
+        stored,
+    );
+    assert!(matches!(Weights::bind(&wrong), Err(WeightError::Shape { name: n, .. }) if n == name));
 }
 
 #[test]
