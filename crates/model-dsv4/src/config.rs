@@ -496,6 +496,18 @@ impl DeepseekV4Config {
                 return Err(invalid(field, "must be > 0 (construction)"));
             }
         }
+        // The reference clamps `up` to `[-limit, limit]` unconditionally; a negative limit
+        // inverts that interval (torch then returns `limit` everywhere, a degenerate model) and
+        // NaN makes it undefined, so neither is accepted. `inf` disables the clamp.
+        if self.swiglu_limit.is_nan() || self.swiglu_limit < 0.0 {
+            return Err(invalid(
+                "swiglu_limit",
+                format!(
+                    "must be >= 0 (the SwiGLU clamp interval [-limit, limit]), got {}",
+                    self.swiglu_limit
+                ),
+            ));
+        }
         if self.num_experts_per_tok > self.n_routed_experts {
             return Err(invalid(
                 "num_experts_per_tok",

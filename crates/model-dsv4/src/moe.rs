@@ -16,7 +16,10 @@ use crate::weights::{MoeWeights, Routing};
 fn swiglu(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
     gate.iter()
         .zip(up)
-        .map(|(&g, &u)| silu(g.min(limit)) * u.clamp(-limit, limit))
+        // torch's `clamp(min, max)` is `min(max(x, min), max)`; spelled out because
+        // `f32::clamp` panics on an inverted interval (validate() rejects `limit < 0`, but a
+        // config edited after validation must not crash the forward).
+        .map(|(&g, &u)| silu(g.min(limit)) * u.max(-limit).min(limit))
         .collect()
 }
 

@@ -121,6 +121,8 @@ fn bad_configs_name_the_field() {
         field(json!({"index_head_dim": 32})),
         "rope_parameters.compress"
     );
+    assert_eq!(field(json!({"swiglu_limit": -1.0})), "swiglu_limit");
+    assert!(DeepseekV4Config::from_json(&json!({"swiglu_limit": 0.0})).is_ok());
     assert!(matches!(
         DeepseekV4Config::from_json(&json!({"hidden_size": "wide"})),
         Err(ConfigError::Json(_))
