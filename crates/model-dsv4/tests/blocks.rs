@@ -50,6 +50,67 @@ fn indexer_selection_is_active_in_every_fixture() {
     }
 }
 
+/// `deepseek_v4_c` pins the SwiGLU clamp and YaRN's `attention_factor`: with the clamp lifted,
+/// or with cos/sin left unscaled, our logits leave the reference's by far more than the
+/// tolerance (so matching them within it is evidence that both are applied as the reference
+/// does).
+#[test]
+fn swiglu_clamp_and_yarn_scaling_are_active_in_fixture_c() {
+    let case = "deepseek_v4_c";
+    let dir = tempfile::tempdir().unwrap();
+    let path = convert_fixture(case, dir.path(), Profile::F32);
+    let cmf = Cmf::open(&path).unwrap();
+    let (config, _) = Weights::bind(&cmf).unwrap();
+    let rp = config.rope_compress().clone();
+    assert!(matches!(rp.kind, model_dsv4::RopeKind::Yarn { .. }));
+    // transformers' `0.1 ln(factor) + 1` for factor 4 (compress_attention_scaling 1.138629436).
+    assert!((rp.attention_factor - 1.138_629_436).abs() < 1e-9, "{rp:?}");
+    // `DeepseekV4RotaryEmbedding(config).compress_inv_freq` of the fixture's config: frequency
+    // 0 extrapolated, 1-3 on the ramp (correction range [1, 4]), 4-7 interpolated (/ factor).
+    let want_freq: [f64; 8] = [
+        1.0,
+        0.223606795,
+        0.0374999978,
+        0.00559017016,
+        0.000624999986,
+        0.000139754251,
+        3.12500015e-05,
+        6.98771282e-06,
+    ];
+    let got_freq = model_dsv4::ops::Rope::new(&rp, config.head_dim);
+    assert_eq!(got_freq.inv_freq().len(), want_freq.len());
+    for (i, (&g, &w)) in got_freq.inv_freq().iter().zip(&want_freq).enumerate() {
+        assert!(
+            (g as f64 - w).abs() <= 1e-6 * w,
+            "inv_freq[{i}]: {g} vs {w}"
+        );
+    }
+    let want = read_npy(&fixture(case).join("expected/p0_prefill_logits.npy")).f32;
+    let tol = TOL * max_abs(&want);
+    let tokens = ids(case, 0);
+    let err_with = |c: model_dsv4::DeepseekV4Config| {
+        let weights = Weights::bind_with(&cmf, &c).unwrap();
+        let model = Model::new(c, weights);
+        max_abs_diff(&model.forward_prefill(&tokens).unwrap(), &want)
+    };
+    let mut unclamped = config.clone();
+    unclamped.swiglu_limit = f64::INFINITY;
+    let mut unscaled = config.clone();
+    unscaled.rope_compress.as_mut().unwrap().attention_factor = 1.0;
+    for (what, c) in [
+        ("no SwiGLU clamp", unclamped),
+        ("attention_factor 1", unscaled),
+    ] {
+        let err = err_with(c);
+        eprintln!("{case} with {what}: max|diff| {err:.3e} (tol {tol:.3e})");
+        assert!(
+            err > 100.0 * tol,
+            "{case}: {what} still matches ({err:.3e})"
+        );
+    }
+    assert!(err_with(config) <= tol);
+}
+
 #[test]
 fn weight_binding_names_the_tensor_at_fault() {
     let dir = tempfile::tempdir().unwrap();
