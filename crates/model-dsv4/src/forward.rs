@@ -27,16 +27,9 @@ pub enum ForwardError {
         /// Vocabulary size.
         vocab: usize,
     },
-    /// The sequence state was made for a different model.
-    #[error(
-        "the sequence state does not belong to this model ({found} layers, the model has {expected})"
-    )]
-    StateMismatch {
-        /// Layers of the model.
-        expected: usize,
-        /// Layers in the state.
-        found: usize,
-    },
+    /// The sequence state was made for a different model (or its caches were altered).
+    #[error("the sequence state does not belong to this model: {0}")]
+    StateMismatch(String),
 }
 
 /// Called with every named intermediate: `(name, layer index, data [t, width])`. Names:
@@ -103,11 +96,8 @@ impl<'a> Model<'a> {
                 vocab: c.vocab_size,
             });
         }
-        if st.layers.len() != w.layers.len() {
-            return Err(ForwardError::StateMismatch {
-                expected: w.layers.len(),
-                found: st.layers.len(),
-            });
+        if let Some(why) = st.mismatch(c) {
+            return Err(ForwardError::StateMismatch(why));
         }
         let (n, d) = (c.hc_mult, c.hidden_size);
         let eps = c.rms_norm_eps as f32;

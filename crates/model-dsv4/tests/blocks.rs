@@ -275,6 +275,46 @@ fn bad_input_is_an_error() {
     assert!(e.to_string().contains("token id 512"));
 }
 
+/// A state from another model, even one with as many layers and the same head dim, or one whose
+/// caches no longer follow from its position, is an error rather than a panic or silent garbage.
+#[test]
+fn a_foreign_or_altered_state_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = |case: &str| {
+        let path = convert_fixture(case, dir.path(), Profile::F32);
+        Cmf::open(&path).unwrap()
+    };
+    let (cmf_b, cmf_c) = (open("deepseek_v4_b"), open("deepseek_v4_c"));
+    let (cb, wb) = Weights::bind(&cmf_b).unwrap();
+    let (cc, wc) = Weights::bind(&cmf_c).unwrap();
+    // Both have 3 layers of head_dim 32, in a different order of kinds.
+    assert_eq!(
+        (cb.num_hidden_layers, cb.head_dim),
+        (cc.num_hidden_layers, cc.head_dim)
+    );
+    let (b, c) = (Model::new(cb, wb), Model::new(cc, wc));
+    let tokens = ids("deepseek_v4_b", 0);
+    let mismatch = |r: Result<Vec<f32>, ForwardError>| match r {
+        Err(e @ ForwardError::StateMismatch(_)) => e.to_string(),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("ran on a foreign state"),
+    };
+    let mut st_b = model_dsv4::SeqState::new(&b.config);
+    b.forward(&tokens[..13], &mut st_b).unwrap();
+    let msg = mismatch(c.forward(&tokens[13..14], &mut st_b.clone()));
+    assert!(msg.contains("does not belong"), "{msg}");
+    mismatch(c.forward(&tokens[..1], &mut model_dsv4::SeqState::new(&b.config)));
+    // The state's own model continues fine; an edited position is caught.
+    b.forward(&tokens[13..14], &mut st_b.clone()).unwrap();
+    let mut moved = st_b.clone();
+    moved.pos += 1;
+    let msg = mismatch(b.forward(&tokens[13..14], &mut moved));
+    assert!(msg.contains("layer 0"), "{msg}");
+    let mut cut = st_b.clone();
+    cut.layers[2].comp.buf_kv.clear();
+    mismatch(b.forward(&tokens[13..14], &mut cut));
+}
+
 /// The trace names every intermediate, layer by layer, with the widths of the block it reports.
 #[test]
 fn trace_reports_every_block_in_order() {
