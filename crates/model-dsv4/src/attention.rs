@@ -108,7 +108,7 @@ pub fn forward_cpu(
             &mut st.index,
         );
     }
-    let entries = &st.comp.entries;
+    let entries = &st.comp.compressed_kv;
     let n_entries = entries.len() / dh;
 
     let scale = (dh as f32).powf(-0.5);

@@ -53,7 +53,7 @@ pub fn select(
     }
     let wts = linear(&w.weights_proj, h, t);
     let (wscale, sscale) = ((ni as f32).powf(-0.5), (di as f32).powf(-0.5));
-    let keys = &st.entries;
+    let keys = &st.compressed_kv;
     (0..t)
         .into_par_iter()
         .map(|r| {

@@ -39,7 +39,7 @@ pub fn forward_cpu(
         c.num_experts_per_tok,
     );
     let limit = c.swiglu_limit as f32;
-    let mut scores = linear(&w.router, u, t);
+    let mut scores = linear(&w.gate, u, t);
     match c.scoring_func.as_str() {
         "softmax" => scores.chunks_mut(e).for_each(softmax),
         "sigmoid" => scores.iter_mut().for_each(|s| *s = crate::ops::sigmoid(*s)),

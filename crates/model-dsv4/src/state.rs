@@ -92,18 +92,18 @@ impl SeqState {
         let window = p.min(want.sliding_window - 1) * dh;
         for (il, (st, &(kind, rate))) in self.layers.iter().zip(&want.layers).enumerate() {
             let empty = |s: &crate::compressor::CompState| {
-                s.buf_kv.is_empty()
-                    && s.buf_gate.is_empty()
+                s.buffer_kv.is_empty()
+                    && s.buffer_gate.is_empty()
                     && s.overlap_kv.is_empty()
                     && s.overlap_gate.is_empty()
-                    && s.entries.is_empty()
+                    && s.compressed_kv.is_empty()
             };
             let comp = |s: &crate::compressor::CompState, width: usize, head: usize, overlap| {
                 let (done, tail) = (p / rate, p % rate);
                 let ov = if overlap && done > 0 { rate * head } else { 0 };
-                s.entries.len() == done * head
-                    && s.buf_kv.len() == tail * width
-                    && s.buf_gate.len() == tail * width
+                s.compressed_kv.len() == done * head
+                    && s.buffer_kv.len() == tail * width
+                    && s.buffer_gate.len() == tail * width
                     && s.overlap_kv.len() == ov
                     && s.overlap_gate.len() == ov
             };

@@ -311,7 +311,7 @@ fn a_foreign_or_altered_state_is_an_error() {
     let msg = mismatch(b.forward(&tokens[13..14], &mut moved));
     assert!(msg.contains("layer 0"), "{msg}");
     let mut cut = st_b.clone();
-    cut.layers[2].comp.buf_kv.clear();
+    cut.layers[2].comp.buffer_kv.clear();
     mismatch(b.forward(&tokens[13..14], &mut cut));
 }
 
