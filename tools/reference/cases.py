@@ -123,11 +123,38 @@ CASES = [
         # with ~35 candidate entries and top-4, default-scale indexer scores come within 1e-4 of a tie;
         # x100 on weights_proj spreads them (min gap 2.4e-4)
         scale_params={"scorer.weights_proj": 100.0}),
+    _ds("deepseek_v4_c", 6006,
+        "Active SwiGLU clamp (swiglu_limit 0.4: a large share of routed and shared expert gate/up "
+        "activations is clamped) and YaRN on the compressed layers given as nested rope_parameters "
+        "(factor 4, original_max_position_embeddings 1024, so the 8-frequency ramp is partial: "
+        "correction range [1, 4]) with attention_factor derived by transformers (0.1 ln 4 + 1 = 1.1386, "
+        "multiplying cos/sin); [HCA, CSA, sliding] schedule.",
+        ["swiglu_limit(0.4, clamp active)", "yarn(compress: factor 4, orig 1024, partial ramp, "
+         "attention_factor 1.1386)", "heavily_compressed_attention(rate 8)",
+         "compressed_sparse_attention(rate 4, lightning indexer 8 heads, top-3)", "sliding_attention",
+         "hash_moe", "moe(sqrtsoftplus, bias)", "shared expert", "mhc(4 streams, sinkhorn 20)"],
+        vocab=512,
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=32,
+        qk_rope_head_dim=16, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=8, n_shared_experts=1,
+        moe_intermediate_size=32, scoring_func="sqrtsoftplus", routed_scaling_factor=1.5,
+        swiglu_limit=0.4,
+        layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "moe", "moe"],
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+                         "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "partial_rotary_factor": 0.5,
+                                      "factor": 4.0, "original_max_position_embeddings": 1024,
+                                      "beta_fast": 32, "beta_slow": 1}},
+        hc_mult=4, hc_sinkhorn_iters=20, sliding_window=8, o_groups=2, o_lora_rank=16,
+        index_n_heads=8, index_head_dim=16, index_topk=3, initializer_range=0.06,
+        # default-scale indexer scores come within 1.2e-5 of a tie; x100 on weights_proj spreads them
+        scale_params={"scorer.weights_proj": 100.0}),
 ]
 
 PROMPT_LENGTHS = {  # (plain text, text with EOS inside) token counts; the chat prompt is as long as it renders
     "qwen4_exp_a": (40, 36), "qwen4_exp_b": (30, 28), "qwen4_exp_c": (48, 44),
     "deepseek_v4_a": (44, 40), "deepseek_v4_b": (140, 40),
+    "deepseek_v4_c": (44, 40),
 }
 
 

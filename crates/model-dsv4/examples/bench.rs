@@ -160,7 +160,7 @@ fn main() {
     let expert_bytes: usize = weights.layers[0].moe.experts[0].0.bytes().len()
         + weights.layers[0].moe.experts[0].1.bytes().len();
     let total: usize = cmf.tensors().iter().map(|t| t.nbytes as usize).sum();
-    let embed = weights.embed.bytes().len();
+    let embed = weights.embed_tokens.bytes().len();
     let per_token = total - embed - 3 * experts * expert_bytes + 3 * topk * expert_bytes;
     let model = Model::new(config, weights);
 

@@ -1,5 +1,5 @@
-//! Attention of every layer kind (`DeepseekV4Attention` + the CSA/HCA compressors' masks + the
-//! lightning indexer's selection) and its per-sequence cache.
+//! Attention of every layer kind (`DeepseekV4Attention` + the CSA/HCA compressors' masks) and
+//! its per-sequence cache; CSA layers attend the entries [`crate::indexer`] selects.
 //!
 //! `q_res = q_a_norm(q_a_proj h)`; `q = UnweightedRMSNorm(q_b_proj q_res)` per head; one K = V
 //! latent `kv = kv_norm(kv_proj h)` shared by all heads; RoPE on the trailing channels of q and
@@ -9,17 +9,13 @@
 //! sink logit joins the softmax denominator only. The output's trailing channels are rotated
 //! back by the query position (V carried RoPE), then the grouped low-rank projection: group `g`
 //! of the heads through `o_a` block `g`, concatenated, through `o_b`.
-//!
-//! Indexer (CSA): keys from its own overlapping compressor at `index_head_dim`; queries
-//! `q_I = RoPE(q_b_proj q_res)` per indexer head ("compress" set) at the query position;
-//! `score[s] = sum_h (weights_proj(h)_h / sqrt(nI)) relu(q_I[h] . K_I[s]) / sqrt(dI)` over the
-//! visible entries, top `min(index_topk, visible)` kept (ties: lower entry first).
 
 use rayon::prelude::*;
 
 use crate::compressor::{self, CompDims, CompState};
 use crate::config::{AttnKind, DeepseekV4Config};
-use crate::ops::{Rope, linear, rms_norm, rms_norm_unweighted, rope_tail, top_k};
+use crate::indexer;
+use crate::ops::{Rope, linear, rms_norm, rms_norm_unweighted, rope_tail};
 use crate::weights::AttnWeights;
 
 /// The cache of one attention layer for one sequence.
@@ -100,52 +96,19 @@ pub fn forward_cpu(
         compressor::update(cw, &dims, &ropes.compress, h, t, &mut st.comp);
     }
     if let Some(iw) = &w.indexer {
-        let (ni, di) = (c.index_n_heads, c.index_head_dim);
-        let dims = CompDims {
+        selected = indexer::select(
+            iw,
+            c,
+            &ropes.compress,
             rate,
-            head: di,
-            overlap: true,
-            eps,
-        };
-        compressor::update(&iw.comp, &dims, &ropes.compress, h, t, &mut st.index);
-        let mut qi = linear(&iw.q_b, &q_res, t);
-        for r in 0..t {
-            let (cos, sin) = ropes.compress.at(past + r);
-            for hh in 0..ni {
-                rope_tail(
-                    &mut qi[(r * ni + hh) * di..(r * ni + hh + 1) * di],
-                    &cos,
-                    &sin,
-                    false,
-                );
-            }
-        }
-        let wts = linear(&iw.weights_proj, h, t);
-        let (wscale, sscale) = ((ni as f32).powf(-0.5), (di as f32).powf(-0.5));
-        let keys_i = &st.index.entries;
-        selected = (0..t)
-            .into_par_iter()
-            .map(|r| {
-                let vis = compressor::visible(past + r, rate).min(keys_i.len() / di);
-                let scores: Vec<f32> = (0..vis)
-                    .map(|s| {
-                        let k = &keys_i[s * di..(s + 1) * di];
-                        let mut acc = 0f32;
-                        for hh in 0..ni {
-                            let qh = &qi[(r * ni + hh) * di..(r * ni + hh + 1) * di];
-                            let dot: f32 = qh.iter().zip(k).map(|(a, b)| a * b).sum();
-                            acc += dot.max(0.0) * sscale * (wts[r * ni + hh] * wscale);
-                        }
-                        acc
-                    })
-                    .collect();
-                let mut pick = top_k(&scores, c.index_topk.min(vis));
-                pick.sort_unstable();
-                pick
-            })
-            .collect();
+            &q_res,
+            h,
+            t,
+            past,
+            &mut st.index,
+        );
     }
-    let entries = &st.comp.entries;
+    let entries = &st.comp.compressed_kv;
     let n_entries = entries.len() / dh;
 
     let scale = (dh as f32).powf(-0.5);

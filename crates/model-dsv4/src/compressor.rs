@@ -5,13 +5,13 @@
 //! Every token contributes `kv = kv_proj h` and `gate = gate_proj h` (`h` = the attention input
 //! after `input_layernorm`). Windows are aligned to absolute positions that are multiples of the
 //! rate; only complete windows emit an entry, the tail waits in a buffer. Entry `w` is
-//! `kv_norm(sum_slots softmax_slots(gate + ape) * kv)` (softmax per channel), RoPE'd ("compress"
-//! set, trailing channels) at position `rate * w`.
+//! `kv_norm(sum_slots softmax_slots(gate + position_bias) * kv)` (softmax per channel),
+//! RoPE'd ("compress" set, trailing channels) at position `rate * w`.
 //!
 //! Non-overlapping (HCA): the slots are the window's `rate` tokens. Overlapping (CSA and the
 //! indexer): `kv`/`gate` are twice the head dim, `[Ca | Cb]`; entry `w` pools the Ca halves of
 //! window `w-1` and the Cb halves of window `w` (`2 * rate` slots; window 0 has no Ca slots).
-//! The previous window's Ca (its gate with `ape` added) is carried in the state.
+//! The previous window's Ca (its gate with `position_bias` added) is carried in the state.
 
 use crate::ops::{Rope, linear, rms_norm, rope_tail};
 use crate::weights::CompressorWeights;
@@ -20,15 +20,15 @@ use crate::weights::CompressorWeights;
 #[derive(Debug, Clone, Default)]
 pub struct CompState {
     /// Projected `kv` rows of the incomplete window `[n < rate, W]`.
-    pub buf_kv: Vec<f32>,
-    /// Projected `gate` rows (without `ape`) of the incomplete window `[n, W]`.
-    pub buf_gate: Vec<f32>,
+    pub buffer_kv: Vec<f32>,
+    /// Projected `gate` rows (without `position_bias`) of the incomplete window `[n, W]`.
+    pub buffer_gate: Vec<f32>,
     /// Overlapping only: the last complete window's Ca `kv` `[rate, head]` (empty before it).
     pub overlap_kv: Vec<f32>,
-    /// Overlapping only: the last complete window's Ca `gate + ape` `[rate, head]`.
+    /// Overlapping only: the last complete window's Ca `gate + position_bias` `[rate, head]`.
     pub overlap_gate: Vec<f32>,
     /// Emitted entries, normalised and rotated `[count, head]`.
-    pub entries: Vec<f32>,
+    pub compressed_kv: Vec<f32>,
 }
 
 /// What a compressor needs besides its weights.
@@ -55,14 +55,14 @@ pub fn update(
 ) {
     let kv = linear(&w.kv, h, t);
     let gate = linear(&w.gate, h, t);
-    st.buf_kv.extend_from_slice(&kv);
-    st.buf_gate.extend_from_slice(&gate);
+    st.buffer_kv.extend_from_slice(&kv);
+    st.buffer_gate.extend_from_slice(&gate);
     let width = w.kv.rows();
     let (rate, hd) = (dims.rate, dims.head);
-    while st.buf_kv.len() >= rate * width {
-        let win_kv: Vec<f32> = st.buf_kv.drain(..rate * width).collect();
-        let mut win_gate: Vec<f32> = st.buf_gate.drain(..rate * width).collect();
-        for (g, a) in win_gate.iter_mut().zip(&w.ape) {
+    while st.buffer_kv.len() >= rate * width {
+        let win_kv: Vec<f32> = st.buffer_kv.drain(..rate * width).collect();
+        let mut win_gate: Vec<f32> = st.buffer_gate.drain(..rate * width).collect();
+        for (g, a) in win_gate.iter_mut().zip(&w.position_bias) {
             *g += a;
         }
         // Slots as (kv row, gate row) slices of width `hd`.
@@ -108,10 +108,10 @@ pub fn update(
             st.overlap_gate = ov_gate;
         }
         rms_norm(&mut entry, &w.norm, dims.eps);
-        let count = st.entries.len() / hd;
+        let count = st.compressed_kv.len() / hd;
         let (cos, sin) = rope.at(count * rate);
         rope_tail(&mut entry, &cos, &sin, false);
-        st.entries.extend_from_slice(&entry);
+        st.compressed_kv.extend_from_slice(&entry);
     }
 }
 

@@ -27,6 +27,16 @@ pub enum ConfigError {
     },
 }
 
+fn check_layers(n: usize) -> Result<(), ConfigError> {
+    if n > MAX_LAYERS {
+        return Err(invalid(
+            "num_hidden_layers",
+            format!("{n} exceeds the supported maximum {MAX_LAYERS}"),
+        ));
+    }
+    Ok(())
+}
+
 fn invalid(field: &'static str, rule: impl Into<String>) -> ConfigError {
     ConfigError::Invalid {
         field,
@@ -326,6 +336,11 @@ pub struct DeepseekV4Config {
     pub rope_compress: Option<RopeParams>,
 }
 
+/// The most decoder layers a config may declare. Per-layer vectors are built from
+/// `num_hidden_layers` before any tensor is read, so an absurd value must be refused first (the
+/// largest release has 61 layers).
+pub const MAX_LAYERS: usize = 4096;
+
 const CSA: &str = "compressed_sparse_attention";
 const HCA: &str = "heavily_compressed_attention";
 
@@ -334,6 +349,7 @@ impl DeepseekV4Config {
     pub fn from_json(value: &Value) -> Result<Self, ConfigError> {
         let mut c: DeepseekV4Config = serde_json::from_value(value.clone())?;
         let n = c.num_hidden_layers;
+        check_layers(n)?;
         let mut rates = c.compress_rates.take().unwrap_or_else(|| {
             let mut m = Map::new();
             m.insert(CSA.into(), 4.into());
@@ -446,9 +462,11 @@ impl DeepseekV4Config {
     }
 
     /// Checks every invariant the forward relies on: the reference's `validate_layer_type`
-    /// and rules it enforces by construction (marked "construction").
+    /// and rules it enforces by construction (marked "construction"), and that every tensor
+    /// size the weights are bound with fits in `usize`.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let n = self.num_hidden_layers;
+        check_layers(n)?;
         let types = self.layer_types.as_deref().unwrap_or(&[]);
         if types.len() != n {
             return Err(invalid(
@@ -496,6 +514,18 @@ impl DeepseekV4Config {
                 return Err(invalid(field, "must be > 0 (construction)"));
             }
         }
+        // The reference clamps `up` to `[-limit, limit]` unconditionally; a negative limit
+        // inverts that interval (torch then returns `limit` everywhere, a degenerate model) and
+        // NaN makes it undefined, so neither is accepted. `inf` disables the clamp.
+        if self.swiglu_limit.is_nan() || self.swiglu_limit < 0.0 {
+            return Err(invalid(
+                "swiglu_limit",
+                format!(
+                    "must be >= 0 (the SwiGLU clamp interval [-limit, limit]), got {}",
+                    self.swiglu_limit
+                ),
+            ));
+        }
         if self.num_experts_per_tok > self.n_routed_experts {
             return Err(invalid(
                 "num_experts_per_tok",
@@ -505,6 +535,7 @@ impl DeepseekV4Config {
                 ),
             ));
         }
+        self.check_sizes()?;
         if !(self.num_attention_heads * self.head_dim).is_multiple_of(self.o_groups) {
             return Err(invalid(
                 "o_groups",
@@ -600,6 +631,87 @@ impl DeepseekV4Config {
                     field,
                     "yarn `factor` and `original_max_position_embeddings` must be > 0",
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every product of config fields that sizes a tensor ([`crate::Weights::bind_with`]) or a
+    /// per-token buffer, computed with overflow checks so that later plain arithmetic on them
+    /// cannot wrap.
+    fn check_sizes(&self) -> Result<(), ConfigError> {
+        let mul = |field: &'static str, what: &str, a: usize, b: usize| {
+            a.checked_mul(b).ok_or_else(|| {
+                invalid(
+                    field,
+                    format!("{what} = {a} * {b} overflows usize (construction: tensor size)"),
+                )
+            })
+        };
+        let (n, d) = (self.hc_mult, self.hidden_size);
+        mul(
+            "num_attention_heads",
+            "num_attention_heads * head_dim",
+            self.num_attention_heads,
+            self.head_dim,
+        )?;
+        let hc = mul("hc_mult", "(2 + hc_mult) * hc_mult", n.saturating_add(2), n)?;
+        mul("hc_mult", "hc_mult * hidden_size", n, d)?;
+        mul("hc_mult", "mHC fn size", hc, n * d)?;
+        mul(
+            "vocab_size",
+            "vocab_size * num_experts_per_tok (tid2eid)",
+            self.vocab_size,
+            self.num_experts_per_tok,
+        )?;
+        mul("vocab_size", "vocab_size * hidden_size", self.vocab_size, d)?;
+        mul(
+            "o_lora_rank",
+            "o_groups * o_lora_rank",
+            self.o_groups,
+            self.o_lora_rank,
+        )?;
+        let i2 = mul(
+            "moe_intermediate_size",
+            "2 * moe_intermediate_size",
+            2,
+            self.moe_intermediate_size,
+        )?;
+        mul("moe_intermediate_size", "gate_up_proj size", i2, d)?;
+        mul(
+            "n_routed_experts",
+            "n_routed_experts * hidden_size",
+            self.n_routed_experts,
+            d,
+        )?;
+        mul(
+            "q_lora_rank",
+            "q_lora_rank * hidden_size",
+            self.q_lora_rank,
+            d,
+        )?;
+        let width = mul("head_dim", "2 * head_dim", 2, self.head_dim)?;
+        let iwidth = mul(
+            "index_head_dim",
+            "2 * index_head_dim",
+            2,
+            self.index_head_dim,
+        )?;
+        mul(
+            "index_n_heads",
+            "index_n_heads * index_head_dim",
+            self.index_n_heads,
+            self.index_head_dim,
+        )?;
+        for kind in [AttnKind::Csa, AttnKind::Hca] {
+            if let Some(rate) = self.rate(kind) {
+                // position_bias `[rate, W]`, W at most 2 * max(head_dim, index_head_dim).
+                mul(
+                    "compress_rates",
+                    "rate * compressor width",
+                    rate,
+                    width.max(iwidth),
+                )?;
             }
         }
         Ok(())

@@ -27,16 +27,9 @@ pub enum ForwardError {
         /// Vocabulary size.
         vocab: usize,
     },
-    /// The sequence state was made for a different model.
-    #[error(
-        "the sequence state does not belong to this model ({found} layers, the model has {expected})"
-    )]
-    StateMismatch {
-        /// Layers of the model.
-        expected: usize,
-        /// Layers in the state.
-        found: usize,
-    },
+    /// The sequence state was made for a different model (or its caches were altered).
+    #[error("the sequence state does not belong to this model: {0}")]
+    StateMismatch(String),
 }
 
 /// Called with every named intermediate: `(name, layer index, data [t, width])`. Names:
@@ -103,11 +96,8 @@ impl<'a> Model<'a> {
                 vocab: c.vocab_size,
             });
         }
-        if st.layers.len() != w.layers.len() {
-            return Err(ForwardError::StateMismatch {
-                expected: w.layers.len(),
-                found: st.layers.len(),
-            });
+        if let Some(why) = st.mismatch(c) {
+            return Err(ForwardError::StateMismatch(why));
         }
         let (n, d) = (c.hc_mult, c.hidden_size);
         let eps = c.rms_norm_eps as f32;
@@ -123,7 +113,7 @@ impl<'a> Model<'a> {
         let mut x = vec![0f32; t * n * d];
         let mut row = vec![0f32; d];
         for (r, &id) in tokens.iter().enumerate() {
-            w.embed
+            w.embed_tokens
                 .dequantize_row(id as usize, &mut row)
                 .expect("id checked");
             for k in 0..n {
@@ -134,7 +124,7 @@ impl<'a> Model<'a> {
         for (il, lw) in w.layers.iter().enumerate() {
             let mix = hc::pre(&lw.attn_hc, &x, t, &dims);
             let mut u = mix.input;
-            rms_norm(&mut u, &lw.attn_norm, eps);
+            rms_norm(&mut u, &lw.input_layernorm, eps);
             trace("attn_input", il, &u);
             let y = attention::forward_cpu(
                 &lw.attn,
@@ -161,7 +151,7 @@ impl<'a> Model<'a> {
 
             let mix = hc::pre(&lw.ffn_hc, &x, t, &dims);
             let mut u = mix.input;
-            rms_norm(&mut u, &lw.ffn_norm, eps);
+            rms_norm(&mut u, &lw.post_attention_layernorm, eps);
             trace("mlp_input", il, &u);
             let y = moe::forward_cpu(&lw.moe, c, &u, tokens, t);
             trace("moe_out", il, &y);
@@ -180,7 +170,7 @@ impl<'a> Model<'a> {
         st.pos += t;
 
         let nl = c.num_hidden_layers;
-        let mut out = hc::head(&w.head_hc, &x, t, &dims);
+        let mut out = hc::head(&w.hc_head, &x, t, &dims);
         rms_norm(&mut out, &w.norm, eps);
         trace("head_out", nl, &out);
         let logits = linear(&w.lm_head, &out, t);

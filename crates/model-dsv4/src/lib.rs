@@ -12,6 +12,7 @@ pub mod compressor;
 pub mod config;
 pub mod forward;
 pub mod hc;
+pub mod indexer;
 pub mod moe;
 pub mod ops;
 pub mod state;

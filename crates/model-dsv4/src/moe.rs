@@ -16,7 +16,10 @@ use crate::weights::{MoeWeights, Routing};
 fn swiglu(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
     gate.iter()
         .zip(up)
-        .map(|(&g, &u)| silu(g.min(limit)) * u.clamp(-limit, limit))
+        // torch's `clamp(min, max)` is `min(max(x, min), max)`; spelled out because
+        // `f32::clamp` panics on an inverted interval (validate() rejects `limit < 0`, but a
+        // config edited after validation must not crash the forward).
+        .map(|(&g, &u)| silu(g.min(limit)) * u.max(-limit).min(limit))
         .collect()
 }
 
@@ -36,7 +39,7 @@ pub fn forward_cpu(
         c.num_experts_per_tok,
     );
     let limit = c.swiglu_limit as f32;
-    let mut scores = linear(&w.router, u, t);
+    let mut scores = linear(&w.gate, u, t);
     match c.scoring_func.as_str() {
         "softmax" => scores.chunks_mut(e).for_each(softmax),
         "sigmoid" => scores.iter_mut().for_each(|s| *s = crate::ops::sigmoid(*s)),

@@ -170,13 +170,27 @@ impl<'a> Binder<'a> {
                 found,
             });
         }
-        t.get("data")
+        let data = t
+            .get("data")
             .and_then(|d| d.as_array())
             .and_then(|d| d.iter().map(|v| v.as_i64()).collect::<Option<Vec<_>>>())
             .ok_or_else(|| WeightError::Integer {
                 name: name.to_string(),
                 detail: "the header entry has no integer `data`".into(),
-            })
+            })?;
+        // The header's `shape` and `data` are independent JSON fields: a short (or long) array
+        // under a correct shape would otherwise bind and be indexed out of bounds later.
+        let want = shape.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
+        if want != Some(data.len()) {
+            return Err(WeightError::Integer {
+                name: name.to_string(),
+                detail: format!(
+                    "the header entry declares shape {shape:?} but `data` holds {} values",
+                    data.len()
+                ),
+            });
+        }
+        Ok(data)
     }
 }
 
@@ -227,7 +241,7 @@ pub struct CompressorWeights<'a> {
     /// `gate_proj` `[W, D]`.
     pub gate: MatRef<'a>,
     /// `position_bias` `[rate, W]`.
-    pub ape: Vec<f32>,
+    pub position_bias: Vec<f32>,
     /// `kv_norm.weight` `[head dim]`.
     pub norm: Vec<f32>,
 }
@@ -277,7 +291,7 @@ pub enum Routing {
 /// Sparse MoE block (`mlp.*`).
 pub struct MoeWeights<'a> {
     /// Router `gate.weight` `[E, D]`.
-    pub router: MatRef<'a>,
+    pub gate: MatRef<'a>,
     /// Hash table or selection bias.
     pub routing: Routing,
     /// Per expert: `gate_up_proj` `[2I, D]` (gate rows then up rows) and `down_proj` `[D, I]`.
@@ -295,13 +309,13 @@ pub struct LayerWeights<'a> {
     /// mHC before attention.
     pub attn_hc: HcWeights<'a>,
     /// `input_layernorm.weight` `[D]`.
-    pub attn_norm: Vec<f32>,
+    pub input_layernorm: Vec<f32>,
     /// Attention.
     pub attn: AttnWeights<'a>,
     /// mHC before the MoE.
     pub ffn_hc: HcWeights<'a>,
     /// `post_attention_layernorm.weight` `[D]`.
-    pub ffn_norm: Vec<f32>,
+    pub post_attention_layernorm: Vec<f32>,
     /// MoE.
     pub moe: MoeWeights<'a>,
 }
@@ -309,11 +323,11 @@ pub struct LayerWeights<'a> {
 /// All weights of the model.
 pub struct Weights<'a> {
     /// `model.embed_tokens.weight` `[V, D]`.
-    pub embed: MatRef<'a>,
+    pub embed_tokens: MatRef<'a>,
     /// Decoder layers.
     pub layers: Vec<LayerWeights<'a>>,
     /// `model.hc_head.*`.
-    pub head_hc: HeadHcWeights<'a>,
+    pub hc_head: HeadHcWeights<'a>,
     /// `model.norm.weight` `[D]`.
     pub norm: Vec<f32>,
     /// `lm_head.weight` `[V, D]`.
@@ -341,7 +355,7 @@ fn compressor<'a>(
     Ok(CompressorWeights {
         kv: b.mat(&format!("{p}.kv_proj.weight"), width, c.hidden_size)?,
         gate: b.mat(&format!("{p}.gate_proj.weight"), width, c.hidden_size)?,
-        ape: b.vec(&format!("{p}.position_bias"), &[rate, width])?,
+        position_bias: b.vec(&format!("{p}.position_bias"), &[rate, width])?,
         norm: b.vec(&format!("{p}.kv_norm.weight"), &[head])?,
     })
 }
@@ -435,7 +449,7 @@ impl<'a> Weights<'a> {
                 ));
             }
             let moe = MoeWeights {
-                router: b.mat(&format!("{m}.gate.weight"), e, d)?,
+                gate: b.mat(&format!("{m}.gate.weight"), e, d)?,
                 routing,
                 experts,
                 sh_gate: b.mat(&format!("{m}.shared_experts.gate_proj.weight"), i, d)?,
@@ -444,18 +458,19 @@ impl<'a> Weights<'a> {
             };
             layers.push(LayerWeights {
                 attn_hc: hc(&b, &format!("{p}.attn_hc"), c)?,
-                attn_norm: b.vec(&format!("{p}.input_layernorm.weight"), &[d])?,
+                input_layernorm: b.vec(&format!("{p}.input_layernorm.weight"), &[d])?,
                 attn,
                 ffn_hc: hc(&b, &format!("{p}.ffn_hc"), c)?,
-                ffn_norm: b.vec(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
+                post_attention_layernorm: b
+                    .vec(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
                 moe,
             });
         }
         let scale = b.vec("model.hc_head.hc_scale", &[1])?;
         Ok(Weights {
-            embed: b.mat("model.embed_tokens.weight", c.vocab_size, d)?,
+            embed_tokens: b.mat("model.embed_tokens.weight", c.vocab_size, d)?,
             layers,
-            head_hc: HeadHcWeights {
+            hc_head: HeadHcWeights {
                 fn_: b.mat("model.hc_head.hc_fn", n, n * d)?,
                 base: b.vec("model.hc_head.hc_base", &[n])?,
                 scale: scale[0],

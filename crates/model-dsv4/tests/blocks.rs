@@ -10,6 +10,7 @@ use common::{
 };
 use engine::convert::Profile;
 use model_dsv4::{ForwardError, Model, WeightError, Weights};
+use serde_json::json;
 
 /// With `index_topk` raised past the number of compressed entries every CSA query attends all
 /// visible entries. The reference's logits must then differ beyond tolerance at positions that
@@ -47,6 +48,67 @@ fn indexer_selection_is_active_in_every_fixture() {
             "{case}: dense CSA matched the reference ({err:.3e}); selection inactive?"
         );
     }
+}
+
+/// `deepseek_v4_c` pins the SwiGLU clamp and YaRN's `attention_factor`: with the clamp lifted,
+/// or with cos/sin left unscaled, our logits leave the reference's by far more than the
+/// tolerance (so matching them within it is evidence that both are applied as the reference
+/// does).
+#[test]
+fn swiglu_clamp_and_yarn_scaling_are_active_in_fixture_c() {
+    let case = "deepseek_v4_c";
+    let dir = tempfile::tempdir().unwrap();
+    let path = convert_fixture(case, dir.path(), Profile::F32);
+    let cmf = Cmf::open(&path).unwrap();
+    let (config, _) = Weights::bind(&cmf).unwrap();
+    let rp = config.rope_compress().clone();
+    assert!(matches!(rp.kind, model_dsv4::RopeKind::Yarn { .. }));
+    // transformers' `0.1 ln(factor) + 1` for factor 4 (compress_attention_scaling 1.138629436).
+    assert!((rp.attention_factor - 1.138_629_436).abs() < 1e-9, "{rp:?}");
+    // `DeepseekV4RotaryEmbedding(config).compress_inv_freq` of the fixture's config: frequency
+    // 0 extrapolated, 1-3 on the ramp (correction range [1, 4]), 4-7 interpolated (/ factor).
+    let want_freq: [f64; 8] = [
+        1.0,
+        0.223606795,
+        0.0374999978,
+        0.00559017016,
+        0.000624999986,
+        0.000139754251,
+        3.12500015e-05,
+        6.98771282e-06,
+    ];
+    let got_freq = model_dsv4::ops::Rope::new(&rp, config.head_dim);
+    assert_eq!(got_freq.inv_freq().len(), want_freq.len());
+    for (i, (&g, &w)) in got_freq.inv_freq().iter().zip(&want_freq).enumerate() {
+        assert!(
+            (g as f64 - w).abs() <= 1e-6 * w,
+            "inv_freq[{i}]: {g} vs {w}"
+        );
+    }
+    let want = read_npy(&fixture(case).join("expected/p0_prefill_logits.npy")).f32;
+    let tol = TOL * max_abs(&want);
+    let tokens = ids(case, 0);
+    let err_with = |c: model_dsv4::DeepseekV4Config| {
+        let weights = Weights::bind_with(&cmf, &c).unwrap();
+        let model = Model::new(c, weights);
+        max_abs_diff(&model.forward_prefill(&tokens).unwrap(), &want)
+    };
+    let mut unclamped = config.clone();
+    unclamped.swiglu_limit = f64::INFINITY;
+    let mut unscaled = config.clone();
+    unscaled.rope_compress.as_mut().unwrap().attention_factor = 1.0;
+    for (what, c) in [
+        ("no SwiGLU clamp", unclamped),
+        ("attention_factor 1", unscaled),
+    ] {
+        let err = err_with(c);
+        eprintln!("{case} with {what}: max|diff| {err:.3e} (tol {tol:.3e})");
+        assert!(
+            err > 100.0 * tol,
+            "{case}: {what} still matches ({err:.3e})"
+        );
+    }
+    assert!(err_with(config) <= tol);
 }
 
 #[test]
@@ -99,6 +161,97 @@ fn weight_binding_names_the_tensor_at_fault() {
     }
 }
 
+/// A copy of `src` at `dst` whose `tid2eid` of layer 0 lives in the header's `integer_tensors`
+/// (as the converter stores integers f32 cannot hold) with `shape` and `data` as given.
+fn with_header_tid2eid(
+    src: &Cmf,
+    dst: &std::path::Path,
+    shape: serde_json::Value,
+    data: Vec<i64>,
+) -> Cmf {
+    let name = "model.layers.0.mlp.gate.tid2eid";
+    let mut header = src.header().clone();
+    header.extra.insert(
+        "integer_tensors".into(),
+        serde_json::json!({ name: { "shape": shape, "data": data } }),
+    );
+    let mut w = cmf_format::CmfWriter::create(dst, header).unwrap();
+    for t in src.tensors() {
+        if t.name != name {
+            let v = src.tensor(&t.name).unwrap();
+            w.add_tensor(&t.name, v.dtype(), v.shape(), v.bytes)
+                .unwrap();
+        }
+    }
+    w.finish().unwrap();
+    Cmf::open(dst).unwrap()
+}
+
+/// A header-stored `tid2eid` must hold exactly as many values as its shape says, each a valid
+/// expert id; a malformed one is a [`WeightError`] naming it, never a panic in routing.
+#[test]
+fn malformed_header_tid2eid_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = convert_fixture("deepseek_v4_a", dir.path(), Profile::F32);
+    let cmf = Cmf::open(&path).unwrap();
+    let (config, weights) = Weights::bind(&cmf).unwrap();
+    let stored = match &weights.layers[0].moe.routing {
+        model_dsv4::weights::Routing::Hash(t) => t.iter().map(|&x| x as i64).collect::<Vec<_>>(),
+        model_dsv4::weights::Routing::Scored(_) => panic!("layer 0 of deepseek_v4_a is hash_moe"),
+    };
+    let (v, k) = (config.vocab_size, config.num_experts_per_tok);
+    let name = "model.layers.0.mlp.gate.tid2eid";
+
+    // The same table moved to the header binds and routes exactly as before.
+    let good = with_header_tid2eid(
+        &cmf,
+        &dir.path().join("good.cmf"),
+        json!([v, k]),
+        stored.clone(),
+    );
+    let (_, w) = Weights::bind(&good).unwrap();
+    assert!(matches!(&w.layers[0].moe.routing,
+        model_dsv4::weights::Routing::Hash(t) if t.iter().map(|&x| x as i64).eq(stored.iter().copied())));
+
+    let integer_error = |cmf: &Cmf| match Weights::bind(cmf) {
+        Err(e @ WeightError::Integer { .. }) => {
+            let WeightError::Integer { name: n, .. } = &e else {
+                unreachable!()
+            };
+            assert_eq!(n, name);
+            e.to_string()
+        }
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("bound a malformed tid2eid"),
+    };
+    // Declared [V, k] but one row short.
+    let short = with_header_tid2eid(
+        &cmf,
+        &dir.path().join("short.cmf"),
+        json!([v, k]),
+        stored[..(v - 1) * k].to_vec(),
+    );
+    let msg = integer_error(&short);
+    assert!(
+        msg.contains(&format!("holds {} values", (v - 1) * k)),
+        "{msg}"
+    );
+    // An expert id outside [0, E).
+    let mut bad = stored.clone();
+    bad[7] = config.n_routed_experts as i64;
+    let bad = with_header_tid2eid(&cmf, &dir.path().join("bad.cmf"), json!([v, k]), bad);
+    let msg = integer_error(&bad);
+    assert!(msg.contains("outside"), "{msg}");
+    // A wrong declared shape is a shape error naming the tensor.
+    let wrong = with_header_tid2eid(
+        &cmf,
+        &dir.path().join("wrong.cmf"),
+        json!([v, k + 1]),
+        stored,
+    );
+    assert!(matches!(Weights::bind(&wrong), Err(WeightError::Shape { name: n, .. }) if n == name));
+}
+
 #[test]
 fn bad_input_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
@@ -120,6 +273,46 @@ fn bad_input_is_an_error() {
         }
     ));
     assert!(e.to_string().contains("token id 512"));
+}
+
+/// A state from another model, even one with as many layers and the same head dim, or one whose
+/// caches no longer follow from its position, is an error rather than a panic or silent garbage.
+#[test]
+fn a_foreign_or_altered_state_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = |case: &str| {
+        let path = convert_fixture(case, dir.path(), Profile::F32);
+        Cmf::open(&path).unwrap()
+    };
+    let (cmf_b, cmf_c) = (open("deepseek_v4_b"), open("deepseek_v4_c"));
+    let (cb, wb) = Weights::bind(&cmf_b).unwrap();
+    let (cc, wc) = Weights::bind(&cmf_c).unwrap();
+    // Both have 3 layers of head_dim 32, in a different order of kinds.
+    assert_eq!(
+        (cb.num_hidden_layers, cb.head_dim),
+        (cc.num_hidden_layers, cc.head_dim)
+    );
+    let (b, c) = (Model::new(cb, wb), Model::new(cc, wc));
+    let tokens = ids("deepseek_v4_b", 0);
+    let mismatch = |r: Result<Vec<f32>, ForwardError>| match r {
+        Err(e @ ForwardError::StateMismatch(_)) => e.to_string(),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("ran on a foreign state"),
+    };
+    let mut st_b = model_dsv4::SeqState::new(&b.config);
+    b.forward(&tokens[..13], &mut st_b).unwrap();
+    let msg = mismatch(c.forward(&tokens[13..14], &mut st_b.clone()));
+    assert!(msg.contains("does not belong"), "{msg}");
+    mismatch(c.forward(&tokens[..1], &mut model_dsv4::SeqState::new(&b.config)));
+    // The state's own model continues fine; an edited position is caught.
+    b.forward(&tokens[13..14], &mut st_b.clone()).unwrap();
+    let mut moved = st_b.clone();
+    moved.pos += 1;
+    let msg = mismatch(b.forward(&tokens[13..14], &mut moved));
+    assert!(msg.contains("layer 0"), "{msg}");
+    let mut cut = st_b.clone();
+    cut.layers[2].comp.buffer_kv.clear();
+    mismatch(b.forward(&tokens[13..14], &mut cut));
 }
 
 /// The trace names every intermediate, layer by layer, with the widths of the block it reports.

@@ -121,8 +121,58 @@ fn bad_configs_name_the_field() {
         field(json!({"index_head_dim": 32})),
         "rope_parameters.compress"
     );
+    assert_eq!(field(json!({"swiglu_limit": -1.0})), "swiglu_limit");
+    assert!(DeepseekV4Config::from_json(&json!({"swiglu_limit": 0.0})).is_ok());
     assert!(matches!(
         DeepseekV4Config::from_json(&json!({"hidden_size": "wide"})),
         Err(ConfigError::Json(_))
     ));
+}
+
+/// Sizes that do not fit in memory (or in `usize`) are config errors naming the field, found
+/// before any per-layer vector or tensor is built.
+#[test]
+fn oversized_configs_are_errors_not_overflows() {
+    let field = |v: serde_json::Value| match DeepseekV4Config::from_json(&v) {
+        Err(ConfigError::Invalid { field, rule }) => {
+            eprintln!("{field}: {rule}");
+            field
+        }
+        Err(e) => panic!("wrong error {e}"),
+        Ok(_) => panic!("accepted {v}"),
+    };
+    assert_eq!(
+        field(json!({"num_hidden_layers": 1_000_000_000_000u64})),
+        "num_hidden_layers"
+    );
+    assert_eq!(
+        field(json!({"num_hidden_layers": model_dsv4::config::MAX_LAYERS + 1})),
+        "num_hidden_layers"
+    );
+    let big = 1u64 << 40;
+    assert_eq!(
+        field(json!({"num_attention_heads": big, "head_dim": big})),
+        "num_attention_heads"
+    );
+    assert_eq!(field(json!({"hc_mult": 1u64 << 33})), "hc_mult");
+    // (2 + N) * N fits, N * hidden_size does not.
+    assert_eq!(
+        field(json!({"hc_mult": 1u64 << 20, "hidden_size": 1u64 << 50})),
+        "hc_mult"
+    );
+    assert_eq!(field(json!({"vocab_size": 1u64 << 62})), "vocab_size");
+    assert_eq!(field(json!({"o_lora_rank": 1u64 << 62})), "o_lora_rank");
+    assert_eq!(
+        field(json!({"moe_intermediate_size": 1u64 << 63})),
+        "moe_intermediate_size"
+    );
+    assert_eq!(
+        field(
+            json!({"compress_rates": {"compressed_sparse_attention": 1u64 << 62,
+                                        "heavily_compressed_attention": 128}})
+        ),
+        "compress_rates"
+    );
+    // The released geometry is far from every bound.
+    assert!(DeepseekV4Config::from_json(&flash()).is_ok());
 }

@@ -123,3 +123,59 @@ fn chunked_prefill_matches_one_shot() {
         assert!(err <= tol, "{case}: chunked prefill {err:.3e} > {tol:.3e}");
     }
 }
+
+/// Every prefill/decode hand-over point: for each prompt of each fixture and every `K` in
+/// `1..T`, prefill `ids[..K]`, then feed `ids[K..]` one token at a time, and separately as one
+/// chunk; every row must match transformers' one-shot prefill logits. The fixtures' own `K`
+/// are all odd; this covers the splits on CSA/HCA window and sliding-window boundaries too.
+#[test]
+fn every_prefill_split_matches_one_shot() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut failures = Vec::new();
+    let mut splits = 0usize;
+    for case in CASES {
+        let path = convert_fixture(case, dir.path(), Profile::F32);
+        let cmf = Cmf::open(&path).unwrap();
+        let (config, weights) = Weights::bind(&cmf).unwrap();
+        let model = Model::new(config, weights);
+        let vocab = model.config.vocab_size;
+        for p in 0..3 {
+            let ids = common::ids(case, p);
+            let want = read_npy(&fixture(case).join(format!("expected/p{p}_prefill_logits.npy")));
+            let tol = TOL * max_abs(&want.f32);
+            let mut worst = 0f32;
+            for k in 1..ids.len() {
+                let mut st = SeqState::new(&model.config);
+                let mut got = model.forward(&ids[..k], &mut st).unwrap();
+                let snap = st.snapshot();
+                for &id in &ids[k..] {
+                    got.extend(model.forward(&[id], &mut st).unwrap());
+                }
+                let err = max_abs_diff(&got, &want.f32);
+                if err > tol {
+                    failures.push(format!(
+                        "{case} p{p} K={k} one at a time: {err:.3e} > {tol:.3e}"
+                    ));
+                }
+                worst = worst.max(err);
+                st.restore(&snap);
+                got.truncate(k * vocab);
+                got.extend(model.forward(&ids[k..], &mut st).unwrap());
+                let err = max_abs_diff(&got, &want.f32);
+                if err > tol {
+                    failures.push(format!(
+                        "{case} p{p} K={k} as a chunk: {err:.3e} > {tol:.3e}"
+                    ));
+                }
+                worst = worst.max(err);
+                splits += 1;
+            }
+            eprintln!(
+                "{case} p{p}: T={} every K in 1..T: max|diff| {worst:.3e} (tol {tol:.3e})",
+                ids.len()
+            );
+        }
+    }
+    eprintln!("{splits} splits, each fed one at a time and as a chunk");
+    assert!(failures.is_empty(), "failures: {failures:#?}");
+}

@@ -82,7 +82,7 @@ pub fn convert_fixture(case: &str, dir: &Path, profile: Profile) -> PathBuf {
 }
 
 /// The deepseek_v4 fixture cases.
-pub const CASES: [&str; 2] = ["deepseek_v4_a", "deepseek_v4_b"];
+pub const CASES: [&str; 3] = ["deepseek_v4_a", "deepseek_v4_b", "deepseek_v4_c"];
 
 /// `k_prefill` of prompt `p` in `expected/cases.json`.
 pub fn k_prefill(case: &str, p: usize) -> usize {

@@ -1,0 +1,105 @@
+//! The lightning indexer of CSA layers (`DeepseekV4Indexer`): which compressed entries each
+//! query attends.
+//!
+//! Keys come from the indexer's own overlapping compressor at `index_head_dim` (the compressor
+//! half lives in [`crate::compressor`]; its entries are the indexer keys `K_I`). Queries
+//! `q_I = RoPE(q_b_proj q_res)` per indexer head ("compress" set) at the query position, from
+//! the attention's `q_res`. Score of entry `s` for one query:
+//! `sum_h (weights_proj(h)_h / sqrt(nI)) relu(q_I[h] . K_I[s]) / sqrt(dI)` over the entries
+//! visible at the query's position; the top `min(index_topk, visible)` are kept (ties: the
+//! lower entry first; `-0.0` and `+0.0` tie).
+
+use rayon::prelude::*;
+
+use crate::compressor::{self, CompDims, CompState};
+use crate::config::DeepseekV4Config;
+use crate::ops::{Rope, linear, rope_tail};
+use crate::weights::IndexerWeights;
+
+/// Feeds the `t` attention inputs `h` `[t, D]` (positions `past..past+t`) to the indexer's
+/// compressor, then scores the visible entries for every query (`q_res` `[t, q_lora_rank]`).
+/// Returns, per query, the selected entry indices in ascending order.
+#[allow(clippy::too_many_arguments)]
+pub fn select(
+    w: &IndexerWeights<'_>,
+    c: &DeepseekV4Config,
+    rope: &Rope,
+    rate: usize,
+    q_res: &[f32],
+    h: &[f32],
+    t: usize,
+    past: usize,
+    st: &mut CompState,
+) -> Vec<Vec<usize>> {
+    let (ni, di) = (c.index_n_heads, c.index_head_dim);
+    let dims = CompDims {
+        rate,
+        head: di,
+        overlap: true,
+        eps: c.rms_norm_eps as f32,
+    };
+    compressor::update(&w.comp, &dims, rope, h, t, st);
+    let mut qi = linear(&w.q_b, q_res, t);
+    for r in 0..t {
+        let (cos, sin) = rope.at(past + r);
+        for hh in 0..ni {
+            rope_tail(
+                &mut qi[(r * ni + hh) * di..(r * ni + hh + 1) * di],
+                &cos,
+                &sin,
+                false,
+            );
+        }
+    }
+    let wts = linear(&w.weights_proj, h, t);
+    let (wscale, sscale) = ((ni as f32).powf(-0.5), (di as f32).powf(-0.5));
+    let keys = &st.compressed_kv;
+    (0..t)
+        .into_par_iter()
+        .map(|r| {
+            let vis = compressor::visible(past + r, rate).min(keys.len() / di);
+            let scores: Vec<f32> = (0..vis)
+                .map(|s| {
+                    let k = &keys[s * di..(s + 1) * di];
+                    let mut acc = 0f32;
+                    for hh in 0..ni {
+                        let qh = &qi[(r * ni + hh) * di..(r * ni + hh + 1) * di];
+                        let dot: f32 = qh.iter().zip(k).map(|(a, b)| a * b).sum();
+                        acc += dot.max(0.0) * sscale * (wts[r * ni + hh] * wscale);
+                    }
+                    acc
+                })
+                .collect();
+            top_k(&scores, c.index_topk.min(vis))
+        })
+        .collect()
+}
+
+/// The `k` highest-scoring entries, returned in ascending entry order. Equal scores keep the
+/// lower entry; zeros of either sign are equal (`relu` makes exact-zero scores common, and
+/// `total_cmp` alone would rank `-0.0` below `+0.0`).
+pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
+    let key = |x: f32| if x == 0.0 { 0.0 } else { x };
+    let mut idx: Vec<usize> = (0..scores.len()).collect();
+    idx.sort_by(|&a, &b| key(scores[b]).total_cmp(&key(scores[a])).then(a.cmp(&b)));
+    idx.truncate(k);
+    idx.sort_unstable();
+    idx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_k;
+
+    #[test]
+    fn exact_zero_ties_pick_the_lower_index() {
+        // All-zero scores (every relu clipped): the first k entries.
+        assert_eq!(top_k(&[0.0; 6], 3), vec![0, 1, 2]);
+        // -0.0 ties with +0.0: index 0 wins over index 1 although its sign bit is set.
+        assert_eq!(top_k(&[-0.0, 0.0, 0.0, 1.0], 2), vec![0, 3]);
+        // A tie at the cut between 2 and 4 keeps 2; the result is in entry order.
+        assert_eq!(top_k(&[0.1, 0.5, 0.3, -1.0, 0.3, 0.9], 3), vec![1, 2, 5]);
+        // Fewer entries than k: all of them.
+        assert_eq!(top_k(&[0.2, 0.1], 3), vec![0, 1]);
+    }
+}
