@@ -63,7 +63,7 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     println!("| case | profile | max\\|diff\\| / max\\|logit\\| | top-1 agreement | mean KL |");
     println!("|---|---|---|---|---|");
-    for case in ["deepseek_v4_a", "deepseek_v4_b"] {
+    for case in ["deepseek_v4_a", "deepseek_v4_b", "deepseek_v4_c"] {
         for profile in [
             Profile::F32,
             Profile::Bf16,
