@@ -91,7 +91,7 @@ impl<'a> AnyModel<'a> {
     }
 
     /// Feeds `tokens` after whatever `st` holds; returns the logits `[vocab]` of the last one
-    /// (what sampling needs; qwen4_exp skips the lm_head rows nobody reads).
+    /// (what sampling needs: the lm_head rows nobody reads are skipped).
     pub fn forward_last(
         &self,
         tokens: &[u32],
@@ -99,10 +99,7 @@ impl<'a> AnyModel<'a> {
     ) -> Result<Vec<f32>, ForwardError> {
         match (self, st) {
             (AnyModel::Qwen4(m), AnyState::Qwen4(s)) => Ok(m.forward_last(tokens, s)?),
-            (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => {
-                let all = m.forward(tokens, s)?;
-                Ok(all[all.len() - m.config.vocab_size..].to_vec())
-            }
+            (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => Ok(m.forward_last(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
     }

@@ -72,12 +72,33 @@ impl<'a> Model<'a> {
         self.forward_traced(tokens, st, &mut |_, _, _| {})
     }
 
+    /// Feeds `tokens` after whatever `st` holds; returns the logits `[vocab]` of the last one
+    /// only. What generation needs: the lm_head (vocab x hidden, the largest matrix) then runs
+    /// once per call instead of once per prompt token.
+    pub fn forward_last(
+        &self,
+        tokens: &[u32],
+        st: &mut SeqState,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.run(tokens, st, &mut |_, _, _| {}, true)
+    }
+
     /// [`Model::forward`], reporting every named intermediate to `trace`.
     pub fn forward_traced(
         &self,
         tokens: &[u32],
         st: &mut SeqState,
         trace: &mut Trace<'_>,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.run(tokens, st, trace, false)
+    }
+
+    fn run(
+        &self,
+        tokens: &[u32],
+        st: &mut SeqState,
+        trace: &mut Trace<'_>,
+        last_only: bool,
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.config;
         let w = &self.weights;
@@ -170,7 +191,13 @@ impl<'a> Model<'a> {
         st.pos += t;
 
         let nl = c.num_hidden_layers;
-        let mut out = hc::head(&w.hc_head, &x, t, &dims);
+        let stride = dims.n * dims.d;
+        let (x, t) = if last_only {
+            (&x[(t - 1) * stride..], 1)
+        } else {
+            (&x[..], t)
+        };
+        let mut out = hc::head(&w.hc_head, x, t, &dims);
         rms_norm(&mut out, &w.norm, eps);
         trace("head_out", nl, &out);
         let logits = linear(&w.lm_head, &out, t);

@@ -179,3 +179,26 @@ fn every_prefill_split_matches_one_shot() {
     eprintln!("{splits} splits, each fed one at a time and as a chunk");
     assert!(failures.is_empty(), "failures: {failures:#?}");
 }
+
+/// `forward_last` is the last row of `forward`, bit for bit, and leaves the same state behind
+/// (the next token's logits agree too).
+#[test]
+fn forward_last_is_the_last_row_of_forward() {
+    let dir = tempfile::tempdir().unwrap();
+    for case in CASES {
+        let path = convert_fixture(case, dir.path(), Profile::F32);
+        let cmf = Cmf::open(&path).unwrap();
+        let (config, weights) = Weights::bind(&cmf).unwrap();
+        let model = Model::new(config, weights);
+        let vocab = model.config.vocab_size;
+        let ids = common::ids(case, 0);
+        let (mut a, mut b) = (SeqState::new(&model.config), SeqState::new(&model.config));
+        let all = model.forward(&ids, &mut a).unwrap();
+        let last = model.forward_last(&ids, &mut b).unwrap();
+        assert_eq!(last.len(), vocab);
+        assert!(last == all[all.len() - vocab..], "{case}: last row differs");
+        let next_a = model.forward(&ids[..1], &mut a).unwrap();
+        let next_b = model.forward(&ids[..1], &mut b).unwrap();
+        assert!(next_a == next_b, "{case}: state differs after forward_last");
+    }
+}
