@@ -75,6 +75,26 @@ pub struct Chat<'r, 'a> {
     sampler: Sampler,
 }
 
+/// A Jinja environment holding the chat template as `chat`, with what Hugging Face templates
+/// expect of Python's Jinja2.
+fn environment(src: String) -> Result<minijinja::Environment<'static>, minijinja::Error> {
+    let mut env = minijinja::Environment::new();
+    // Hugging Face templates are Jinja2 run by Python: they call str/list/dict methods
+    // (`content.strip()`, `.split(...)`, `.startswith(...)`) that pycompat provides.
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function(
+        "raise_exception",
+        |msg: String| -> Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(
+                minijinja::ErrorKind::InvalidOperation,
+                msg,
+            ))
+        },
+    );
+    env.add_template_owned("chat", src)?;
+    Ok(env)
+}
+
 /// The token text of the config's `key` id (the first, when it is a list), for templates that
 /// write `bos_token` / `eos_token`.
 fn special(runner: &Runner<'_>, config: &serde_json::Value, key: &str) -> String {
@@ -102,17 +122,7 @@ impl<'r, 'a> Chat<'r, 'a> {
             .ok_or_else(|| ChatError::NoTemplate {
                 file: cmf.display_path().display().to_string(),
             })?;
-        let mut env = minijinja::Environment::new();
-        env.add_function(
-            "raise_exception",
-            |msg: String| -> Result<String, minijinja::Error> {
-                Err(minijinja::Error::new(
-                    minijinja::ErrorKind::InvalidOperation,
-                    msg,
-                ))
-            },
-        );
-        env.add_template_owned("chat", src)?;
+        let env = environment(src)?;
         let stop = h
             .generation
             .as_ref()
@@ -125,7 +135,11 @@ impl<'r, 'a> Chat<'r, 'a> {
                     .collect(),
                 _ => Vec::new(),
             })
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .into_iter()
+            // An empty stop string would end every reply before it starts.
+            .filter(|s: &String| !s.is_empty())
+            .collect();
         let messages = system
             .map(|s| Message {
                 role: "system".into(),
@@ -208,7 +222,13 @@ impl<'r, 'a> Chat<'r, 'a> {
         let mut stream = TextStream::new(&self.runner.tokenizer);
         let mut text = String::new();
         let mut shown = 0usize;
-        let hold = self.stop.iter().map(|s| s.len()).max().unwrap_or(1) - 1;
+        let hold = self
+            .stop
+            .iter()
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(1)
+            .saturating_sub(1);
         let mut tokens = 0;
         let mut stopped = false;
         while tokens < max_new && !self.runner.eos.contains(&next) {
@@ -257,5 +277,37 @@ impl<'r, 'a> Chat<'r, 'a> {
             prompt_seconds,
             gen_seconds: t1.elapsed().as_secs_f64(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn templates_may_use_python_string_methods() {
+        let src = "{%- for m in messages %}{% if m.content.startswith('<think>') %}T{% endif %}\
+                   [{{ m.role.upper() }}:{{ m.content.split('</think>')[-1].strip() }}]\
+                   {%- endfor %}{% if add_generation_prompt %}>{% endif %}";
+        let env = environment(src.to_string()).unwrap();
+        let out = env
+            .get_template("chat")
+            .unwrap()
+            .render(minijinja::context! {
+                messages => vec![
+                    Message { role: "user".into(), content: "  hi  ".into() },
+                    Message { role: "assistant".into(), content: "<think>x</think> yo".into() },
+                ],
+                add_generation_prompt => true,
+            })
+            .unwrap();
+        assert_eq!(out, "[USER:hi]T[ASSISTANT:yo]>");
+    }
+
+    #[test]
+    fn raise_exception_is_an_error() {
+        let env = environment("{{ raise_exception('no system role') }}".to_string()).unwrap();
+        let err = env.get_template("chat").unwrap().render(()).unwrap_err();
+        assert!(err.to_string().contains("no system role"), "{err}");
     }
 }
