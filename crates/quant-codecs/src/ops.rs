@@ -78,15 +78,7 @@ mod tests {
         let wf: Vec<f32> = (0..rows * cols)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) / 64.0)
             .collect();
-        for dtype in [
-            DType::F32,
-            DType::F16,
-            DType::BF16,
-            DType::Q8_2f,
-            DType::Q4tp,
-            DType::Q2tp,
-            DType::Mxfp4,
-        ] {
+        for dtype in DType::ALL {
             let bytes = quantize(dtype, rows, cols, &wf).unwrap();
             let w = MatRef::new(dtype, rows, cols, &bytes).unwrap();
             // 0 rows, fewer than one chunk, exactly one, and more than two chunks.
