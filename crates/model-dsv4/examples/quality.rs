@@ -6,45 +6,26 @@
 
 use cmf_format::Cmf;
 use engine::convert::{ConvertOptions, Profile, convert};
+use engine::logits::read_npy;
 use model_dsv4::{Model, Weights};
 use std::path::{Path, PathBuf};
 
-fn read_npy(path: &Path) -> (Vec<usize>, Vec<u8>, bool) {
-    let b = std::fs::read(path).unwrap();
-    let (hlen, start) = if b[6] == 1 {
-        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
-    } else {
-        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
-    };
-    let header = std::str::from_utf8(&b[start..start + hlen]).unwrap();
-    let shape_str = header
-        .split("'shape': (")
-        .nth(1)
-        .unwrap()
-        .split(')')
-        .next()
-        .unwrap();
-    let shape = shape_str
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().unwrap())
-        .collect();
-    (shape, b[start + hlen..].to_vec(), header.contains("'<f4'"))
-}
-
 fn f32s(path: &Path) -> Vec<f32> {
-    let (_, d, is_f32) = read_npy(path);
-    assert!(is_f32);
-    d.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+    let a = read_npy(path).unwrap();
+    assert_eq!(
+        a.f32.len(),
+        a.shape.iter().product::<usize>(),
+        "{path:?}: not <f4"
+    );
+    a.f32
 }
 
 fn ids(path: &Path) -> Vec<u32> {
-    let (_, d, _) = read_npy(path);
-    d.chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+    read_npy(path)
+        .unwrap()
+        .i64
+        .iter()
+        .map(|&i| i as u32)
         .collect()
 }
 

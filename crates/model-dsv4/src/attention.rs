@@ -15,8 +15,9 @@ use rayon::prelude::*;
 use crate::compressor::{self, CompDims, CompState};
 use crate::config::{AttnKind, DeepseekV4Config};
 use crate::indexer;
-use crate::ops::{Rope, linear, rms_norm, rms_norm_unweighted, rope_tail};
+use crate::ops::{Rope, rms_norm, rms_norm_unweighted, rope_tail};
 use crate::weights::AttnWeights;
+use quant_codecs::ops::linear;
 
 /// The cache of one attention layer for one sequence.
 #[derive(Debug, Clone, Default)]

@@ -13,8 +13,9 @@
 //! window `w-1` and the Cb halves of window `w` (`2 * rate` slots; window 0 has no Ca slots).
 //! The previous window's Ca (its gate with `position_bias` added) is carried in the state.
 
-use crate::ops::{Rope, linear, rms_norm, rope_tail};
+use crate::ops::{Rope, rms_norm, rope_tail};
 use crate::weights::CompressorWeights;
+use quant_codecs::ops::linear;
 
 /// The incremental state of one compressor for one sequence.
 #[derive(Debug, Clone, Default)]

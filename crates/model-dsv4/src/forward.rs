@@ -7,9 +7,10 @@ use crate::attention::{self, Ropes};
 use crate::config::DeepseekV4Config;
 use crate::hc::{self, HcDims};
 use crate::moe;
-use crate::ops::{Rope, linear, rms_norm};
+use crate::ops::{Rope, rms_norm};
 use crate::state::SeqState;
 use crate::weights::Weights;
+use quant_codecs::ops::linear;
 
 /// Bad input to a forward.
 #[derive(Debug, thiserror::Error)]

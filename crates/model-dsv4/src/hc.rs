@@ -7,8 +7,9 @@
 //! is `sum_k pre_k X_k`; after the block `X'_k = post_k y + sum_j C[j][k] X_j`. The head collapses
 //! the streams with `sigmoid(hc_fn . f * scale + base) + hc_eps` and no Sinkhorn.
 
-use crate::ops::{linear, rms_norm_unweighted, sigmoid};
+use crate::ops::rms_norm_unweighted;
 use crate::weights::{HcWeights, HeadHcWeights};
+use quant_codecs::ops::{linear, sigmoid};
 
 /// The geometry and constants every site shares.
 #[derive(Debug, Clone, Copy)]

@@ -13,8 +13,9 @@ use rayon::prelude::*;
 
 use crate::compressor::{self, CompDims, CompState};
 use crate::config::DeepseekV4Config;
-use crate::ops::{Rope, linear, rope_tail};
+use crate::ops::{Rope, rope_tail};
 use crate::weights::IndexerWeights;
+use quant_codecs::ops::{linear, top_k};
 
 /// Feeds the `t` attention inputs `h` `[t, D]` (positions `past..past+t`) to the indexer's
 /// compressor, then scores the visible entries for every query (`q_res` `[t, q_lora_rank]`).
@@ -70,36 +71,35 @@ pub fn select(
                     acc
                 })
                 .collect();
-            top_k(&scores, c.index_topk.min(vis))
+            top_entries(&scores, c.index_topk.min(vis))
         })
         .collect()
 }
 
 /// The `k` highest-scoring entries, returned in ascending entry order. Equal scores keep the
-/// lower entry; zeros of either sign are equal (`relu` makes exact-zero scores common, and
-/// `total_cmp` alone would rank `-0.0` below `+0.0`).
-pub fn top_k(scores: &[f32], k: usize) -> Vec<usize> {
-    let key = |x: f32| if x == 0.0 { 0.0 } else { x };
-    let mut idx: Vec<usize> = (0..scores.len()).collect();
-    idx.sort_by(|&a, &b| key(scores[b]).total_cmp(&key(scores[a])).then(a.cmp(&b)));
-    idx.truncate(k);
+/// lower entry, and zeros of either sign are equal (see [`quant_codecs::ops::top_k`]).
+pub fn top_entries(scores: &[f32], k: usize) -> Vec<usize> {
+    let mut idx = top_k(scores, k);
     idx.sort_unstable();
     idx
 }
 
 #[cfg(test)]
 mod tests {
-    use super::top_k;
+    use super::top_entries;
 
     #[test]
-    fn exact_zero_ties_pick_the_lower_index() {
+    fn entries_come_in_ascending_order_with_zero_ties_to_the_lower_index() {
         // All-zero scores (every relu clipped): the first k entries.
-        assert_eq!(top_k(&[0.0; 6], 3), vec![0, 1, 2]);
+        assert_eq!(top_entries(&[0.0; 6], 3), vec![0, 1, 2]);
         // -0.0 ties with +0.0: index 0 wins over index 1 although its sign bit is set.
-        assert_eq!(top_k(&[-0.0, 0.0, 0.0, 1.0], 2), vec![0, 3]);
+        assert_eq!(top_entries(&[-0.0, 0.0, 0.0, 1.0], 2), vec![0, 3]);
         // A tie at the cut between 2 and 4 keeps 2; the result is in entry order.
-        assert_eq!(top_k(&[0.1, 0.5, 0.3, -1.0, 0.3, 0.9], 3), vec![1, 2, 5]);
+        assert_eq!(
+            top_entries(&[0.1, 0.5, 0.3, -1.0, 0.3, 0.9], 3),
+            vec![1, 2, 5]
+        );
         // Fewer entries than k: all of them.
-        assert_eq!(top_k(&[0.2, 0.1], 3), vec![0, 1]);
+        assert_eq!(top_entries(&[0.2, 0.1], 3), vec![0, 1]);
     }
 }

@@ -10,8 +10,9 @@
 use rayon::prelude::*;
 
 use crate::config::DeepseekV4Config;
-use crate::ops::{linear, silu, softmax, softplus, top_k};
+use crate::ops::softmax;
 use crate::weights::{MoeWeights, Routing};
+use quant_codecs::ops::{linear, sigmoid, silu, softplus, top_k};
 
 fn swiglu(gate: &[f32], up: &[f32], limit: f32) -> Vec<f32> {
     gate.iter()
@@ -42,7 +43,7 @@ pub fn forward_cpu(
     let mut scores = linear(&w.gate, u, t);
     match c.scoring_func.as_str() {
         "softmax" => scores.chunks_mut(e).for_each(softmax),
-        "sigmoid" => scores.iter_mut().for_each(|s| *s = crate::ops::sigmoid(*s)),
+        "sigmoid" => scores.iter_mut().for_each(|s| *s = sigmoid(*s)),
         _ => scores.iter_mut().for_each(|s| *s = softplus(*s).sqrt()),
     }
     // Routing: per expert, the (token, weight) pairs, in token order.

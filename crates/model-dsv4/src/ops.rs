@@ -1,40 +1,8 @@
-//! Small numeric helpers shared by the blocks (f32 math as the reference does it): batched
-//! projections, RMSNorms, the interleaved trailing-slice RoPE with its default and YaRN
-//! frequencies, activations and top-k.
-
-use quant_codecs::{MAX_BATCH, MatRef};
+//! Small numeric helpers shared by the blocks (f32 math as the reference does it): RMSNorms,
+//! the interleaved trailing-slice RoPE with its default and YaRN frequencies, and softmax. The
+//! generic ones (projections, activations, top-k) are in [`quant_codecs::ops`].
 
 use crate::config::{RopeKind, RopeParams};
-
-/// `y = x W^T` for `t` rows: `x` is `[t, cols]`, the result `[t, rows]`. Rows go through
-/// `matmat` in chunks of up to [`MAX_BATCH`].
-pub fn linear(w: &MatRef<'_>, x: &[f32], t: usize) -> Vec<f32> {
-    let (rows, cols) = (w.rows(), w.cols());
-    debug_assert_eq!(x.len(), t * cols);
-    let mut y = vec![0f32; t * rows];
-    for (xs, ys) in x
-        .chunks(MAX_BATCH * cols)
-        .zip(y.chunks_mut(MAX_BATCH * rows))
-    {
-        w.matmat(xs, ys).expect("shapes checked at bind time");
-    }
-    y
-}
-
-/// `1 / (1 + e^-x)`.
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// `x * sigmoid(x)`.
-pub fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
-}
-
-/// torch's softplus (beta 1, threshold 20).
-pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 { x } else { x.exp().ln_1p() }
-}
 
 /// `DeepseekV4RMSNorm` in place over each `w.len()`-sized row of `x`: `w * x / rms(x)`.
 pub fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
@@ -142,14 +110,6 @@ pub fn rope_tail(x: &mut [f32], cos: &[f32], sin: &[f32], inverse: bool) {
         tail[2 * i] = a * c - b * s;
         tail[2 * i + 1] = b * c + a * s;
     }
-}
-
-/// Indices of the `k` largest values, largest first; ties keep the lower index first.
-pub fn top_k(v: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
 }
 
 /// In-place softmax of `x`.

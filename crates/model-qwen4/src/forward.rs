@@ -3,10 +3,11 @@
 //! attention, inject, HC mix, MoE, inject; final HC mixer (no final norm); `lm_head`.
 
 use crate::config::Qwen4ExpTextConfig;
-use crate::ops::{Rope, linear};
+use crate::ops::Rope;
 use crate::state::{LayerState, SeqState};
 use crate::weights::{MixerWeights, Weights};
 use crate::{gdn, hc, moe, ple, qsa};
+use quant_codecs::ops::linear;
 
 /// Bad input to a forward.
 #[derive(Debug, thiserror::Error)]

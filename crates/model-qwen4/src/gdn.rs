@@ -7,8 +7,8 @@
 //! Prefill runs the recurrence token by token (the reference's chunked form is the same math).
 
 use crate::config::{GateAct, Qwen4ExpTextConfig};
-use crate::ops::{linear, sigmoid, silu, softplus};
 use crate::weights::GdnWeights;
+use quant_codecs::ops::{linear, sigmoid, silu, softplus};
 use rayon::prelude::*;
 
 /// Recurrent state of one GDN layer for one sequence.

@@ -4,8 +4,9 @@
 //! `Xn = RMSNorm_grouped(X) (1+w)`; `g = sigmoid(W_up silu(W_down Xn / H))`;
 //! `u = mean_k g_k Xn_k`; `inj = 2 sigmoid(W_inject Xn / H)`; after the block `X_k += inj_k y`.
 
-use crate::ops::{linear, rms_norm_1p, sigmoid, silu};
+use crate::ops::rms_norm_1p;
 use crate::weights::HcWeights;
+use quant_codecs::ops::{linear, sigmoid, silu};
 
 /// Output of one HC site over `t` tokens.
 pub struct HcMix {

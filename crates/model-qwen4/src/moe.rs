@@ -3,8 +3,8 @@
 //! SwiGLU expert scaled by `sigmoid(shared_expert_gate . u)`.
 
 use crate::config::Qwen4ExpTextConfig;
-use crate::ops::{linear, sigmoid, silu, top_k};
 use crate::weights::MoeWeights;
+use quant_codecs::ops::{linear, sigmoid, silu, top_k};
 use rayon::prelude::*;
 
 /// Runs the block on `u` `[t, D]`; returns `[t, D]`.

@@ -1,36 +1,6 @@
-//! Small numeric helpers shared by the blocks (f32 math as the reference does it).
-
-use quant_codecs::{MAX_BATCH, MatRef};
-
-/// `y = x W^T` for `t` rows: `x` is `[t, cols]`, the result `[t, rows]`. Rows go through
-/// `matmat` in chunks of up to [`MAX_BATCH`].
-pub fn linear(w: &MatRef<'_>, x: &[f32], t: usize) -> Vec<f32> {
-    let (rows, cols) = (w.rows(), w.cols());
-    debug_assert_eq!(x.len(), t * cols);
-    let mut y = vec![0f32; t * rows];
-    for (xs, ys) in x
-        .chunks(MAX_BATCH * cols)
-        .zip(y.chunks_mut(MAX_BATCH * rows))
-    {
-        w.matmat(xs, ys).expect("shapes checked at bind time");
-    }
-    y
-}
-
-/// `1 / (1 + e^-x)`.
-pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
-}
-
-/// `x * sigmoid(x)`.
-pub fn silu(x: f32) -> f32 {
-    x * sigmoid(x)
-}
-
-/// torch's softplus (beta 1, threshold 20).
-pub fn softplus(x: f32) -> f32 {
-    if x > 20.0 { x } else { x.exp().ln_1p() }
-}
+//! Small numeric helpers shared by the blocks (f32 math as the reference does it): the
+//! zero-centred grouped RMSNorm and rotate-half RoPE. The generic ones (projections,
+//! activations, top-k) are in [`quant_codecs::ops`].
 
 /// `Qwen4ExpTextRMSNorm` in place over each `group`-sized slice of `x`, with a weight of
 /// `x.len()`-periodic length `w.len()` applied as `1 + w` (zero-centred).
@@ -82,12 +52,4 @@ impl Rope {
             f.iter().map(|x| x.sin()).collect(),
         )
     }
-}
-
-/// Indices of the `k` largest values, largest first; ties keep the lower index first.
-pub fn top_k(v: &[f32], k: usize) -> Vec<usize> {
-    let mut idx: Vec<usize> = (0..v.len()).collect();
-    idx.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
-    idx.truncate(k);
-    idx
 }

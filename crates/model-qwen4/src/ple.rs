@@ -15,8 +15,9 @@
 //! the streams get `X += G + C`.
 
 use crate::config::Qwen4ExpTextConfig;
-use crate::ops::{linear, rms_norm_1p, sigmoid, silu};
+use crate::ops::rms_norm_1p;
 use crate::weights::PleWeights;
+use quant_codecs::ops::{linear, sigmoid, silu};
 
 const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
 const M1: u64 = 0xBF58_476D_1CE4_E5B9;

@@ -12,8 +12,9 @@
 //! Below the budget every token is selected, i.e. dense attention.
 
 use crate::config::Qwen4ExpTextConfig;
-use crate::ops::{Rope, linear, rms_norm_1p, rope, sigmoid, top_k};
+use crate::ops::{Rope, rms_norm_1p, rope};
 use crate::weights::AttnWeights;
+use quant_codecs::ops::{linear, sigmoid, top_k};
 use rayon::prelude::*;
 
 /// KV cache of one attention layer for one sequence.

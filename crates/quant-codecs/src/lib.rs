@@ -30,6 +30,7 @@ mod error;
 pub mod float;
 mod kernel;
 pub mod mxfp4;
+pub mod ops;
 mod q2tp;
 mod q4tp;
 mod q8_2f;

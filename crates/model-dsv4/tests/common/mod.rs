@@ -1,66 +1,14 @@
-//! Test helpers: a tiny `.npy` reader and fixture conversion.
+//! Test helpers: `.npy` reading (through `engine::logits::read_npy`) and fixture conversion.
 #![allow(dead_code)]
 
 use engine::convert::{ConvertOptions, Profile, convert};
 use std::path::{Path, PathBuf};
 
-/// A `.npy` array.
-pub struct Npy {
-    /// Shape.
-    pub shape: Vec<usize>,
-    /// Data when `<f4`.
-    pub f32: Vec<f32>,
-    /// Data when `<i8`.
-    pub i64: Vec<i64>,
-}
+pub use engine::logits::Npy;
 
-/// Reads a little-endian C-order `<f4` or `<i8` `.npy` (format 1.0/2.0).
+/// [`engine::logits::read_npy`], panicking with the path on any error.
 pub fn read_npy(path: &Path) -> Npy {
-    let b = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    assert_eq!(&b[..6], b"\x93NUMPY", "{}", path.display());
-    let (hlen, start) = if b[6] == 1 {
-        (u16::from_le_bytes([b[8], b[9]]) as usize, 10)
-    } else {
-        (u32::from_le_bytes([b[8], b[9], b[10], b[11]]) as usize, 12)
-    };
-    let header = std::str::from_utf8(&b[start..start + hlen]).unwrap();
-    assert!(header.contains("'fortran_order': False"), "{header}");
-    let shape_str = header
-        .split("'shape': (")
-        .nth(1)
-        .unwrap()
-        .split(')')
-        .next()
-        .unwrap();
-    let shape: Vec<usize> = shape_str
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| s.parse().unwrap())
-        .collect();
-    let data = &b[start + hlen..];
-    let n: usize = shape.iter().product();
-    let mut out = Npy {
-        shape,
-        f32: Vec::new(),
-        i64: Vec::new(),
-    };
-    if header.contains("'descr': '<f4'") {
-        assert_eq!(data.len(), 4 * n);
-        out.f32 = data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-    } else if header.contains("'descr': '<i8'") {
-        assert_eq!(data.len(), 8 * n);
-        out.i64 = data
-            .chunks_exact(8)
-            .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-    } else {
-        panic!("unsupported npy dtype: {header}");
-    }
-    out
+    engine::logits::read_npy(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// `fixtures/<case>`.
