@@ -1,13 +1,14 @@
-//! Prints, for every qwen4_exp fixture and conversion profile, the prefill logits' agreement with
-//! transformers (max|diff| relative to max|logit|, top-1 agreement, mean KL(ref || ours)) as a
-//! markdown table (docs/quality.md).
+//! Prints, for every random-weight fixture and conversion profile, the prefill logits' agreement
+//! with transformers (max|diff| relative to max|logit|, top-1 agreement, mean KL(ref || ours)) as a
+//! markdown table (docs/quality.md). One code path for both architectures (`AnyModel`); an
+//! argument keeps only the cases starting with it.
 //!
-//!     cargo run --release -p model-qwen4 --example quality
+//!     cargo run --release -p engine --example quality [-- qwen4_exp|deepseek_v4]
 
-use cmf_format::Cmf;
+use engine::cmf_format::Cmf;
 use engine::convert::{ConvertOptions, Profile, convert};
 use engine::logits::read_npy;
-use model_qwen4::{Model, Weights};
+use engine::model::AnyModel;
 use std::path::{Path, PathBuf};
 
 fn f32s(path: &Path) -> Vec<f32> {
@@ -39,12 +40,22 @@ fn argmax(v: &[f32]) -> usize {
     (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b })
 }
 
+const CASES: [&str; 6] = [
+    "qwen4_exp_a",
+    "qwen4_exp_b",
+    "qwen4_exp_c",
+    "deepseek_v4_a",
+    "deepseek_v4_b",
+    "deepseek_v4_c",
+];
+
 fn main() {
+    let only = std::env::args().nth(1).unwrap_or_default();
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
     let dir = tempfile::tempdir().unwrap();
     println!("| case | profile | max\\|diff\\| / max\\|logit\\| | top-1 agreement | mean KL |");
     println!("|---|---|---|---|---|");
-    for case in ["qwen4_exp_a", "qwen4_exp_b", "qwen4_exp_c"] {
+    for case in CASES.into_iter().filter(|c| c.starts_with(&only)) {
         for profile in [
             Profile::F32,
             Profile::Bf16,
@@ -61,9 +72,8 @@ fn main() {
             )
             .unwrap();
             let cmf = Cmf::open(&out).unwrap();
-            let (config, weights) = Weights::bind(&cmf).unwrap();
-            let model = Model::new(config, weights);
-            let v = model.config.vocab_size;
+            let model = AnyModel::bind(&cmf).unwrap();
+            let v = model.vocab_size();
             let (mut rows, mut agree, mut kl, mut rel) = (0usize, 0usize, 0f64, 0f32);
             for p in 0..3 {
                 let exp = root.join(case).join("expected");
