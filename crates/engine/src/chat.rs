@@ -188,6 +188,19 @@ impl<'r, 'a> Chat<'r, 'a> {
             role: "user".into(),
             content: user.into(),
         });
+        let reply = self.generate_reply(max_new, on_text);
+        if reply.is_err() {
+            // A failed turn leaves the conversation as it was.
+            self.messages.pop();
+        }
+        reply
+    }
+
+    fn generate_reply(
+        &mut self,
+        max_new: usize,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Reply, ChatError> {
         let prompt = self.render()?;
         let ids = self
             .runner
