@@ -36,6 +36,7 @@
 
 mod error;
 pub mod header;
+pub mod npy;
 mod preamble;
 mod reader;
 mod sidecar;

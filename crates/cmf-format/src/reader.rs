@@ -233,6 +233,12 @@ impl Cmf {
         &self.tensors
     }
 
+    /// The index in table order of the tensor named `name` (its id: what a device arena or a
+    /// trace keys a tensor by).
+    pub fn tensor_index(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
     /// The tensor named `name`.
     pub fn tensor(&self, name: &str) -> Option<TensorView<'_>> {
         self.by_name.get(name).and_then(|&i| self.tensor_at(i))

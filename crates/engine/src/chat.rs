@@ -8,12 +8,11 @@
 //! never wrong. A reply ends at an EOS id or at one of the generation defaults' `stop_strings`
 //! (which is not part of the reply).
 
-use std::time::Instant;
-
 use serde::Serialize;
 
+use crate::generate::{Event, GenerateOptions};
 use crate::model::AnyState;
-use crate::run::{RunError, Runner, TextStream};
+use crate::run::{RunError, Runner};
 use crate::sampling::{Sampler, Sampling};
 
 /// One message.
@@ -62,8 +61,8 @@ pub struct Reply {
 }
 
 /// A conversation with one model.
-pub struct Chat<'r, 'a> {
-    runner: &'r Runner<'a>,
+pub struct Chat<'r> {
+    runner: &'r Runner,
     env: minijinja::Environment<'static>,
     /// The conversation so far.
     pub messages: Vec<Message>,
@@ -97,7 +96,7 @@ fn environment(src: String) -> Result<minijinja::Environment<'static>, minijinja
 
 /// The token text of the config's `key` id (the first, when it is a list), for templates that
 /// write `bos_token` / `eos_token`.
-fn special(runner: &Runner<'_>, config: &serde_json::Value, key: &str) -> String {
+fn special(runner: &Runner, config: &serde_json::Value, key: &str) -> String {
     let id = match config.get(key) {
         Some(serde_json::Value::Number(n)) => n.as_u64(),
         Some(serde_json::Value::Array(a)) => a.first().and_then(serde_json::Value::as_u64),
@@ -107,14 +106,14 @@ fn special(runner: &Runner<'_>, config: &serde_json::Value, key: &str) -> String
         .unwrap_or_default()
 }
 
-impl<'r, 'a> Chat<'r, 'a> {
+impl<'r> Chat<'r> {
     /// A new conversation (optionally starting with a system message).
     pub fn new(
-        runner: &'r Runner<'a>,
-        cmf: &cmf_format::Cmf,
+        runner: &'r Runner,
         system: Option<&str>,
         sampling: Sampling,
     ) -> Result<Self, ChatError> {
+        let cmf = runner.model.cmf();
         let h = cmf.header();
         let src = h
             .chat_template
@@ -215,80 +214,44 @@ impl<'r, 'a> Chat<'r, 'a> {
         if ids.is_empty() {
             return Err(RunError::EmptyPrompt.into());
         }
-        let model = &self.runner.model;
-        let t0 = Instant::now();
         let (mut st, reused) = match self.saved.take() {
             // Keep at least one token to prefill: its logits start the reply.
             Some((prev, st)) if prev.len() < ids.len() && ids.starts_with(&prev) => {
                 (st, prev.len())
             }
-            _ => (model.new_state(), 0),
+            _ => (self.runner.model.model().new_state(), 0),
         };
-        let logits = model
-            .forward_last(&ids[reused..], &mut st)
-            .map_err(RunError::from)?;
-        self.saved = Some((ids.clone(), st.clone()));
-        let prompt_seconds = t0.elapsed().as_secs_f64();
-
-        let t1 = Instant::now();
-        let mut next = self.sampler.sample(&logits);
-        let mut stream = TextStream::new(&self.runner.tokenizer);
-        let mut text = String::new();
-        let mut shown = 0usize;
-        let hold = self
-            .stop
-            .iter()
-            .map(|s| s.len())
-            .max()
-            .unwrap_or(1)
-            .saturating_sub(1);
-        let mut tokens = 0;
-        let mut stopped = false;
-        while tokens < max_new && !self.runner.eos.contains(&next) {
-            tokens += 1;
-            if let Some(piece) = stream.push(next) {
-                text.push_str(&piece);
-                if let Some(cut) = self.stop.iter().filter_map(|s| text.find(s.as_str())).min() {
-                    text.truncate(cut);
-                    stopped = true;
+        let opts = GenerateOptions {
+            max_new,
+            stop: self.stop.clone(),
+            cancel: None,
+            keep_prompt_state: true,
+        };
+        let g = self.runner.complete(
+            &mut st,
+            &ids[reused..],
+            &mut self.sampler,
+            &opts,
+            &mut |e| {
+                if let Event::Text(piece) = e {
+                    on_text(piece);
                 }
-                // Hold back what could still become a stop string.
-                let mut safe = if stopped {
-                    text.len()
-                } else {
-                    text.len().saturating_sub(hold)
-                };
-                while !text.is_char_boundary(safe) {
-                    safe -= 1;
-                }
-                if safe > shown {
-                    on_text(&text[shown..safe]);
-                    shown = safe;
-                }
-                if stopped {
-                    break;
-                }
-            }
-            if tokens == max_new {
-                break;
-            }
-            let logits = model.forward(&[next], &mut st).map_err(RunError::from)?;
-            next = self.sampler.sample(&logits);
-        }
-        if shown < text.len() {
-            on_text(&text[shown..]);
+            },
+        )?;
+        if let Some(prompt_state) = g.prompt_state {
+            self.saved = Some((ids.clone(), prompt_state));
         }
         self.messages.push(Message {
             role: "assistant".into(),
-            content: text.clone(),
+            content: g.text.clone(),
         });
         Ok(Reply {
-            text,
-            tokens,
+            text: g.text,
+            tokens: g.tokens.len(),
             prefilled: ids.len() - reused,
             reused,
-            prompt_seconds,
-            gen_seconds: t1.elapsed().as_secs_f64(),
+            prompt_seconds: g.prompt_seconds,
+            gen_seconds: g.gen_seconds,
         })
     }
 }

@@ -2,9 +2,7 @@
 //! subgroup sizes, VRAM budget) and whether every kernel family builds on it: the report a
 //! user pastes into a bug report.
 
-use gpu_runtime::ops::matvec::Plan;
-use gpu_runtime::{GpuContext, GpuOptions, Selected};
-use kernels_wgsl::{Codec, Matvec};
+use gpu_runtime::{GpuOptions, Selected};
 use serde::Serialize;
 
 /// The doctor's findings.
@@ -47,85 +45,24 @@ pub fn run(opts: &GpuOptions) -> Result<Doctor, gpu_runtime::GpuError> {
             cpu_threads,
         }),
         Selected::Gpu(ctx) => {
-            let plan = Plan::for_matrix(&ctx, 1 << 20);
+            let report = gpu_runtime::report::kernel_report(&ctx);
             Ok(Doctor {
                 backend: "gpu".into(),
                 cpu_reason: None,
                 adapter: Some(ctx.describe()),
-                limits: limits(&ctx),
-                plan: Some(format!(
-                    "{:?} reduction, {} lanes per workgroup, {} per row",
-                    plan.reduce, plan.wg, plan.lanes
-                )),
-                kernels: kernels(&ctx, plan),
+                plan: Some(report.plan_text()),
+                limits: report.limits,
+                kernels: report
+                    .kernels
+                    .into_iter()
+                    .map(|(name, r)| (name, r.err().unwrap_or_else(|| "ok".into())))
+                    .collect(),
                 uncaptured_errors: ctx.uncaptured.lock().clone(),
                 cpu_isa,
                 cpu_threads,
             })
         }
     }
-}
-
-fn limits(ctx: &GpuContext) -> Vec<(String, u64)> {
-    let l = &ctx.limits;
-    [
-        ("max_buffer_size", l.max_buffer_size),
-        (
-            "max_storage_buffer_binding_size",
-            l.max_storage_buffer_binding_size,
-        ),
-        (
-            "max_storage_buffers_per_shader_stage",
-            l.max_storage_buffers_per_shader_stage as u64,
-        ),
-        (
-            "max_compute_workgroups_per_dimension",
-            l.max_compute_workgroups_per_dimension as u64,
-        ),
-        (
-            "max_compute_invocations_per_workgroup",
-            l.max_compute_invocations_per_workgroup as u64,
-        ),
-        (
-            "max_compute_workgroup_storage_size",
-            l.max_compute_workgroup_storage_size as u64,
-        ),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v))
-    .collect()
-}
-
-fn kernels(ctx: &GpuContext, plan: Plan) -> Vec<(String, String)> {
-    let mut out = Vec::new();
-    for codec in Codec::ALL {
-        for nt in [1, 8] {
-            let k = plan.kernel(codec, nt);
-            let status = match ctx.compute_pipeline(
-                &k.name(),
-                &|| k.source(),
-                Matvec::ENTRY,
-                &plan.constants(),
-            ) {
-                Ok(_) => "ok".to_string(),
-                Err(e) => e.to_string(),
-            };
-            out.push((k.name(), status));
-        }
-    }
-    for entry in ["read_bw", "tiny"] {
-        let status = match ctx.compute_pipeline(
-            "read_bw",
-            &|| kernels_wgsl::READ_BW.to_string(),
-            entry,
-            &[("WG", 256.0)],
-        ) {
-            Ok(_) => "ok".to_string(),
-            Err(e) => e.to_string(),
-        };
-        out.push((entry.to_string(), status));
-    }
-    out
 }
 
 impl Doctor {

@@ -13,6 +13,7 @@
 //! ```
 #![deny(missing_docs)]
 
+pub use cmf_convert as convert;
 pub use cmf_format;
 pub use gpu_runtime;
 pub use kernels_wgsl;
@@ -20,8 +21,8 @@ pub use quant_codecs;
 
 pub mod bench;
 pub mod chat;
-pub mod convert;
 pub mod doctor;
+pub mod generate;
 pub mod inspect;
 pub mod logits;
 pub mod model;

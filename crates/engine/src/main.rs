@@ -230,10 +230,11 @@ fn print_report(
 }
 
 /// The model at `path`, or the embedded demo model.
-fn open_model(path: Option<&std::path::Path>) -> anyhow::Result<engine::cmf_format::Cmf> {
+/// The runner of the model at `path`, else of the embedded demo model.
+fn open_runner(path: Option<&std::path::Path>) -> anyhow::Result<engine::run::Runner> {
     Ok(match path {
-        Some(p) => engine::cmf_format::Cmf::open(p)?,
-        None => engine::embedded_model()?,
+        Some(p) => engine::run::Runner::open(p)?,
+        None => engine::run::Runner::from_cmf(engine::embedded_model()?)?,
     })
 }
 
@@ -251,23 +252,28 @@ fn rate(n: usize, s: f64) -> f64 {
 }
 
 fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
-    let cmf = open_model(args.model.as_deref())?;
-    let runner = engine::run::Runner::new(&cmf)?;
+    use engine::generate::{Event, Finish, GenerateOptions};
+
+    let runner = open_runner(args.model.as_deref())?;
     let prompt = runner.encode(&args.prompt)?;
-    let sampling = sampling(&args.sampling);
-    let mut stream = engine::run::TextStream::new(&runner.tokenizer);
+    let mut sampler = engine::sampling::Sampler::new(sampling(&args.sampling));
+    let mut state = runner.model.model().new_state();
     let mut out = io::stdout().lock();
     let mut write_err = None;
-    let g = runner.generate(&prompt, args.sampling.max_tokens, sampling, &mut |id| {
-        if write_err.is_some() || runner.eos.contains(&id) {
-            return;
-        }
-        if let Some(piece) = stream.push(id)
-            && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
-        {
-            write_err = Some(e);
-        }
-    })?;
+    let g = runner.complete(
+        &mut state,
+        &prompt,
+        &mut sampler,
+        &GenerateOptions::new(args.sampling.max_tokens),
+        &mut |e| {
+            if let Event::Text(piece) = e
+                && write_err.is_none()
+                && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
+            {
+                write_err = Some(e);
+            }
+        },
+    )?;
     if let Some(e) = write_err {
         return Err(e.into());
     }
@@ -280,7 +286,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
         g.tokens.len(),
         g.gen_seconds,
         rate(g.tokens.len().saturating_sub(1), g.gen_seconds),
-        if g.stopped_at_eos {
+        if g.finish == Finish::Eos {
             ", stopped at EOS"
         } else {
             ""
@@ -292,14 +298,9 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
 fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
     use std::io::{BufRead, IsTerminal};
 
-    let cmf = open_model(args.model.as_deref())?;
-    let runner = engine::run::Runner::new(&cmf)?;
-    let mut chat = engine::chat::Chat::new(
-        &runner,
-        &cmf,
-        args.system.as_deref(),
-        sampling(&args.sampling),
-    )?;
+    let runner = open_runner(args.model.as_deref())?;
+    let mut chat =
+        engine::chat::Chat::new(&runner, args.system.as_deref(), sampling(&args.sampling))?;
     let interactive = io::stdin().is_terminal();
     if interactive {
         eprintln!("cortiq chat: one line per message; /reset starts over, /quit (or Ctrl-D) ends.");
@@ -356,8 +357,7 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
-    let cmf = engine::cmf_format::Cmf::open(&args.model)?;
-    let runner = engine::run::Runner::new(&cmf)?;
+    let runner = engine::run::Runner::open(&args.model)?;
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("reading {}", args.file.display()))?;
     let mut ids = runner
@@ -384,11 +384,16 @@ fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
     };
     // llama.cpp's running estimate: `[window]ppl` after each window, on stderr.
     let mut err = io::stderr().lock();
-    let report =
-        engine::perplexity::perplexity(&runner.model, base.as_ref(), &ids, opts, &mut |p| {
+    let report = engine::perplexity::perplexity(
+        runner.model.model(),
+        base.as_ref(),
+        &ids,
+        opts,
+        &mut |p| {
             let _ = write!(err, "[{}/{}]{:.4},", p.done, p.total, p.ppl);
             let _ = err.flush();
-        })?;
+        },
+    )?;
     let _ = writeln!(err);
     print_report(args.json, &report, |w| report.write_text(w))?;
     Ok(ExitCode::SUCCESS)

@@ -1,8 +1,12 @@
 //! One engine code path over every architecture: [`AnyModel`] binds the model a CMF header names
 //! (`qwen4_exp` -> model-qwen4, `deepseek_v4` -> model-dsv4) and [`AnyState`] is its sequence
-//! state; `cortiq logits` and `cortiq run` only talk to these.
+//! state; every command only talks to these. [`LoadedModel`] owns the file and the model bound
+//! to it, so one loaded model can be shared across threads (`Arc<LoadedModel>`) by the
+//! generation loop, a server's requests and a speculative drafter alike.
 
-use cmf_format::Cmf;
+use std::path::Path;
+
+use cmf_format::{Cmf, CmfError};
 
 /// Why a CMF could not be bound.
 #[derive(Debug, thiserror::Error)]
@@ -107,5 +111,64 @@ impl<'a> AnyModel<'a> {
     /// Logits `[T, vocab]` of every position of `tokens`, from an empty sequence.
     pub fn forward_prefill(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
         self.forward(tokens, &mut self.new_state())
+    }
+}
+
+self_cell::self_cell!(
+    /// The file and the model borrowing its mapped bytes, kept together.
+    struct Bound {
+        owner: Cmf,
+        #[covariant]
+        dependent: AnyModel,
+    }
+);
+
+/// Why a model file could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    /// The file does not open or validate.
+    #[error(transparent)]
+    Open(#[from] CmfError),
+    /// Not a model this engine runs.
+    #[error(transparent)]
+    Bind(#[from] BindError),
+}
+
+/// A CMF file and its bound model, owned together: `Send + Sync`, so an `Arc<LoadedModel>` is
+/// shared across threads (the mapped weights are read-only; each sequence has its own
+/// [`AnyState`]).
+pub struct LoadedModel {
+    bound: Bound,
+}
+
+impl std::fmt::Debug for LoadedModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedModel")
+            .field("cmf", self.cmf())
+            .finish()
+    }
+}
+
+impl LoadedModel {
+    /// Binds the model in `cmf`, taking ownership of the file.
+    pub fn new(cmf: Cmf) -> Result<LoadedModel, BindError> {
+        Ok(LoadedModel {
+            bound: Bound::try_new(cmf, |c| AnyModel::bind(c))?,
+        })
+    }
+
+    /// Opens (memory-maps) and binds the CMF at `path`.
+    pub fn open(path: &Path) -> Result<LoadedModel, LoadError> {
+        Ok(Self::new(Cmf::open(path)?)?)
+    }
+
+    /// The file.
+    pub fn cmf(&self) -> &Cmf {
+        self.bound.borrow_owner()
+    }
+
+    /// The bound model.
+    pub fn model(&self) -> &AnyModel<'_> {
+        self.bound.borrow_dependent()
     }
 }

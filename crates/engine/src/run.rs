@@ -1,12 +1,13 @@
-//! `cortiq run`: tokenise a prompt with the model's embedded tokenizer, prefill it, then
-//! sample and feed one token at a time until EOS or the token limit, handing each token to the
-//! caller (who streams its text).
+//! `cortiq run`: a loaded model with its embedded tokenizer ([`Runner`]), the prompt
+//! tokenised and handed to the one generation loop ([`crate::generate`]).
 
-use std::time::Instant;
+use std::path::Path;
+use std::sync::Arc;
 
 use cmf_format::{Cmf, CmfError};
 
-use crate::model::{AnyModel, BindError, ForwardError};
+use crate::generate::{Event, GenerateOptions, Generation};
+use crate::model::{BindError, ForwardError, LoadedModel};
 use crate::sampling::{Sampler, Sampling};
 
 /// Why generation could not run.
@@ -35,29 +36,16 @@ pub enum RunError {
     EmptyPrompt,
 }
 
-/// A loaded model with its tokenizer.
-pub struct Runner<'a> {
-    /// The forward pass.
-    pub model: AnyModel<'a>,
+/// A loaded model with its tokenizer and EOS ids: owns (an `Arc` of) the model, so it is
+/// `Send + Sync` and can be shared by threads that each drive their own sequence.
+#[derive(Debug, Clone)]
+pub struct Runner {
+    /// The model and its file.
+    pub model: Arc<LoadedModel>,
     /// The embedded tokenizer.
     pub tokenizer: tokenizers::Tokenizer,
     /// Token ids that end generation.
     pub eos: Vec<u32>,
-}
-
-/// What one generation did.
-#[derive(Debug, Clone)]
-pub struct Generation {
-    /// The prompt's token ids.
-    pub prompt: Vec<u32>,
-    /// The generated ids (the EOS that stopped it included).
-    pub tokens: Vec<u32>,
-    /// Seconds spent on the prompt (prefill and the first sample).
-    pub prompt_seconds: f64,
-    /// Seconds spent generating after the prompt.
-    pub gen_seconds: f64,
-    /// Whether an EOS token ended it.
-    pub stopped_at_eos: bool,
 }
 
 fn ids(v: &serde_json::Value) -> Vec<u32> {
@@ -68,24 +56,31 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
     }
 }
 
-impl<'a> Runner<'a> {
-    /// Binds the model in `cmf` and its embedded tokenizer; EOS ids come from the generation
-    /// defaults, else the config.
-    pub fn new(cmf: &'a Cmf) -> Result<Runner<'a>, RunError> {
-        let file = cmf.display_path().display().to_string();
-        let h = cmf.header();
-        let tok_json = h.tokenizer.as_ref().ok_or_else(|| RunError::Tokenizer {
-            file: file.clone(),
-            message: "none embedded (convert from a checkpoint with tokenizer.json)".into(),
-        })?;
-        let tokenizer = tok_json
-            .to_string()
-            .parse::<tokenizers::Tokenizer>()
-            .map_err(|e| RunError::Tokenizer {
-                file: file.clone(),
-                message: e.to_string(),
-            })?;
-        let model = AnyModel::bind(cmf)?;
+impl Runner {
+    /// Opens and binds the CMF at `path` with its embedded tokenizer.
+    pub fn open(path: &Path) -> Result<Runner, RunError> {
+        Self::from_cmf(Cmf::open(path)?)
+    }
+
+    /// Binds the model in `cmf` (taking the file) with its embedded tokenizer.
+    pub fn from_cmf(cmf: Cmf) -> Result<Runner, RunError> {
+        // The tokenizer is checked first: a file without one is refused before binding.
+        let tokenizer = tokenizer_of(&cmf)?;
+        Ok(Self::with_tokenizer(
+            Arc::new(LoadedModel::new(cmf)?),
+            tokenizer,
+        ))
+    }
+
+    /// The runner of a loaded model; EOS ids come from the generation defaults, else the
+    /// config.
+    pub fn new(model: Arc<LoadedModel>) -> Result<Runner, RunError> {
+        let tokenizer = tokenizer_of(model.cmf())?;
+        Ok(Self::with_tokenizer(model, tokenizer))
+    }
+
+    fn with_tokenizer(model: Arc<LoadedModel>, tokenizer: tokenizers::Tokenizer) -> Runner {
+        let h = model.cmf().header();
         let mut eos = h
             .generation
             .as_ref()
@@ -96,11 +91,11 @@ impl<'a> Runner<'a> {
             // The config's `eos_token_id` (one id or a list; qwen4_exp and deepseek_v4 alike).
             eos = h.config.get("eos_token_id").map(ids).unwrap_or_default();
         }
-        Ok(Runner {
+        Runner {
             model,
             tokenizer,
             eos,
-        })
+        }
     }
 
     /// The prompt's ids (special tokens as the tokenizer's post-processor adds them).
@@ -109,13 +104,14 @@ impl<'a> Runner<'a> {
             .tokenizer
             .encode(prompt, true)
             .map_err(|e| RunError::Tokenizer {
-                file: String::new(),
+                file: self.model.cmf().display_path().display().to_string(),
                 message: e.to_string(),
             })?;
         Ok(enc.get_ids().to_vec())
     }
 
-    /// Generates up to `max_new` tokens after `prompt`, calling `on_token` with each.
+    /// Generates up to `max_new` tokens after `prompt` from an empty sequence, calling
+    /// `on_token` with each (the generation loop with no stop strings).
     pub fn generate(
         &self,
         prompt: &[u32],
@@ -123,71 +119,48 @@ impl<'a> Runner<'a> {
         sampling: Sampling,
         on_token: &mut dyn FnMut(u32),
     ) -> Result<Generation, RunError> {
-        if prompt.is_empty() {
-            return Err(RunError::EmptyPrompt);
-        }
-        let mut sampler = Sampler::new(sampling);
-        let mut st = self.model.new_state();
-        let t0 = Instant::now();
-        let logits = self.model.forward_last(prompt, &mut st)?;
-        let mut next = sampler.sample(&logits);
-        let prompt_seconds = t0.elapsed().as_secs_f64();
-        let t1 = Instant::now();
-        let mut tokens = Vec::new();
-        let mut stopped_at_eos = false;
-        while tokens.len() < max_new {
-            tokens.push(next);
-            on_token(next);
-            if self.eos.contains(&next) {
-                stopped_at_eos = true;
-                break;
-            }
-            if tokens.len() == max_new {
-                break;
-            }
-            let logits = self.model.forward(&[next], &mut st)?;
-            next = sampler.sample(&logits);
-        }
-        Ok(Generation {
-            prompt: prompt.to_vec(),
-            tokens,
-            prompt_seconds,
-            gen_seconds: t1.elapsed().as_secs_f64(),
-            stopped_at_eos,
+        let mut state = self.model.model().new_state();
+        self.complete(
+            &mut state,
+            prompt,
+            &mut Sampler::new(sampling),
+            &GenerateOptions::new(max_new),
+            &mut |e| {
+                if let Event::Token(id) = e {
+                    on_token(id);
+                }
+            },
+        )
+    }
+}
+
+/// The tokenizer embedded in `cmf`.
+fn tokenizer_of(cmf: &Cmf) -> Result<tokenizers::Tokenizer, RunError> {
+    let file = cmf.display_path().display().to_string();
+    let tok_json = cmf
+        .header()
+        .tokenizer
+        .as_ref()
+        .ok_or_else(|| RunError::Tokenizer {
+            file: file.clone(),
+            message: "none embedded (convert from a checkpoint with tokenizer.json)".into(),
+        })?;
+    tok_json
+        .to_string()
+        .parse::<tokenizers::Tokenizer>()
+        .map_err(|e| RunError::Tokenizer {
+            file,
+            message: e.to_string(),
         })
-    }
 }
 
-/// Turns a growing list of token ids into text pieces to print: a piece is released only when
-/// the decoded text does not end inside a UTF-8 sequence (byte-level tokens can split one).
-pub struct TextStream<'t> {
-    tokenizer: &'t tokenizers::Tokenizer,
-    ids: Vec<u32>,
-    printed: usize,
-}
-
-impl<'t> TextStream<'t> {
-    /// An empty stream.
-    pub fn new(tokenizer: &'t tokenizers::Tokenizer) -> Self {
-        TextStream {
-            tokenizer,
-            ids: Vec::new(),
-            printed: 0,
-        }
-    }
-
-    /// Adds a token; returns the new text that is complete, if any.
-    pub fn push(&mut self, id: u32) -> Option<String> {
-        self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids, true).ok()?;
-        if text.ends_with('\u{FFFD}')
-            || text.len() <= self.printed
-            || !text.is_char_boundary(self.printed)
-        {
-            return None;
-        }
-        let piece = text[self.printed..].to_string();
-        self.printed = text.len();
-        Some(piece)
+#[cfg(test)]
+mod tests {
+    /// A server hands one runner to many threads.
+    #[test]
+    fn runner_is_shareable_across_threads() {
+        fn shareable<T: Send + Sync + 'static>() {}
+        shareable::<super::Runner>();
+        shareable::<crate::model::LoadedModel>();
     }
 }

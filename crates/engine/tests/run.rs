@@ -68,7 +68,7 @@ fn greedy_generation_matches_transformers() {
     ] {
         let path = converted(case, dir.path());
         let cmf = Cmf::open(&path).unwrap();
-        let runner = Runner::new(&cmf).unwrap();
+        let runner = Runner::from_cmf(cmf).unwrap();
         for (text, ids, greedy) in prompts(case) {
             let enc = runner.encode(&text).unwrap();
             if enc != ids {
@@ -118,7 +118,7 @@ fn the_binary_streams_the_greedy_text() {
         .unwrap();
     assert!(out.status.success(), "{out:?}");
     let cmf = Cmf::open(&path).unwrap();
-    let runner = Runner::new(&cmf).unwrap();
+    let runner = Runner::from_cmf(cmf).unwrap();
     let want = runner.tokenizer.decode(&greedy, true).unwrap();
     let got = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
@@ -136,17 +136,17 @@ fn bad_requests_are_errors() {
     // The container example assets/tiny.cmf has no tokenizer (and is not a qwen4_exp model).
     let tiny = Cmf::from_bytes(TINY_EXAMPLE).unwrap();
     assert!(matches!(
-        Runner::new(&tiny),
+        Runner::from_cmf(tiny),
         Err(RunError::Tokenizer { .. })
     ));
     let path = converted("qwen4_exp_b", dir.path());
     let cmf = Cmf::open(&path).unwrap();
-    let runner = Runner::new(&cmf).unwrap();
+    let runner = Runner::from_cmf(cmf).unwrap();
     assert!(matches!(
         runner.generate(&[], 4, Sampling::default(), &mut |_| {}),
         Err(RunError::EmptyPrompt)
     ));
-    let vocab = runner.model.vocab_size() as u32;
+    let vocab = runner.model.model().vocab_size() as u32;
     assert!(matches!(
         runner.generate(&[vocab], 4, Sampling::default(), &mut |_| {}),
         Err(RunError::Forward(_))

@@ -175,7 +175,7 @@ fn greedy_generation_matches_transformers_generate() {
 fn greedy_matches(case: &str) {
     let dir = tempfile::tempdir().unwrap();
     let cmf = Cmf::open(converted_case(case, Profile::F32, dir.path())).unwrap();
-    let runner = Runner::new(&cmf).unwrap();
+    let runner = Runner::from_cmf(cmf).unwrap();
     let c = cases(case);
     for case in c["greedy"].as_array().unwrap() {
         let prompt = case["prompt"].as_str().unwrap();
@@ -277,7 +277,7 @@ fn run_and_chat_default_to_the_embedded_model() {
     // Greedy from the shipped q8 model: the text must be what the same model's tokens decode to
     // (checked through the library), and the binary needs no model argument.
     let cmf = engine::embedded_model().unwrap();
-    let runner = Runner::new(&cmf).unwrap();
+    let runner = Runner::from_cmf(cmf).unwrap();
     let prompt = "ROMEO.\n";
     let greedy = Sampling {
         temperature: 0.0,
@@ -307,12 +307,12 @@ fn run_and_chat_default_to_the_embedded_model() {
 #[test]
 fn chat_reuses_the_previous_turn_and_equals_a_fresh_prefill() {
     let cmf = engine::embedded_model().unwrap();
-    let runner = Runner::new(&cmf).unwrap();
+    let runner = Runner::from_cmf(cmf).unwrap();
     let greedy = Sampling {
         temperature: 0.0,
         ..Sampling::default()
     };
-    let mut chat = engine::chat::Chat::new(&runner, &cmf, None, greedy).unwrap();
+    let mut chat = engine::chat::Chat::new(&runner, None, greedy).unwrap();
     let first = chat.reply("Good morrow, lady.", 30, &mut |_| {}).unwrap();
     assert_eq!(first.reused, 0);
     let second = chat
@@ -321,7 +321,7 @@ fn chat_reuses_the_previous_turn_and_equals_a_fresh_prefill() {
     assert!(second.reused > 0, "the second turn should reuse the first");
 
     // The same conversation replayed with nothing cached gives the same second reply.
-    let mut fresh = engine::chat::Chat::new(&runner, &cmf, None, greedy).unwrap();
+    let mut fresh = engine::chat::Chat::new(&runner, None, greedy).unwrap();
     fresh.messages = chat.messages[..2].to_vec();
     let replay = fresh
         .reply("What news from Mantua?", 30, &mut |_| {})

@@ -26,6 +26,7 @@ mod error;
 pub mod ops;
 mod pipelines;
 pub mod readback;
+pub mod report;
 pub mod staging;
 
 pub use arena::{GpuMatrix, WeightArena};

@@ -157,8 +157,11 @@ fn main() {
     let (config, weights) = Weights::bind(&cmf).unwrap();
     // Bytes one decoded token reads: every matrix except the embedding table (one row) and the
     // routed experts, of which top-k per layer are read.
-    let expert_bytes: usize = weights.layers[0].moe.experts[0].0.bytes().len()
-        + weights.layers[0].moe.experts[0].1.bytes().len();
+    let expert_bytes: usize = weights.layers[0].moe.routed.experts[0]
+        .gate_up
+        .bytes()
+        .len()
+        + weights.layers[0].moe.routed.experts[0].down.bytes().len();
     let total: usize = cmf.tensors().iter().map(|t| t.nbytes as usize).sum();
     let embed = weights.embed_tokens.bytes().len();
     let per_token = total - embed - 3 * experts * expert_bytes + 3 * topk * expert_bytes;

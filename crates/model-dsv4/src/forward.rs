@@ -10,6 +10,10 @@ use crate::moe;
 use crate::ops::{Rope, rms_norm};
 use crate::state::SeqState;
 use crate::weights::Weights;
+use model_core::trace::{
+    ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
+};
+use model_core::{InputError, check_tokens};
 use quant_codecs::ops::linear;
 
 /// Bad input to a forward.
@@ -33,11 +37,22 @@ pub enum ForwardError {
     StateMismatch(String),
 }
 
-/// Called with every named intermediate: `(name, layer index, data [t, width])`. Names:
-/// `attn_input` (after `input_layernorm`), `attn_out`, `attn_streams`, `mlp_input` (after
-/// `post_attention_layernorm`), `moe_out`, `layer_out`; then `head_out` (after `norm`) and
-/// `logits` with layer index `num_hidden_layers`.
-pub type Trace<'t> = dyn FnMut(&str, usize, &[f32]) + 't;
+impl From<InputError> for ForwardError {
+    fn from(e: InputError) -> Self {
+        match e {
+            InputError::Empty => ForwardError::Empty,
+            InputError::TokenOutOfRange { id, index, vocab } => {
+                ForwardError::TokenOutOfRange { id, index, vocab }
+            }
+        }
+    }
+}
+
+/// Called with every named intermediate: `(name, layer index, data [t, width])`, with the
+/// names of [`model_core::trace`]: `attn_input` (after `input_layernorm`), `attn_out`,
+/// `attn_streams`, `mlp_input` (after `post_attention_layernorm`), `moe_out`, `layer_out`; then
+/// `head_out` (after `norm`) and `logits` with layer index `num_hidden_layers`.
+pub use model_core::Trace;
 
 /// A bound model: config + weights.
 pub struct Model<'a> {
@@ -104,20 +119,7 @@ impl<'a> Model<'a> {
         let c = &self.config;
         let w = &self.weights;
         let t = tokens.len();
-        if t == 0 {
-            return Err(ForwardError::Empty);
-        }
-        if let Some((index, &id)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, id)| **id as usize >= c.vocab_size)
-        {
-            return Err(ForwardError::TokenOutOfRange {
-                id,
-                index,
-                vocab: c.vocab_size,
-            });
-        }
+        check_tokens(tokens, c.vocab_size)?;
         if let Some(why) = st.mismatch(c) {
             return Err(ForwardError::StateMismatch(why));
         }
@@ -147,7 +149,7 @@ impl<'a> Model<'a> {
             let mix = hc::pre(&lw.attn_hc, &x, t, &dims);
             let mut u = mix.input;
             rms_norm(&mut u, &lw.input_layernorm, eps);
-            trace("attn_input", il, &u);
+            trace(ATTN_INPUT, il, &u);
             let y = attention::forward_cpu(
                 &lw.attn,
                 c,
@@ -158,7 +160,7 @@ impl<'a> Model<'a> {
                 st.pos,
                 &mut st.layers[il],
             );
-            trace("attn_out", il, &y);
+            trace(ATTN_OUT, il, &y);
             hc::post(
                 &mut x,
                 &y,
@@ -169,14 +171,14 @@ impl<'a> Model<'a> {
                 t,
                 &dims,
             );
-            trace("attn_streams", il, &x);
+            trace(ATTN_STREAMS, il, &x);
 
             let mix = hc::pre(&lw.ffn_hc, &x, t, &dims);
             let mut u = mix.input;
             rms_norm(&mut u, &lw.post_attention_layernorm, eps);
-            trace("mlp_input", il, &u);
+            trace(MLP_INPUT, il, &u);
             let y = moe::forward_cpu(&lw.moe, c, &u, tokens, t);
-            trace("moe_out", il, &y);
+            trace(MOE_OUT, il, &y);
             hc::post(
                 &mut x,
                 &y,
@@ -187,7 +189,7 @@ impl<'a> Model<'a> {
                 t,
                 &dims,
             );
-            trace("layer_out", il, &x);
+            trace(LAYER_OUT, il, &x);
         }
         st.pos += t;
 
@@ -200,9 +202,9 @@ impl<'a> Model<'a> {
         };
         let mut out = hc::head(&w.hc_head, x, t, &dims);
         rms_norm(&mut out, &w.norm, eps);
-        trace("head_out", nl, &out);
+        trace(HEAD_OUT, nl, &out);
         let logits = linear(&w.lm_head, &out, t);
-        trace("logits", nl, &logits);
+        trace(LOGITS, nl, &logits);
         Ok(logits)
     }
 }

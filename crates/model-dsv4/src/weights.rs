@@ -1,14 +1,16 @@
 //! Every tensor of a deepseek_v4 CMF, bound by canonical name (docs/convert.md) with the shape
 //! the config implies, before anything runs.
 //!
-//! Matrices stay in their stored dtype as [`MatRef`]s (every profile, FP4 experts included, goes
-//! through quant-codecs' CPU kernels); small vectors (norm weights, mHC base/scale, sinks,
+//! Binding goes through model-core's [`Binder`]: matrices stay in their stored dtype as named
+//! [`Mat`]s (every profile, FP4 experts included, goes through quant-codecs' CPU kernels); the
+//! routed experts of each layer are a model-core [`RoutedExperts`]; small vectors (norm weights, mHC base/scale, sinks,
 //! compressor position biases, router biases) are decoded to f32 once, and `tid2eid` to expert
 //! ids. The grouped output projection `o_a_proj` is cut into one row block per group (a copy of
 //! its stored bytes, still encoded). A missing tensor or a wrong shape is a [`WeightError`]
 //! naming the tensor.
 
 use cmf_format::Cmf;
+use model_core::{Activation, BindError, Binder, Expert, Mat, RoutedExperts, Vector};
 use quant_codecs::{CodecError, DType, MatRef};
 
 use crate::config::{AttnKind, ConfigError, DeepseekV4Config};
@@ -53,149 +55,69 @@ pub enum WeightError {
     },
 }
 
-/// Binds tensors from one CMF.
-struct Binder<'a> {
-    cmf: &'a Cmf,
+impl From<BindError> for WeightError {
+    fn from(e: BindError) -> Self {
+        match e {
+            BindError::Missing(name) => WeightError::Missing(name),
+            BindError::Shape {
+                name,
+                expected,
+                found,
+            } => WeightError::Shape {
+                name,
+                expected,
+                found,
+            },
+            BindError::Codec { name, source } => WeightError::Codec { name, source },
+            BindError::Integer { name, detail } => WeightError::Integer { name, detail },
+        }
+    }
 }
 
-impl<'a> Binder<'a> {
-    fn view(&self, name: &str, shape: &[usize]) -> Result<cmf_format::TensorView<'a>, WeightError> {
-        let v = self
-            .cmf
-            .tensor(name)
-            .ok_or_else(|| WeightError::Missing(name.to_string()))?;
-        if v.shape() != shape {
-            return Err(WeightError::Shape {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: v.shape().to_vec(),
-            });
-        }
-        Ok(v)
-    }
-
-    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<MatRef<'a>, WeightError> {
-        let v = self.view(name, &[rows, cols])?;
-        MatRef::new(v.dtype(), rows, cols, v.bytes).map_err(|source| WeightError::Codec {
-            name: name.to_string(),
-            source,
+/// A `[groups * rows, cols]` matrix cut into `groups` row blocks (`o_a_proj`).
+fn grouped(
+    b: &Binder<'_>,
+    name: &str,
+    groups: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<GroupedMat, WeightError> {
+    let (id, v) = b.view(name, &[groups * rows, cols])?;
+    let codec = |source| WeightError::Codec {
+        name: name.to_string(),
+        source,
+    };
+    let parts = (0..groups)
+        .map(|g| {
+            quant_codecs::slice_rows(
+                v.dtype(),
+                groups * rows,
+                cols,
+                v.bytes,
+                g * rows,
+                (g + 1) * rows,
+            )
+            .map_err(codec)
         })
+        .collect::<Result<Vec<_>, _>>()?;
+    let m = GroupedMat {
+        name: name.to_string(),
+        id,
+        dtype: v.dtype(),
+        rows,
+        cols,
+        parts,
+    };
+    for p in &m.parts {
+        MatRef::new(m.dtype, rows, cols, p).map_err(codec)?;
     }
-
-    fn vec(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, WeightError> {
-        let v = self.view(name, shape)?;
-        quant_codecs::dequantize(v.dtype(), shape, v.bytes).map_err(|source| WeightError::Codec {
-            name: name.to_string(),
-            source,
-        })
-    }
-
-    /// A `[groups * rows, cols]` matrix cut into `groups` row blocks.
-    fn grouped(
-        &self,
-        name: &str,
-        groups: usize,
-        rows: usize,
-        cols: usize,
-    ) -> Result<GroupedMat, WeightError> {
-        let v = self.view(name, &[groups * rows, cols])?;
-        let codec = |source| WeightError::Codec {
-            name: name.to_string(),
-            source,
-        };
-        let parts = (0..groups)
-            .map(|g| {
-                quant_codecs::slice_rows(
-                    v.dtype(),
-                    groups * rows,
-                    cols,
-                    v.bytes,
-                    g * rows,
-                    (g + 1) * rows,
-                )
-                .map_err(codec)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        let m = GroupedMat {
-            dtype: v.dtype(),
-            rows,
-            cols,
-            parts,
-        };
-        for p in &m.parts {
-            MatRef::new(m.dtype, rows, cols, p).map_err(codec)?;
-        }
-        Ok(m)
-    }
-
-    /// An integer tensor: stored as exact f32, or in the header's `integer_tensors`.
-    fn integers(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, WeightError> {
-        if self.cmf.tensor(name).is_some() {
-            let f = self.vec(name, shape)?;
-            return f
-                .into_iter()
-                .map(|x| {
-                    if x.fract() == 0.0 && x.is_finite() {
-                        Ok(x as i64)
-                    } else {
-                        Err(WeightError::Integer {
-                            name: name.to_string(),
-                            detail: format!("holds the non-integer value {x}"),
-                        })
-                    }
-                })
-                .collect();
-        }
-        let t = self
-            .cmf
-            .header()
-            .extra
-            .get("integer_tensors")
-            .and_then(|t| t.get(name))
-            .ok_or_else(|| WeightError::Missing(name.to_string()))?;
-        let found: Vec<usize> = t
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .map(|s| {
-                s.iter()
-                    .filter_map(|x| x.as_u64())
-                    .map(|x| x as usize)
-                    .collect()
-            })
-            .unwrap_or_default();
-        if found != shape {
-            return Err(WeightError::Shape {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found,
-            });
-        }
-        let data = t
-            .get("data")
-            .and_then(|d| d.as_array())
-            .and_then(|d| d.iter().map(|v| v.as_i64()).collect::<Option<Vec<_>>>())
-            .ok_or_else(|| WeightError::Integer {
-                name: name.to_string(),
-                detail: "the header entry has no integer `data`".into(),
-            })?;
-        // The header's `shape` and `data` are independent JSON fields: a short (or long) array
-        // under a correct shape would otherwise bind and be indexed out of bounds later.
-        let want = shape.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
-        if want != Some(data.len()) {
-            return Err(WeightError::Integer {
-                name: name.to_string(),
-                detail: format!(
-                    "the header entry declares shape {shape:?} but `data` holds {} values",
-                    data.len()
-                ),
-            });
-        }
-        Ok(data)
-    }
+    Ok(m)
 }
 
 /// A `[groups * rows, cols]` matrix kept as one encoded row block per group.
 pub struct GroupedMat {
+    name: String,
+    id: usize,
     dtype: DType,
     rows: usize,
     cols: usize,
@@ -212,24 +134,34 @@ impl GroupedMat {
     pub fn groups(&self) -> usize {
         self.parts.len()
     }
+
+    /// The canonical tensor name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The tensor's index in the CMF tensor table.
+    pub fn id(&self) -> usize {
+        self.id
+    }
 }
 
 /// One mHC site (`DeepseekV4HyperConnection`: `attn_hc` / `ffn_hc`).
 pub struct HcWeights<'a> {
     /// `fn` `[(2+N)*N, N*D]`.
-    pub fn_: MatRef<'a>,
+    pub fn_: Mat<'a>,
     /// `base` `[(2+N)*N]`.
-    pub base: Vec<f32>,
+    pub base: Vector,
     /// `scale` `[3]` (pre, post, comb).
-    pub scale: Vec<f32>,
+    pub scale: Vector,
 }
 
 /// The final stream collapse (`DeepseekV4HyperHead`, `model.hc_head`).
 pub struct HeadHcWeights<'a> {
     /// `hc_fn` `[N, N*D]`.
-    pub fn_: MatRef<'a>,
+    pub fn_: Mat<'a>,
     /// `hc_base` `[N]`.
-    pub base: Vec<f32>,
+    pub base: Vector,
     /// `hc_scale` `[1]`.
     pub scale: f32,
 }
@@ -237,13 +169,13 @@ pub struct HeadHcWeights<'a> {
 /// A compressor (the CSA/HCA one, or the indexer's own).
 pub struct CompressorWeights<'a> {
     /// `kv_proj` `[W, D]` (W = head dim for HCA, 2x for the overlapping CSA series).
-    pub kv: MatRef<'a>,
+    pub kv: Mat<'a>,
     /// `gate_proj` `[W, D]`.
-    pub gate: MatRef<'a>,
+    pub gate: Mat<'a>,
     /// `position_bias` `[rate, W]`.
-    pub position_bias: Vec<f32>,
+    pub position_bias: Vector,
     /// `kv_norm.weight` `[head dim]`.
-    pub norm: Vec<f32>,
+    pub norm: Vector,
 }
 
 /// The lightning indexer of a CSA layer (`self_attn.compressor.indexer`).
@@ -251,29 +183,29 @@ pub struct IndexerWeights<'a> {
     /// Its compressor at `index_head_dim`.
     pub comp: CompressorWeights<'a>,
     /// `q_b_proj` `[nI*dI, q_lora_rank]`.
-    pub q_b: MatRef<'a>,
+    pub q_b: Mat<'a>,
     /// `scorer.weights_proj` `[nI, D]`.
-    pub weights_proj: MatRef<'a>,
+    pub weights_proj: Mat<'a>,
 }
 
 /// Attention (`self_attn.*`).
 pub struct AttnWeights<'a> {
     /// `q_a_proj` `[q_lora_rank, D]`.
-    pub q_a: MatRef<'a>,
+    pub q_a: Mat<'a>,
     /// `q_a_norm.weight` `[q_lora_rank]`.
-    pub q_a_norm: Vec<f32>,
+    pub q_a_norm: Vector,
     /// `q_b_proj` `[H*Dh, q_lora_rank]`.
-    pub q_b: MatRef<'a>,
+    pub q_b: Mat<'a>,
     /// `kv_proj` `[Dh, D]`.
-    pub kv: MatRef<'a>,
+    pub kv: Mat<'a>,
     /// `kv_norm.weight` `[Dh]`.
-    pub kv_norm: Vec<f32>,
+    pub kv_norm: Vector,
     /// `o_a_proj` `[G*R, H*Dh/G]`, one `[R, H*Dh/G]` block per group.
     pub o_a: GroupedMat,
     /// `o_b_proj` `[D, G*R]`.
-    pub o_b: MatRef<'a>,
+    pub o_b: Mat<'a>,
     /// `sinks` `[H]`.
-    pub sinks: Vec<f32>,
+    pub sinks: Vector,
     /// CSA/HCA compressor.
     pub compressor: Option<CompressorWeights<'a>>,
     /// CSA lightning indexer.
@@ -285,23 +217,25 @@ pub enum Routing {
     /// `hash_moe`: `tid2eid` `[V, k]` (validated expert ids).
     Hash(Vec<u32>),
     /// `moe`: top-k of `score + e_score_correction_bias` `[E]`.
-    Scored(Vec<f32>),
+    Scored(Vector),
 }
 
 /// Sparse MoE block (`mlp.*`).
 pub struct MoeWeights<'a> {
     /// Router `gate.weight` `[E, D]`.
-    pub gate: MatRef<'a>,
+    pub gate: Mat<'a>,
     /// Hash table or selection bias.
     pub routing: Routing,
-    /// Per expert: `gate_up_proj` `[2I, D]` (gate rows then up rows) and `down_proj` `[D, I]`.
-    pub experts: Vec<(MatRef<'a>, MatRef<'a>)>,
+    /// The routed experts (`experts.{x}.gate_up_proj` `[2I, D]`, gate rows then up rows, and
+    /// `experts.{x}.down_proj` `[D, I]`; SwiGLU clamped at `swiglu_limit`), run by model-core's
+    /// executor.
+    pub routed: RoutedExperts<'a>,
     /// `shared_experts.gate_proj` `[I, D]`.
-    pub sh_gate: MatRef<'a>,
+    pub sh_gate: Mat<'a>,
     /// `shared_experts.up_proj` `[I, D]`.
-    pub sh_up: MatRef<'a>,
+    pub sh_up: Mat<'a>,
     /// `shared_experts.down_proj` `[D, I]`.
-    pub sh_down: MatRef<'a>,
+    pub sh_down: Mat<'a>,
 }
 
 /// One decoder layer.
@@ -309,13 +243,13 @@ pub struct LayerWeights<'a> {
     /// mHC before attention.
     pub attn_hc: HcWeights<'a>,
     /// `input_layernorm.weight` `[D]`.
-    pub input_layernorm: Vec<f32>,
+    pub input_layernorm: Vector,
     /// Attention.
     pub attn: AttnWeights<'a>,
     /// mHC before the MoE.
     pub ffn_hc: HcWeights<'a>,
     /// `post_attention_layernorm.weight` `[D]`.
-    pub post_attention_layernorm: Vec<f32>,
+    pub post_attention_layernorm: Vector,
     /// MoE.
     pub moe: MoeWeights<'a>,
 }
@@ -323,15 +257,15 @@ pub struct LayerWeights<'a> {
 /// All weights of the model.
 pub struct Weights<'a> {
     /// `model.embed_tokens.weight` `[V, D]`.
-    pub embed_tokens: MatRef<'a>,
+    pub embed_tokens: Mat<'a>,
     /// Decoder layers.
     pub layers: Vec<LayerWeights<'a>>,
     /// `model.hc_head.*`.
     pub hc_head: HeadHcWeights<'a>,
     /// `model.norm.weight` `[D]`.
-    pub norm: Vec<f32>,
+    pub norm: Vector,
     /// `lm_head.weight` `[V, D]`.
-    pub lm_head: MatRef<'a>,
+    pub lm_head: Mat<'a>,
 }
 
 fn hc<'a>(b: &Binder<'a>, p: &str, c: &DeepseekV4Config) -> Result<HcWeights<'a>, WeightError> {
@@ -339,8 +273,8 @@ fn hc<'a>(b: &Binder<'a>, p: &str, c: &DeepseekV4Config) -> Result<HcWeights<'a>
     let m = (2 + n) * n;
     Ok(HcWeights {
         fn_: b.mat(&format!("{p}.fn"), m, n * c.hidden_size)?,
-        base: b.vec(&format!("{p}.base"), &[m])?,
-        scale: b.vec(&format!("{p}.scale"), &[3])?,
+        base: b.vector(&format!("{p}.base"), &[m])?,
+        scale: b.vector(&format!("{p}.scale"), &[3])?,
     })
 }
 
@@ -355,8 +289,8 @@ fn compressor<'a>(
     Ok(CompressorWeights {
         kv: b.mat(&format!("{p}.kv_proj.weight"), width, c.hidden_size)?,
         gate: b.mat(&format!("{p}.gate_proj.weight"), width, c.hidden_size)?,
-        position_bias: b.vec(&format!("{p}.position_bias"), &[rate, width])?,
-        norm: b.vec(&format!("{p}.kv_norm.weight"), &[head])?,
+        position_bias: b.vector(&format!("{p}.position_bias"), &[rate, width])?,
+        norm: b.vector(&format!("{p}.kv_norm.weight"), &[head])?,
     })
 }
 
@@ -375,7 +309,7 @@ impl<'a> Weights<'a> {
     /// Validates `c` and binds every tensor it requires.
     pub fn bind_with(cmf: &'a Cmf, c: &DeepseekV4Config) -> Result<Weights<'a>, WeightError> {
         c.validate()?;
-        let b = Binder { cmf };
+        let b = Binder::new(cmf);
         let (d, n) = (c.hidden_size, c.hc_mult);
         let (h, dh, qr) = (c.num_attention_heads, c.head_dim, c.q_lora_rank);
         let (g, r) = (c.o_groups, c.o_lora_rank);
@@ -411,13 +345,13 @@ impl<'a> Weights<'a> {
             };
             let attn = AttnWeights {
                 q_a: b.mat(&format!("{a}.q_a_proj.weight"), qr, d)?,
-                q_a_norm: b.vec(&format!("{a}.q_a_norm.weight"), &[qr])?,
+                q_a_norm: b.vector(&format!("{a}.q_a_norm.weight"), &[qr])?,
                 q_b: b.mat(&format!("{a}.q_b_proj.weight"), h * dh, qr)?,
                 kv: b.mat(&format!("{a}.kv_proj.weight"), dh, d)?,
-                kv_norm: b.vec(&format!("{a}.kv_norm.weight"), &[dh])?,
-                o_a: b.grouped(&format!("{a}.o_a_proj.weight"), g, r, h * dh / g)?,
+                kv_norm: b.vector(&format!("{a}.kv_norm.weight"), &[dh])?,
+                o_a: grouped(&b, &format!("{a}.o_a_proj.weight"), g, r, h * dh / g)?,
                 o_b: b.mat(&format!("{a}.o_b_proj.weight"), d, g * r)?,
-                sinks: b.vec(&format!("{a}.sinks"), &[h])?,
+                sinks: b.vector(&format!("{a}.sinks"), &[h])?,
                 compressor,
                 indexer,
             };
@@ -439,43 +373,50 @@ impl<'a> Weights<'a> {
                     .collect::<Result<Vec<_>, _>>()?;
                 Routing::Hash(ids)
             } else {
-                Routing::Scored(b.vec(&format!("{m}.gate.e_score_correction_bias"), &[e])?)
+                Routing::Scored(b.vector(&format!("{m}.gate.e_score_correction_bias"), &[e])?)
             };
             let mut experts = Vec::with_capacity(e);
             for x in 0..e {
-                experts.push((
-                    b.mat(&format!("{m}.experts.{x}.gate_up_proj.weight"), 2 * i, d)?,
-                    b.mat(&format!("{m}.experts.{x}.down_proj.weight"), d, i)?,
-                ));
+                experts.push(Expert {
+                    gate_up: b.mat(&format!("{m}.experts.{x}.gate_up_proj.weight"), 2 * i, d)?,
+                    down: b.mat(&format!("{m}.experts.{x}.down_proj.weight"), d, i)?,
+                });
             }
             let moe = MoeWeights {
                 gate: b.mat(&format!("{m}.gate.weight"), e, d)?,
                 routing,
-                experts,
+                routed: RoutedExperts {
+                    experts,
+                    hidden: d,
+                    intermediate: i,
+                    activation: Activation::SwiGlu {
+                        limit: Some(c.swiglu_limit as f32),
+                    },
+                },
                 sh_gate: b.mat(&format!("{m}.shared_experts.gate_proj.weight"), i, d)?,
                 sh_up: b.mat(&format!("{m}.shared_experts.up_proj.weight"), i, d)?,
                 sh_down: b.mat(&format!("{m}.shared_experts.down_proj.weight"), d, i)?,
             };
             layers.push(LayerWeights {
                 attn_hc: hc(&b, &format!("{p}.attn_hc"), c)?,
-                input_layernorm: b.vec(&format!("{p}.input_layernorm.weight"), &[d])?,
+                input_layernorm: b.vector(&format!("{p}.input_layernorm.weight"), &[d])?,
                 attn,
                 ffn_hc: hc(&b, &format!("{p}.ffn_hc"), c)?,
                 post_attention_layernorm: b
-                    .vec(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
+                    .vector(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
                 moe,
             });
         }
-        let scale = b.vec("model.hc_head.hc_scale", &[1])?;
+        let scale = b.vector("model.hc_head.hc_scale", &[1])?;
         Ok(Weights {
             embed_tokens: b.mat("model.embed_tokens.weight", c.vocab_size, d)?,
             layers,
             hc_head: HeadHcWeights {
                 fn_: b.mat("model.hc_head.hc_fn", n, n * d)?,
-                base: b.vec("model.hc_head.hc_base", &[n])?,
+                base: b.vector("model.hc_head.hc_base", &[n])?,
                 scale: scale[0],
             },
-            norm: b.vec("model.norm.weight", &[d])?,
+            norm: b.vector("model.norm.weight", &[d])?,
             lm_head: b.mat("lm_head.weight", c.vocab_size, d)?,
         })
     }

@@ -8,9 +8,9 @@ use cmf_format::Cmf;
 use common::{
     CASES, TOL, argmax, convert_fixture, fixture, ids, kl_div, max_abs, max_abs_diff, read_npy,
 };
-use engine::convert::Profile;
 use model_dsv4::{ForwardError, Model, WeightError, Weights};
 use serde_json::json;
+use test_support::Profile;
 
 /// With `index_topk` raised past the number of compressed entries every CSA query attends all
 /// visible entries. The reference's logits must then differ beyond tolerance at positions that

@@ -6,8 +6,8 @@ use cmf_format::Cmf;
 use common::{
     CASES, TOL, argmax, convert_fixture, fixture, k_prefill, max_abs, max_abs_diff, read_npy,
 };
-use engine::convert::Profile;
 use model_dsv4::{Model, SeqState, Weights};
+use test_support::Profile;
 
 #[test]
 fn f32_cached_decode_and_greedy_match_transformers() {

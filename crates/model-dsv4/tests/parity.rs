@@ -4,8 +4,8 @@ mod common;
 
 use cmf_format::Cmf;
 use common::{CASES, TOL, convert_fixture, fixture, read_npy};
-use engine::convert::Profile;
 use model_dsv4::{Model, Weights};
+use test_support::Profile;
 
 #[test]
 fn f32_prefill_matches_transformers() {

@@ -159,8 +159,11 @@ fn main() {
     let (config, weights) = Weights::bind(&cmf).unwrap();
     // Bytes one decoded token reads: every matrix except the embedding table and the n-gram
     // table (one row each) and the routed experts, of which top-k are read.
-    let expert_bytes: usize = weights.layers[0].moe.experts[0].0.bytes().len()
-        + weights.layers[0].moe.experts[0].1.bytes().len();
+    let expert_bytes: usize = weights.layers[0].moe.routed.experts[0]
+        .gate_up
+        .bytes()
+        .len()
+        + weights.layers[0].moe.routed.experts[0].down.bytes().len();
     let total: usize = cmf.tensors().iter().map(|t| t.nbytes as usize).sum();
     let embed = weights.embed.bytes().len();
     let ple_table: usize = weights.layers[1]

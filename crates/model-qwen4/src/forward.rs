@@ -7,6 +7,11 @@ use crate::ops::Rope;
 use crate::state::{LayerState, SeqState};
 use crate::weights::{MixerWeights, Weights};
 use crate::{gdn, hc, moe, ple, qsa};
+use model_core::trace::{
+    ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
+    PLE_STREAMS,
+};
+use model_core::{InputError, check_tokens};
 use quant_codecs::ops::linear;
 
 /// Bad input to a forward.
@@ -30,11 +35,23 @@ pub enum ForwardError {
     StateMismatch(usize),
 }
 
-/// Called with every named intermediate: `(name, layer index, data [t, width])`. Names:
-/// `ple_streams` (streams after PLE), `attn_hc_input`, `mixer_out` (GDN / attention output),
-/// `attn_streams` (streams after the injection), `mlp_hc_input`, `moe_out`, `layer_out`; then
-/// `final_mixed` and `logits` with layer index `num_hidden_layers`.
-pub type Trace<'t> = dyn FnMut(&str, usize, &[f32]) + 't;
+impl From<InputError> for ForwardError {
+    fn from(e: InputError) -> Self {
+        match e {
+            InputError::Empty => ForwardError::Empty,
+            InputError::TokenOutOfRange { id, index, vocab } => {
+                ForwardError::TokenOutOfRange { id, index, vocab }
+            }
+        }
+    }
+}
+
+/// Called with every named intermediate: `(name, layer index, data [t, width])`, with the
+/// names of [`model_core::trace`]: `ple_streams` (streams after PLE), `attn_input` (the HC
+/// read-out the mixer takes), `attn_out` (GDN / attention output), `attn_streams` (streams
+/// after the injection), `mlp_input`, `moe_out`, `layer_out`; then `head_out` (the final HC
+/// mixer's output) and `logits` with layer index `num_hidden_layers`.
+pub use model_core::Trace;
 
 /// A bound model: config + weights.
 pub struct Model<'a> {
@@ -98,20 +115,7 @@ impl<'a> Model<'a> {
         let c = &self.config;
         let w = &self.weights;
         let t = tokens.len();
-        if t == 0 {
-            return Err(ForwardError::Empty);
-        }
-        if let Some((index, &id)) = tokens
-            .iter()
-            .enumerate()
-            .find(|(_, id)| **id as usize >= c.vocab_size)
-        {
-            return Err(ForwardError::TokenOutOfRange {
-                id,
-                index,
-                vocab: c.vocab_size,
-            });
-        }
+        check_tokens(tokens, c.vocab_size)?;
         if st.layers.len() != w.layers.len() || st.ple_conv.len() != w.layers.len() {
             return Err(ForwardError::StateMismatch(
                 st.layers.len().min(w.layers.len()),
@@ -157,11 +161,11 @@ impl<'a> Model<'a> {
                     c.eos_id().expect("validated"),
                 );
                 ple::forward_cpu(pw, c, &mut x, &rows, t, &mut st.ple_conv[il]);
-                trace("ple_streams", il, &x);
+                trace(PLE_STREAMS, il, &x);
             }
 
             let mix = hc::forward_cpu(&lw.attn_hc, &x, t, h, d, eps);
-            trace("attn_hc_input", il, &mix.input);
+            trace(ATTN_INPUT, il, &mix.input);
             let y = match (&lw.mixer, &mut st.layers[il]) {
                 (MixerWeights::Gdn(gw), LayerState::Gdn(gs)) => {
                     gdn::forward_cpu(gw, c, &mix.input, t, gs)
@@ -171,16 +175,16 @@ impl<'a> Model<'a> {
                 }
                 _ => return Err(ForwardError::StateMismatch(il)),
             };
-            trace("mixer_out", il, &y);
+            trace(ATTN_OUT, il, &y);
             hc::inject(&mut x, &y, &mix.inject, t, h, d);
-            trace("attn_streams", il, &x);
+            trace(ATTN_STREAMS, il, &x);
 
             let mix = hc::forward_cpu(&lw.mlp_hc, &x, t, h, d, eps);
-            trace("mlp_hc_input", il, &mix.input);
+            trace(MLP_INPUT, il, &mix.input);
             let y = moe::forward_cpu(&lw.moe, c, &mix.input, t);
-            trace("moe_out", il, &y);
+            trace(MOE_OUT, il, &y);
             hc::inject(&mut x, &y, &mix.inject, t, h, d);
-            trace("layer_out", il, &x);
+            trace(LAYER_OUT, il, &x);
         }
 
         let keep = c.ngram_size.saturating_sub(1);
@@ -194,9 +198,9 @@ impl<'a> Model<'a> {
             (&x[..], t)
         };
         let mixed = hc::forward_cpu(&w.final_mixer, x, t, h, d, eps);
-        trace("final_mixed", nl, &mixed.input);
+        trace(HEAD_OUT, nl, &mixed.input);
         let logits = linear(&w.lm_head, &mixed.input, t);
-        trace("logits", nl, &logits);
+        trace(LOGITS, nl, &logits);
         Ok(logits)
     }
 }

@@ -1,12 +1,15 @@
 //! Every tensor of a qwen4_exp CMF, bound by canonical name (docs/convert.md) with the shape the
 //! config implies, before anything runs.
 //!
-//! Matrices stay in their stored dtype as [`MatRef`]s (every profile goes through quant-codecs'
-//! CPU kernels); small vectors (norm weights, conv kernels, GDN `A_log`/`dt_bias`) are decoded to
-//! f32 once. A missing tensor or a wrong shape is a [`WeightError`] naming the tensor.
+//! Binding goes through model-core's [`Binder`]: matrices stay in their stored dtype as named
+//! [`Mat`]s (every profile goes through quant-codecs' CPU kernels); small vectors (norm weights,
+//! conv kernels, GDN `A_log`/`dt_bias`) are decoded to f32 once into named [`Vector`]s. The
+//! routed experts of each layer are a model-core [`RoutedExperts`]. A missing tensor or a wrong
+//! shape is a [`WeightError`] naming the tensor.
 
 use cmf_format::Cmf;
-use quant_codecs::{CodecError, MatRef};
+use model_core::{Activation, BindError, Binder, Expert, Mat, RoutedExperts, Vector};
+use quant_codecs::CodecError;
 
 use crate::config::{ConfigError, LayerType, Qwen4ExpTextConfig};
 use crate::ple::PleHash;
@@ -41,6 +44,14 @@ pub enum WeightError {
         /// Codec error.
         source: CodecError,
     },
+    /// An integer tensor is malformed.
+    #[error("tensor `{name}`: {detail}")]
+    Integer {
+        /// Tensor name.
+        name: String,
+        /// What is wrong.
+        detail: String,
+    },
     /// A stored PLE hash buffer disagrees with the values the config implies.
     #[error("PLE buffer `{name}` holds {found:?}, the config implies {expected:?}")]
     PleBuffer {
@@ -53,98 +64,79 @@ pub enum WeightError {
     },
 }
 
-/// Binds tensors from one CMF.
-struct Binder<'a> {
-    cmf: &'a Cmf,
-}
-
-impl<'a> Binder<'a> {
-    fn view(&self, name: &str, shape: &[usize]) -> Result<cmf_format::TensorView<'a>, WeightError> {
-        let v = self
-            .cmf
-            .tensor(name)
-            .ok_or_else(|| WeightError::Missing(name.to_string()))?;
-        if v.shape() != shape {
-            return Err(WeightError::Shape {
-                name: name.to_string(),
-                expected: shape.to_vec(),
-                found: v.shape().to_vec(),
-            });
+impl From<BindError> for WeightError {
+    fn from(e: BindError) -> Self {
+        match e {
+            BindError::Missing(name) => WeightError::Missing(name),
+            BindError::Shape {
+                name,
+                expected,
+                found,
+            } => WeightError::Shape {
+                name,
+                expected,
+                found,
+            },
+            BindError::Codec { name, source } => WeightError::Codec { name, source },
+            BindError::Integer { name, detail } => WeightError::Integer { name, detail },
         }
-        Ok(v)
-    }
-
-    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<MatRef<'a>, WeightError> {
-        let v = self.view(name, &[rows, cols])?;
-        MatRef::new(v.dtype(), rows, cols, v.bytes).map_err(|source| WeightError::Codec {
-            name: name.to_string(),
-            source,
-        })
-    }
-
-    fn vec(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, WeightError> {
-        let v = self.view(name, shape)?;
-        quant_codecs::dequantize(v.dtype(), shape, v.bytes).map_err(|source| WeightError::Codec {
-            name: name.to_string(),
-            source,
-        })
     }
 }
 
 /// One gated hyper-connection site (`Qwen4ExpTextGatedResidual`).
 pub struct HcWeights<'a> {
     /// `hc_norm.weight` `[H*D]`, applied as `1 + w`.
-    pub norm: Vec<f32>,
+    pub norm: Vector,
     /// `input_mix_weight_down` `[R, H*D]`.
-    pub down: MatRef<'a>,
+    pub down: Mat<'a>,
     /// `input_mix_weight_up` `[H*D, R]`.
-    pub up: MatRef<'a>,
+    pub up: Mat<'a>,
     /// `block_inject_weight` `[H, H*D]` (absent on the final mixer).
-    pub inject: Option<MatRef<'a>>,
+    pub inject: Option<Mat<'a>>,
 }
 
 /// Gated DeltaNet (`linear_attn.*`).
 pub struct GdnWeights<'a> {
     /// `in_proj_qkv` `[2*Hk*dk + Hv*dv, D]`.
-    pub in_qkv: MatRef<'a>,
+    pub in_qkv: Mat<'a>,
     /// `in_proj_z` `[Hv*dv, D]`.
-    pub in_z: MatRef<'a>,
+    pub in_z: Mat<'a>,
     /// `in_proj_b` `[Hv, D]`.
-    pub in_b: MatRef<'a>,
+    pub in_b: Mat<'a>,
     /// `in_proj_a` `[Hv, D]`.
-    pub in_a: MatRef<'a>,
+    pub in_a: Mat<'a>,
     /// `conv1d.weight` `[C, 1, K]` as `[C*K]`.
-    pub conv: Vec<f32>,
+    pub conv: Vector,
     /// `dt_bias` `[Hv]`.
-    pub dt_bias: Vec<f32>,
+    pub dt_bias: Vector,
     /// `A_log` `[Hv]`.
-    pub a_log: Vec<f32>,
+    pub a_log: Vector,
     /// `norm.weight` `[dv]` (a plain multiplier, not 1+w).
-    pub norm: Vec<f32>,
+    pub norm: Vector,
     /// `out_proj` `[D, Hv*dv]`.
-    pub out: MatRef<'a>,
+    pub out: Mat<'a>,
 }
 
 /// Full attention with the QSA indexer (`self_attn.*`).
 pub struct AttnWeights<'a> {
     /// `q_proj` `[Hq*2*hd, D]` (per head: q then gate).
-    pub q: MatRef<'a>,
+    pub q: Mat<'a>,
     /// `k_proj` `[Hkv*hd, D]`.
-    pub k: MatRef<'a>,
+    pub k: Mat<'a>,
     /// `v_proj` `[Hkv*hd, D]`.
-    pub v: MatRef<'a>,
+    pub v: Mat<'a>,
     /// `o_proj` `[D, Hq*hd]`.
-    pub o: MatRef<'a>,
+    pub o: Mat<'a>,
     /// `q_norm` `[hd]` (1+w).
-    pub q_norm: Vec<f32>,
+    pub q_norm: Vector,
     /// `k_norm` `[hd]` (1+w).
-    pub k_norm: Vec<f32>,
+    pub k_norm: Vector,
     /// `indexer.index_qk_proj` `[(nI+1)*dI, D]`.
-    pub idx_qk: MatRef<'a>,
+    pub idx_qk: Mat<'a>,
     /// `indexer.q_layernorm` `[dI]` (1+w).
-    pub idx_q_norm: Vec<f32>,
+    pub idx_q_norm: Vector,
     /// `indexer.k_layernorm` `[dI]` (1+w).
-    pub idx_k_norm: Vec<f32>,
+    pub idx_k_norm: Vector,
 }
 
 /// The token mixer of one layer.
@@ -158,39 +150,40 @@ pub enum MixerWeights<'a> {
 /// Per-layer n-gram embedding (`ple.*`).
 pub struct PleWeights<'a> {
     /// The n-gram table shards `[shard_rows, head_dim]` (row `r` lives in shard `r / shard_rows`).
-    pub shards: Vec<MatRef<'a>>,
+    pub shards: Vec<Mat<'a>>,
     /// Rows per shard.
     pub shard_rows: usize,
     /// Hash constants (derived from the config, checked against the stored buffers).
     pub hash: PleHash,
     /// `key_proj` `[H*D, P]`.
-    pub key: MatRef<'a>,
+    pub key: Mat<'a>,
     /// `value_proj` `[D, P]`.
-    pub value: MatRef<'a>,
+    pub value: Mat<'a>,
     /// `norm_key` `[H*D]` (grouped, 1+w).
-    pub norm_key: Vec<f32>,
+    pub norm_key: Vector,
     /// `norm_query` `[H*D]`.
-    pub norm_query: Vec<f32>,
+    pub norm_query: Vector,
     /// `norm_conv` `[H*D]`.
-    pub norm_conv: Vec<f32>,
+    pub norm_conv: Vector,
     /// `conv1d.weight` `[H*D, 1, K]` as `[H*D*K]`.
-    pub conv: Vec<f32>,
+    pub conv: Vector,
 }
 
 /// Sparse MoE block (`mlp.*`).
 pub struct MoeWeights<'a> {
     /// Router `gate.weight` `[E, D]`.
-    pub router: MatRef<'a>,
-    /// Per expert: `gate_up_proj` `[2I, D]` (gate rows then up rows) and `down_proj` `[D, I]`.
-    pub experts: Vec<(MatRef<'a>, MatRef<'a>)>,
+    pub router: Mat<'a>,
+    /// The routed experts (`experts.{x}.gate_up_proj` `[2I, D]`, gate rows then up rows, and
+    /// `experts.{x}.down_proj` `[D, I]`), run by model-core's executor.
+    pub routed: RoutedExperts<'a>,
     /// `shared_expert.gate_proj` `[Is, D]`.
-    pub sh_gate: MatRef<'a>,
+    pub sh_gate: Mat<'a>,
     /// `shared_expert.up_proj` `[Is, D]`.
-    pub sh_up: MatRef<'a>,
+    pub sh_up: Mat<'a>,
     /// `shared_expert.down_proj` `[D, Is]`.
-    pub sh_down: MatRef<'a>,
+    pub sh_down: Mat<'a>,
     /// `shared_expert_gate` `[1, D]` as `[D]`.
-    pub sh_scale: Vec<f32>,
+    pub sh_scale: Vector,
 }
 
 /// One decoder layer.
@@ -210,13 +203,13 @@ pub struct LayerWeights<'a> {
 /// All weights of the text model.
 pub struct Weights<'a> {
     /// `model.embed_tokens.weight` `[V, D]`.
-    pub embed: MatRef<'a>,
+    pub embed: Mat<'a>,
     /// Decoder layers.
     pub layers: Vec<LayerWeights<'a>>,
     /// `model.hyper_connection_mixer.*` (no inject).
     pub final_mixer: HcWeights<'a>,
     /// `lm_head.weight` `[V, D]`.
-    pub lm_head: MatRef<'a>,
+    pub lm_head: Mat<'a>,
 }
 
 fn hc<'a>(
@@ -227,7 +220,7 @@ fn hc<'a>(
 ) -> Result<HcWeights<'a>, WeightError> {
     let hd = c.hc_count * c.hidden_size;
     Ok(HcWeights {
-        norm: b.vec(&format!("{p}.hc_norm.weight"), &[hd])?,
+        norm: b.vector(&format!("{p}.hc_norm.weight"), &[hd])?,
         down: b.mat(
             &format!("{p}.input_mix_weight_down.weight"),
             c.hc_lowrank,
@@ -242,9 +235,9 @@ fn hc<'a>(
     })
 }
 
-fn integer_header_tensor(cmf: &Cmf, name: &str) -> Option<Vec<i64>> {
-    let t = cmf.header().extra.get("integer_tensors")?.get(name)?;
-    t.get("data")?
+fn integer_header_tensor(b: &Binder<'_>, name: &str) -> Option<Vec<i64>> {
+    b.header_integers(name)?
+        .get("data")?
         .as_array()?
         .iter()
         .map(|v| v.as_i64())
@@ -266,7 +259,7 @@ impl<'a> Weights<'a> {
     /// Validates `c` and binds every tensor it requires.
     pub fn bind_with(cmf: &'a Cmf, c: &Qwen4ExpTextConfig) -> Result<Weights<'a>, WeightError> {
         c.validate()?;
-        let b = Binder { cmf };
+        let b = Binder::new(cmf);
         let d = c.hidden_size;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for il in 0..c.num_hidden_layers {
@@ -283,10 +276,10 @@ impl<'a> Weights<'a> {
                         in_z: b.mat(&format!("{q}.in_proj_z.weight"), hv * dv, d)?,
                         in_b: b.mat(&format!("{q}.in_proj_b.weight"), hv, d)?,
                         in_a: b.mat(&format!("{q}.in_proj_a.weight"), hv, d)?,
-                        conv: b.vec(&format!("{q}.conv1d.weight"), &[conv_dim, 1, k])?,
-                        dt_bias: b.vec(&format!("{q}.dt_bias"), &[hv])?,
-                        a_log: b.vec(&format!("{q}.A_log"), &[hv])?,
-                        norm: b.vec(&format!("{q}.norm.weight"), &[dv])?,
+                        conv: b.vector(&format!("{q}.conv1d.weight"), &[conv_dim, 1, k])?,
+                        dt_bias: b.vector(&format!("{q}.dt_bias"), &[hv])?,
+                        a_log: b.vector(&format!("{q}.A_log"), &[hv])?,
+                        norm: b.vector(&format!("{q}.norm.weight"), &[dv])?,
                         out: b.mat(&format!("{q}.out_proj.weight"), d, hv * dv)?,
                     })
                 }
@@ -301,17 +294,17 @@ impl<'a> Weights<'a> {
                         k: b.mat(&format!("{q}.k_proj.weight"), hkv * hd, d)?,
                         v: b.mat(&format!("{q}.v_proj.weight"), hkv * hd, d)?,
                         o: b.mat(&format!("{q}.o_proj.weight"), d, hq * hd)?,
-                        q_norm: b.vec(&format!("{q}.q_norm.weight"), &[hd])?,
-                        k_norm: b.vec(&format!("{q}.k_norm.weight"), &[hd])?,
+                        q_norm: b.vector(&format!("{q}.q_norm.weight"), &[hd])?,
+                        k_norm: b.vector(&format!("{q}.k_norm.weight"), &[hd])?,
                         idx_qk: b.mat(
                             &format!("{q}.indexer.index_qk_proj.weight"),
                             (qsa.n_heads + 1) * qsa.head_dim,
                             d,
                         )?,
                         idx_q_norm: b
-                            .vec(&format!("{q}.indexer.q_layernorm.weight"), &[qsa.head_dim])?,
+                            .vector(&format!("{q}.indexer.q_layernorm.weight"), &[qsa.head_dim])?,
                         idx_k_norm: b
-                            .vec(&format!("{q}.indexer.k_layernorm.weight"), &[qsa.head_dim])?,
+                            .vector(&format!("{q}.indexer.k_layernorm.weight"), &[qsa.head_dim])?,
                     })
                 }
             };
@@ -327,18 +320,23 @@ impl<'a> Weights<'a> {
             let m = format!("{p}.mlp");
             let mut experts = Vec::with_capacity(e);
             for x in 0..e {
-                experts.push((
-                    b.mat(&format!("{m}.experts.{x}.gate_up_proj.weight"), 2 * i, d)?,
-                    b.mat(&format!("{m}.experts.{x}.down_proj.weight"), d, i)?,
-                ));
+                experts.push(Expert {
+                    gate_up: b.mat(&format!("{m}.experts.{x}.gate_up_proj.weight"), 2 * i, d)?,
+                    down: b.mat(&format!("{m}.experts.{x}.down_proj.weight"), d, i)?,
+                });
             }
             let moe = MoeWeights {
                 router: b.mat(&format!("{m}.gate.weight"), e, d)?,
-                experts,
+                routed: RoutedExperts {
+                    experts,
+                    hidden: d,
+                    intermediate: i,
+                    activation: Activation::SwiGlu { limit: None },
+                },
                 sh_gate: b.mat(&format!("{m}.shared_expert.gate_proj.weight"), is, d)?,
                 sh_up: b.mat(&format!("{m}.shared_expert.up_proj.weight"), is, d)?,
                 sh_down: b.mat(&format!("{m}.shared_expert.down_proj.weight"), d, is)?,
-                sh_scale: b.vec(&format!("{m}.shared_expert_gate.weight"), &[1, d])?,
+                sh_scale: b.vector(&format!("{m}.shared_expert_gate.weight"), &[1, d])?,
             };
             layers.push(LayerWeights {
                 ple,
@@ -386,12 +384,12 @@ impl<'a> Weights<'a> {
             }),
             _ => Ok(()),
         };
-        let as_i64 = |v: Vec<f32>| v.into_iter().map(|x| x as i64).collect::<Vec<_>>();
+        let as_i64 = |v: Vector| v.iter().map(|&x| x as i64).collect::<Vec<_>>();
         let name = format!("{p}.ple_embedding.ngram_heads_vocab_sizes");
         let found = b
-            .cmf
+            .cmf()
             .tensor(&name)
-            .map(|_| b.vec(&name, &[nh]))
+            .map(|_| b.vector(&name, &[nh]))
             .transpose()?
             .map(as_i64);
         check(
@@ -401,9 +399,9 @@ impl<'a> Weights<'a> {
         )?;
         let name = format!("{p}.ple_embedding.ngram_heads_offsets");
         let found = b
-            .cmf
+            .cmf()
             .tensor(&name)
-            .map(|_| b.vec(&name, &[nh]))
+            .map(|_| b.vector(&name, &[nh]))
             .transpose()?
             .map(as_i64);
         check(
@@ -412,7 +410,7 @@ impl<'a> Weights<'a> {
             found,
         )?;
         let name = format!("{p}.ple_embedding.layer_multipliers");
-        let found = integer_header_tensor(b.cmf, &name);
+        let found = integer_header_tensor(b, &name);
         check(
             name,
             hash.multipliers.iter().map(|&x| x as i64).collect(),
@@ -424,10 +422,10 @@ impl<'a> Weights<'a> {
             hash,
             key: b.mat(&format!("{p}.key_proj.weight"), hdim, pdim)?,
             value: b.mat(&format!("{p}.value_proj.weight"), c.hidden_size, pdim)?,
-            norm_key: b.vec(&format!("{p}.norm_key.weight"), &[hdim])?,
-            norm_query: b.vec(&format!("{p}.norm_query.weight"), &[hdim])?,
-            norm_conv: b.vec(&format!("{p}.norm_conv.weight"), &[hdim])?,
-            conv: b.vec(
+            norm_key: b.vector(&format!("{p}.norm_key.weight"), &[hdim])?,
+            norm_query: b.vector(&format!("{p}.norm_query.weight"), &[hdim])?,
+            norm_conv: b.vector(&format!("{p}.norm_conv.weight"), &[hdim])?,
+            conv: b.vector(
                 &format!("{p}.conv1d.weight"),
                 &[hdim, 1, c.ple_conv_kernel_size],
             )?,

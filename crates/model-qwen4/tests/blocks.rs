@@ -6,10 +6,10 @@ mod common;
 
 use cmf_format::Cmf;
 use common::{CASES, argmax, convert_fixture, fixture, max_abs, max_abs_diff, read_npy};
-use engine::convert::Profile;
 use model_qwen4::ple::PleHash;
 use model_qwen4::{ForwardError, Model, Qwen4ExpTextConfig, WeightError, Weights};
 use serde_json::json;
+use test_support::Profile;
 
 fn ids(case: &str, p: usize) -> Vec<u32> {
     read_npy(&fixture(case).join(format!("expected/p{p}_ids.npy")))
@@ -246,15 +246,15 @@ fn trace_reports_every_block_in_order() {
     let mut want = vec![("ple_streams".to_string(), 0, t * h * d)];
     for il in 0..2 {
         want.extend([
-            ("attn_hc_input".to_string(), il, t * d),
-            ("mixer_out".to_string(), il, t * d),
+            ("attn_input".to_string(), il, t * d),
+            ("attn_out".to_string(), il, t * d),
             ("attn_streams".to_string(), il, t * h * d),
-            ("mlp_hc_input".to_string(), il, t * d),
+            ("mlp_input".to_string(), il, t * d),
             ("moe_out".to_string(), il, t * d),
             ("layer_out".to_string(), il, t * h * d),
         ]);
     }
-    want.push(("final_mixed".to_string(), 2, t * d));
+    want.push(("head_out".to_string(), 2, t * d));
     want.push(("logits".to_string(), 2, t * v));
     assert_eq!(seen, want);
     assert_eq!(logits.len(), t * v);

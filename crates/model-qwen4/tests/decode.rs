@@ -4,8 +4,8 @@ mod common;
 
 use cmf_format::Cmf;
 use common::{CASES, argmax, convert_fixture, fixture, k_prefill, max_abs, max_abs_diff, read_npy};
-use engine::convert::Profile;
 use model_qwen4::{Model, SeqState, Weights};
+use test_support::Profile;
 
 #[test]
 fn f32_cached_decode_and_greedy_match_transformers() {

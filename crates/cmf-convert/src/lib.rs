@@ -1,6 +1,7 @@
-//! `cortiq convert`: a Hugging Face checkpoint directory in, one CMF file out.
+//! A Hugging Face checkpoint directory in, one CMF file out (what `cortiq convert` runs).
 //!
-//! The principal function is [`convert`]. It opens the directory ([`source::Checkpoint`]: the
+//! This crate needs nothing above the format and the codecs, so model crates convert their test
+//! fixtures without the engine. The principal function is [`convert`]. It opens the directory ([`source::Checkpoint`]: the
 //! safetensors shards are memory-mapped, never read whole), asks the architecture's mapping
 //! (`qwen4`, `dsv4`) for a plan (one [`Job`] per CMF tensor: canonical name, role, where its
 //! values come from), checks the plan against `config.json`, then converts and writes the
@@ -8,12 +9,14 @@
 //! documented in `docs/convert.md`.
 //!
 //! ```no_run
-//! use engine::convert::{ConvertOptions, Profile, convert};
+//! use cmf_convert::{ConvertOptions, Profile, convert};
 //! let opts = ConvertOptions::new("hf-dir".into(), "model.cmf".into(), Profile::Q4);
 //! let report = convert(&opts, &mut |p| eprintln!("{}/{}", p.tensors_done, p.tensors_total))?;
 //! println!("{} tensors", report.tensors);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+
+#![deny(missing_docs)]
 
 mod decode;
 mod dsv4;

@@ -1,0 +1,240 @@
+//! The one generation loop: prefill the new prompt ids onto a sequence state, then sample and
+//! feed one token at a time until an EOS id, a stop string, the token limit or a cancellation,
+//! streaming each token and each piece of text that is safe to show. `cortiq run` and
+//! `cortiq chat` use it (so will the server and speculative decoding); none has a loop of its
+//! own.
+//!
+//! Text is released through [`TextStream`] (never inside a UTF-8 sequence that byte-level
+//! tokens split) and held back while it could still become a stop string; a stop string ends
+//! the reply and is not part of it.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use crate::model::AnyState;
+use crate::run::{RunError, Runner};
+use crate::sampling::Sampler;
+
+/// Stops a generation from another thread (a client that went away, Ctrl-C): the loop checks
+/// it before every forward and ends with [`Finish::Cancelled`].
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A token not cancelled yet.
+    pub fn new() -> CancelToken {
+        CancelToken::default()
+    }
+
+    /// Asks every generation holding a clone of this token to stop.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether [`Self::cancel`] was called.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// What a generation may do.
+#[derive(Debug, Clone, Default)]
+pub struct GenerateOptions {
+    /// Most tokens to generate (an EOS that ends the reply counts).
+    pub max_new: usize,
+    /// Strings that end the reply (not included in its text); empty ones are ignored.
+    pub stop: Vec<String>,
+    /// Checked before every forward.
+    pub cancel: Option<CancelToken>,
+    /// Keep a snapshot of the state right after the prompt ([`Generation::prompt_state`]), for
+    /// a caller that will extend the same prompt later (chat turns, a prompt cache).
+    pub keep_prompt_state: bool,
+}
+
+impl GenerateOptions {
+    /// Up to `max_new` tokens, no stop strings, no cancellation.
+    pub fn new(max_new: usize) -> GenerateOptions {
+        GenerateOptions {
+            max_new,
+            ..GenerateOptions::default()
+        }
+    }
+}
+
+/// What the loop hands its caller as it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Event<'a> {
+    /// A generated token id (the EOS that ends the reply included).
+    Token(u32),
+    /// Text that is complete and can no longer become part of a stop string.
+    Text(&'a str),
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An EOS id was generated.
+    Eos,
+    /// A stop string appeared.
+    Stop,
+    /// `max_new` tokens were generated.
+    Length,
+    /// The [`CancelToken`] was cancelled.
+    Cancelled,
+}
+
+/// What one generation did.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    /// The prompt ids fed this time (after whatever the state already held).
+    pub prompt: Vec<u32>,
+    /// The generated ids (the EOS that ended it included).
+    pub tokens: Vec<u32>,
+    /// The generated text (a stop string and what followed it removed).
+    pub text: String,
+    /// Why it ended.
+    pub finish: Finish,
+    /// Seconds spent on the prompt (prefill and the first sample).
+    pub prompt_seconds: f64,
+    /// Seconds spent generating after the prompt.
+    pub gen_seconds: f64,
+    /// The state right after the prompt, when [`GenerateOptions::keep_prompt_state`] asked.
+    pub prompt_state: Option<AnyState>,
+}
+
+impl Runner {
+    /// Feeds `prompt` after whatever `state` holds, then generates with `sampler` as `opts`
+    /// allow, calling `on_event` with every token and every releasable piece of text. `state`
+    /// ends holding the prompt and every generated token but the last.
+    pub fn complete(
+        &self,
+        state: &mut AnyState,
+        prompt: &[u32],
+        sampler: &mut Sampler,
+        opts: &GenerateOptions,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Generation, RunError> {
+        if prompt.is_empty() {
+            return Err(RunError::EmptyPrompt);
+        }
+        let cancelled = || opts.cancel.as_ref().is_some_and(CancelToken::is_cancelled);
+        let stop: Vec<&str> = opts
+            .stop
+            .iter()
+            .map(String::as_str)
+            .filter(|s| !s.is_empty())
+            .collect();
+        // Hold back what could still become a stop string.
+        let hold = stop
+            .iter()
+            .map(|s| s.len())
+            .max()
+            .unwrap_or(1)
+            .saturating_sub(1);
+        let model = self.model.model();
+
+        let t0 = Instant::now();
+        let mut g = Generation {
+            prompt: prompt.to_vec(),
+            tokens: Vec::new(),
+            text: String::new(),
+            finish: Finish::Cancelled,
+            prompt_seconds: 0.0,
+            gen_seconds: 0.0,
+            prompt_state: None,
+        };
+        if cancelled() {
+            return Ok(g);
+        }
+        let logits = model.forward_last(prompt, state)?;
+        if opts.keep_prompt_state {
+            g.prompt_state = Some(state.clone());
+        }
+        let mut next = sampler.sample(&logits);
+        g.prompt_seconds = t0.elapsed().as_secs_f64();
+
+        let t1 = Instant::now();
+        let mut stream = TextStream::new(&self.tokenizer);
+        let mut shown = 0usize;
+        g.finish = loop {
+            if g.tokens.len() >= opts.max_new {
+                break Finish::Length;
+            }
+            g.tokens.push(next);
+            on_event(Event::Token(next));
+            if self.eos.contains(&next) {
+                break Finish::Eos;
+            }
+            if let Some(piece) = stream.push(next) {
+                g.text.push_str(&piece);
+                let cut = stop.iter().filter_map(|s| g.text.find(s)).min();
+                if let Some(cut) = cut {
+                    g.text.truncate(cut);
+                }
+                let mut safe = if cut.is_some() {
+                    g.text.len()
+                } else {
+                    g.text.len().saturating_sub(hold)
+                };
+                while !g.text.is_char_boundary(safe) {
+                    safe -= 1;
+                }
+                if safe > shown {
+                    on_event(Event::Text(&g.text[shown..safe]));
+                    shown = safe;
+                }
+                if cut.is_some() {
+                    break Finish::Stop;
+                }
+            }
+            if g.tokens.len() == opts.max_new {
+                break Finish::Length;
+            }
+            if cancelled() {
+                break Finish::Cancelled;
+            }
+            let logits = model.forward(&[next], state)?;
+            next = sampler.sample(&logits);
+        };
+        if shown < g.text.len() {
+            on_event(Event::Text(&g.text[shown..]));
+        }
+        g.gen_seconds = t1.elapsed().as_secs_f64();
+        Ok(g)
+    }
+}
+
+/// Turns a growing list of token ids into text pieces to print: a piece is released only when
+/// the decoded text does not end inside a UTF-8 sequence (byte-level tokens can split one).
+pub struct TextStream<'t> {
+    tokenizer: &'t tokenizers::Tokenizer,
+    ids: Vec<u32>,
+    printed: usize,
+}
+
+impl<'t> TextStream<'t> {
+    /// An empty stream.
+    pub fn new(tokenizer: &'t tokenizers::Tokenizer) -> Self {
+        TextStream {
+            tokenizer,
+            ids: Vec::new(),
+            printed: 0,
+        }
+    }
+
+    /// Adds a token; returns the new text that is complete, if any.
+    pub fn push(&mut self, id: u32) -> Option<String> {
+        self.ids.push(id);
+        let text = self.tokenizer.decode(&self.ids, true).ok()?;
+        if text.ends_with('\u{FFFD}')
+            || text.len() <= self.printed
+            || !text.is_char_boundary(self.printed)
+        {
+            return None;
+        }
+        let piece = text[self.printed..].to_string();
+        self.printed = text.len();
+        Some(piece)
+    }
+}

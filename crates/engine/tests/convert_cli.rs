@@ -1,0 +1,112 @@
+//! `cortiq convert` as a user runs it: the binary converts a fixture that `inspect --verify`
+//! then accepts; a refused or failed conversion (a bad config, a full disk) exits with status
+//! 2 and says why, leaving nothing.
+//! (The converter itself is tested in crates/cmf-convert/tests.)
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixture(case: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fixtures")
+        .join(case)
+        .join("hf")
+}
+
+fn copy_fixture(case: &str, to: &Path) -> PathBuf {
+    let dir = to.join(case);
+    std::fs::create_dir_all(&dir).unwrap();
+    for e in std::fs::read_dir(fixture(case)).unwrap() {
+        let p = e.unwrap().path();
+        std::fs::copy(&p, dir.join(p.file_name().unwrap())).unwrap();
+    }
+    dir
+}
+
+fn edit_json(path: &Path, f: impl FnOnce(&mut serde_json::Value)) {
+    let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    f(&mut v);
+    std::fs::write(path, serde_json::to_vec_pretty(&v).unwrap()).unwrap();
+}
+
+#[test]
+fn binary_converts_and_inspect_verify_passes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ds.cmf");
+    let bin = env!("CARGO_BIN_EXE_cortiq");
+    let o = Command::new(bin)
+        .args(["convert", fixture("deepseek_v4_b").to_str().unwrap(), "-o"])
+        .arg(&out)
+        .args(["--quant", "fp4", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(bin)
+        .arg("inspect")
+        .arg(&out)
+        .arg("--verify")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+#[test]
+fn binary_exits_non_zero_and_leaves_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("qwen4_exp_b", tmp.path());
+    edit_json(&dir.join("config.json"), |c| {
+        c["model_type"] = "nope".into()
+    });
+    let out = tmp.path().join("x.cmf");
+    let o = Command::new(env!("CARGO_BIN_EXE_cortiq"))
+        .arg("convert")
+        .arg(&dir)
+        .arg("-o")
+        .arg(&out)
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("unknown model_type") && err.lines().count() == 1,
+        "{err}"
+    );
+    assert!(!out.exists());
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains("x.cmf"))
+        .collect();
+    assert!(left.is_empty());
+}
+
+#[cfg(unix)]
+#[test]
+fn a_full_disk_is_an_error_naming_the_tensor_and_leaves_nothing() {
+    // A file-size limit makes writes fail with EFBIG part-way, as a full disk makes them fail
+    // with ENOSPC: the same error path. SIGXFSZ is ignored so the write returns the error.
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out.cmf");
+    let script = format!(
+        "trap '' XFSZ; ulimit -f 40; exec '{}' convert '{}' -o '{}' --quant f32 --quiet",
+        env!("CARGO_BIN_EXE_cortiq"),
+        fixture("qwen4_exp_a").display(),
+        out.display()
+    );
+    let r = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(&script)
+        .output()
+        .unwrap();
+    assert_eq!(r.status.code(), Some(2), "{r:?}");
+    let err = String::from_utf8_lossy(&r.stderr);
+    assert!(
+        err.contains("writing tensor") && err.contains("out.cmf"),
+        "{err}"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        0,
+        "files left behind"
+    );
+}
