@@ -8,6 +8,8 @@
 //! `num_hidden_layers`, the `main` / `compress` RoPE parameter sets built with YaRN for the
 //! compressed layers) and then [`DeepseekV4Config::validate`].
 
+use model_core::config::check_field;
+use model_core::{ConfigEnum, config_enum};
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
@@ -44,25 +46,45 @@ fn invalid(field: &'static str, rule: impl Into<String>) -> ConfigError {
     }
 }
 
-/// The attention kind of one layer (`layer_types`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttnKind {
-    /// `sliding_attention`: the sliding window only ("main" RoPE).
-    Sliding,
-    /// `compressed_sparse_attention`: window + ratio-m compressor with the lightning indexer.
-    Csa,
-    /// `heavily_compressed_attention`: window + ratio-m' compressor, dense over its entries.
-    Hca,
+config_enum! {
+    /// The attention kind of one layer (`layer_types`).
+    pub enum AttnKind {
+        /// `sliding_attention`: the sliding window only ("main" RoPE).
+        Sliding = "sliding_attention",
+        /// `compressed_sparse_attention`: window + ratio-m compressor with the lightning indexer.
+        Csa = "compressed_sparse_attention",
+        /// `heavily_compressed_attention`: window + ratio-m' compressor, dense over its entries.
+        Hca = "heavily_compressed_attention",
+    }
 }
 
-impl AttnKind {
-    fn parse(s: &str) -> Option<AttnKind> {
-        match s {
-            "sliding_attention" => Some(AttnKind::Sliding),
-            "compressed_sparse_attention" => Some(AttnKind::Csa),
-            "heavily_compressed_attention" => Some(AttnKind::Hca),
-            _ => None,
-        }
+config_enum! {
+    /// The MoE routing of one layer (`mlp_layer_types`).
+    pub enum MlpKind {
+        /// `hash_moe`: experts from the token id (`tid2eid`).
+        HashMoe = "hash_moe",
+        /// `moe`: top-k of the biased router scores.
+        Moe = "moe",
+    }
+}
+
+config_enum! {
+    /// Router score function (`scoring_func`).
+    pub enum ScoringFunc {
+        /// `sqrt(softplus(x))` (the release).
+        SqrtSoftplus = "sqrtsoftplus",
+        /// `softmax` over the experts.
+        Softmax = "softmax",
+        /// `sigmoid`.
+        Sigmoid = "sigmoid",
+    }
+}
+
+config_enum! {
+    /// Expert activation (`hidden_act`; only silu is supported).
+    pub enum HiddenAct {
+        /// `silu`.
+        Silu = "silu",
     }
 }
 
@@ -180,7 +202,7 @@ defaults! {
     d_1024: usize = 1024;
     d_6: usize = 6;
     d_256: usize = 256;
-    d_scoring: String = "sqrtsoftplus".into();
+    d_scoring: ScoringFunc = ScoringFunc::SqrtSoftplus;
     d_true: bool = true;
     d_scaling: f64 = 1.5;
     d_max_pos: usize = 1048576;
@@ -194,7 +216,7 @@ defaults! {
     d_8: usize = 8;
     d_64: usize = 64;
     d_512: usize = 512;
-    d_act: String = "silu".into();
+    d_act: HiddenAct = HiddenAct::Silu;
 }
 
 /// The deepseek_v4 config (transformers' `DeepseekV4Config`, 5.24 defaults).
@@ -236,7 +258,7 @@ pub struct DeepseekV4Config {
     pub n_shared_experts: usize,
     /// Router score: `sqrtsoftplus` (default), `softmax` or `sigmoid`.
     #[serde(default = "d_scoring")]
-    pub scoring_func: String,
+    pub scoring_func: ScoringFunc,
     /// Read but unused, as in the reference: the V4 routers always renormalise the selected
     /// weights (default true).
     #[serde(default = "d_true")]
@@ -252,7 +274,7 @@ pub struct DeepseekV4Config {
     pub rope_theta: f64,
     /// Per-layer attention kind; derived when absent (see [`Self::from_json`]).
     #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
+    pub layer_types: Option<Vec<AttnKind>>,
     /// Tokens per compressed entry, per attention kind (default CSA 4, HCA 128).
     #[serde(default)]
     pub compress_rates: Option<Map<String, Value>>,
@@ -270,7 +292,7 @@ pub struct DeepseekV4Config {
     pub hc_eps: f64,
     /// Per-layer MoE kind (`hash_moe` / `moe`); derived when absent.
     #[serde(default)]
-    pub mlp_layer_types: Option<Vec<String>>,
+    pub mlp_layer_types: Option<Vec<MlpKind>>,
     /// SwiGLU clamp of routed and shared experts (default 10).
     #[serde(default = "d_limit")]
     pub swiglu_limit: f64,
@@ -294,7 +316,7 @@ pub struct DeepseekV4Config {
     pub index_topk: usize,
     /// Expert activation (only `silu`).
     #[serde(default = "d_act")]
-    pub hidden_act: String,
+    pub hidden_act: HiddenAct,
     /// RMSNorm epsilon, also of the unweighted norms (default 1e-6).
     #[serde(default = "d_eps")]
     pub rms_norm_eps: f64,
@@ -347,6 +369,21 @@ const HCA: &str = "heavily_compressed_attention";
 impl DeepseekV4Config {
     /// Parses `config.json`, applies the reference's `__post_init__`, then [`Self::validate`].
     pub fn from_json(value: &Value) -> Result<Self, ConfigError> {
+        // Values that select math are enums; an unknown one is reported with its field.
+        for (field, check) in [
+            ("layer_types", check_field::<AttnKind>(value, "layer_types")),
+            (
+                "mlp_layer_types",
+                check_field::<MlpKind>(value, "mlp_layer_types"),
+            ),
+            (
+                "scoring_func",
+                check_field::<ScoringFunc>(value, "scoring_func"),
+            ),
+            ("hidden_act", check_field::<HiddenAct>(value, "hidden_act")),
+        ] {
+            check.map_err(|rule| invalid(field, rule))?;
+        }
         let mut c: DeepseekV4Config = serde_json::from_value(value.clone())?;
         let n = c.num_hidden_layers;
         check_layers(n)?;
@@ -369,9 +406,9 @@ impl DeepseekV4Config {
             let mut types = Vec::with_capacity(ratios.len());
             for &r in ratios {
                 types.push(match r {
-                    0 => "sliding_attention".to_string(),
-                    4 => CSA.to_string(),
-                    128 => HCA.to_string(),
+                    0 => AttnKind::Sliding,
+                    4 => AttnKind::Csa,
+                    128 => AttnKind::Hca,
                     other => {
                         return Err(invalid(
                             "compress_ratios",
@@ -384,10 +421,14 @@ impl DeepseekV4Config {
         }
         let mut types = c.layer_types.take().unwrap_or_else(|| {
             // The reference's default: 2x HCA, then HCA/CSA interleaved (the V4-Pro pattern).
-            let mut t = vec![HCA.to_string(); n.min(2)];
-            t.extend(
-                (0..n.saturating_sub(2)).map(|i| if i % 2 == 1 { CSA } else { HCA }.to_string()),
-            );
+            let mut t = vec![AttnKind::Hca; n.min(2)];
+            t.extend((0..n.saturating_sub(2)).map(|i| {
+                if i % 2 == 1 {
+                    AttnKind::Csa
+                } else {
+                    AttnKind::Hca
+                }
+            }));
             t
         });
         types.truncate(n);
@@ -395,7 +436,13 @@ impl DeepseekV4Config {
         let mut mlp = c.mlp_layer_types.take().unwrap_or_else(|| {
             let hash = c.num_hash_layers.unwrap_or(3);
             (0..n)
-                .map(|i| if i < hash { "hash_moe" } else { "moe" }.to_string())
+                .map(|i| {
+                    if i < hash {
+                        MlpKind::HashMoe
+                    } else {
+                        MlpKind::Moe
+                    }
+                })
                 .collect()
         });
         mlp.truncate(n);
@@ -474,25 +521,11 @@ impl DeepseekV4Config {
                 format!("has {} entries but num_hidden_layers is {n}", types.len()),
             ));
         }
-        if let Some(bad) = types.iter().find(|t| AttnKind::parse(t).is_none()) {
-            return Err(invalid(
-                "layer_types",
-                format!(
-                    "`{bad}` is not sliding_attention, compressed_sparse_attention or heavily_compressed_attention (validate_layer_type)"
-                ),
-            ));
-        }
         let mlp = self.mlp_layer_types.as_deref().unwrap_or(&[]);
         if mlp.len() != n {
             return Err(invalid(
                 "mlp_layer_types",
                 format!("has {} entries but num_hidden_layers is {n}", mlp.len()),
-            ));
-        }
-        if let Some(bad) = mlp.iter().find(|t| *t != "hash_moe" && *t != "moe") {
-            return Err(invalid(
-                "mlp_layer_types",
-                format!("`{bad}` is not hash_moe or moe (validate_layer_type)"),
             ));
         }
         let positive = [
@@ -540,24 +573,6 @@ impl DeepseekV4Config {
             return Err(invalid(
                 "o_groups",
                 "must divide num_attention_heads * head_dim (construction: DeepseekV4GroupedLinear)",
-            ));
-        }
-        if !matches!(
-            self.scoring_func.as_str(),
-            "sqrtsoftplus" | "softmax" | "sigmoid"
-        ) {
-            return Err(invalid(
-                "scoring_func",
-                format!(
-                    "`{}` is not sqrtsoftplus, softmax or sigmoid",
-                    self.scoring_func
-                ),
-            ));
-        }
-        if self.hidden_act != "silu" {
-            return Err(invalid(
-                "hidden_act",
-                format!("only silu is supported, got `{}`", self.hidden_act),
             ));
         }
         if self.tie_word_embeddings {
@@ -728,8 +743,7 @@ impl DeepseekV4Config {
     pub fn attn_kind(&self, il: usize) -> AttnKind {
         self.layer_types
             .as_ref()
-            .and_then(|t| t.get(il))
-            .and_then(|s| AttnKind::parse(s))
+            .and_then(|t| t.get(il).copied())
             .unwrap_or(AttnKind::Sliding)
     }
 
@@ -738,15 +752,14 @@ impl DeepseekV4Config {
         self.mlp_layer_types
             .as_ref()
             .and_then(|t| t.get(il))
-            .is_some_and(|s| s == "hash_moe")
+            .is_some_and(|&k| k == MlpKind::HashMoe)
     }
 
     /// Tokens per compressed entry of `kind` (`None` for sliding layers).
     pub fn rate(&self, kind: AttnKind) -> Option<usize> {
         let key = match kind {
             AttnKind::Sliding => return None,
-            AttnKind::Csa => CSA,
-            AttnKind::Hca => HCA,
+            kind => kind.name(),
         };
         self.compress_rates
             .as_ref()?

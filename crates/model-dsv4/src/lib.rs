@@ -18,7 +18,9 @@ pub mod ops;
 pub mod state;
 pub mod weights;
 
-pub use config::{AttnKind, ConfigError, DeepseekV4Config, RopeKind};
+pub use config::{
+    AttnKind, ConfigError, DeepseekV4Config, HiddenAct, MlpKind, RopeKind, ScoringFunc,
+};
 pub use forward::{ForwardError, Model, Trace};
 pub use state::SeqState;
 pub use weights::{WeightError, Weights};

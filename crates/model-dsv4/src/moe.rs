@@ -11,7 +11,7 @@
 use model_core::experts::{Activation, Routes, dense_swiglu};
 use quant_codecs::ops::{linear, sigmoid, softplus, top_k};
 
-use crate::config::DeepseekV4Config;
+use crate::config::{DeepseekV4Config, ScoringFunc};
 use crate::ops::softmax;
 use crate::weights::{MoeWeights, Routing};
 
@@ -26,10 +26,10 @@ pub fn route(
 ) -> Routes {
     let (e, k) = (c.n_routed_experts, c.num_experts_per_tok);
     let mut scores = linear(&w.gate, u, t);
-    match c.scoring_func.as_str() {
-        "softmax" => scores.chunks_mut(e).for_each(softmax),
-        "sigmoid" => scores.iter_mut().for_each(|s| *s = sigmoid(*s)),
-        _ => scores.iter_mut().for_each(|s| *s = softplus(*s).sqrt()),
+    match c.scoring_func {
+        ScoringFunc::Softmax => scores.chunks_mut(e).for_each(softmax),
+        ScoringFunc::Sigmoid => scores.iter_mut().for_each(|s| *s = sigmoid(*s)),
+        ScoringFunc::SqrtSoftplus => scores.iter_mut().for_each(|s| *s = softplus(*s).sqrt()),
     }
     let mut routes = Routes::new(e);
     for r in 0..t {

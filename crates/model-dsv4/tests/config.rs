@@ -108,6 +108,17 @@ fn bad_configs_name_the_field() {
         "layer_types"
     );
     assert_eq!(field(json!({"scoring_func": "relu"})), "scoring_func");
+    assert_eq!(
+        field(json!({"num_hidden_layers": 1, "mlp_layer_types": ["dense"]})),
+        "mlp_layer_types"
+    );
+    assert_eq!(field(json!({"hidden_act": "gelu"})), "hidden_act");
+    // The message lists what is accepted.
+    let e = DeepseekV4Config::from_json(&json!({"scoring_func": "relu"})).unwrap_err();
+    assert!(
+        e.to_string().contains("sqrtsoftplus, softmax, sigmoid"),
+        "{e}"
+    );
     assert_eq!(field(json!({"o_groups": 7})), "o_groups");
     assert_eq!(
         field(json!({"num_experts_per_tok": 9, "n_routed_experts": 8})),

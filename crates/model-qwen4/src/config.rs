@@ -7,6 +7,8 @@
 //! `indexed_attention`, `ple_layer_ids` sorted and deduplicated) and then
 //! [`Qwen4ExpTextConfig::validate`], which mirrors `validate_architecture`.
 
+use model_core::config::check_field;
+use model_core::config_enum;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -33,14 +35,41 @@ fn invalid(field: &'static str, rule: impl Into<String>) -> ConfigError {
     }
 }
 
-/// The token mixer of one decoder layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LayerType {
-    /// Gated DeltaNet (`linear_attention`).
-    LinearAttention,
-    /// Full attention with the QSA indexer (`indexed_attention`; `full_attention` is rewritten to
-    /// this by the reference's `__post_init__`).
-    IndexedAttention,
+config_enum! {
+    /// The token mixer of one decoder layer (`layer_types`).
+    pub enum LayerType {
+        /// Gated DeltaNet (`linear_attention`).
+        LinearAttention = "linear_attention",
+        /// Full attention with the QSA indexer (`indexed_attention`; `full_attention` is
+        /// rewritten to this by the reference's `__post_init__`).
+        IndexedAttention = "indexed_attention" | "full_attention",
+    }
+}
+
+config_enum! {
+    /// MLP / expert / GDN conv activation (`hidden_act`; only silu is supported).
+    pub enum HiddenAct {
+        /// `silu`.
+        Silu = "silu",
+    }
+}
+
+config_enum! {
+    /// Output gate activation of the GDN gated norm (`output_gate_type`).
+    pub enum GateAct {
+        /// `sigmoid` (the release).
+        Sigmoid = "sigmoid",
+        /// `silu` (Qwen3.5's choice).
+        Silu = "silu",
+    }
+}
+
+config_enum! {
+    /// How RoPE frequencies are made (`rope_parameters.rope_type`; only `default`).
+    pub enum RopeType {
+        /// `inv_freq_i = 1 / theta^(2i / dim)`.
+        Default = "default",
+    }
 }
 
 /// `eos_token_id`: one id or a list (the reference uses the first).
@@ -59,7 +88,7 @@ pub enum TokenIds {
 pub struct RopeParameters {
     /// Only `default` is supported (the released value).
     #[serde(default = "d_rope_type")]
-    pub rope_type: String,
+    pub rope_type: RopeType,
     /// RoPE base.
     #[serde(default = "d_rope_theta")]
     pub rope_theta: f64,
@@ -68,8 +97,8 @@ pub struct RopeParameters {
     pub partial_rotary_factor: f64,
 }
 
-fn d_rope_type() -> String {
-    "default".into()
+fn d_rope_type() -> RopeType {
+    RopeType::Default
 }
 fn d_rope_theta() -> f64 {
     10000.0
@@ -90,7 +119,7 @@ defaults! {
     d_layers: usize = 40;
     d_heads: usize = 16;
     d_kv_heads: usize = 2;
-    d_act: String = "silu".into();
+    d_act: HiddenAct = HiddenAct::Silu;
     d_eps: f64 = 1e-6;
     d_head_dim: usize = 256;
     d_4: usize = 4;
@@ -127,7 +156,7 @@ pub struct Qwen4ExpTextConfig {
     pub num_key_value_heads: usize,
     /// MLP / expert / GDN conv activation (default `silu`; the only one supported).
     #[serde(default = "d_act")]
-    pub hidden_act: String,
+    pub hidden_act: HiddenAct,
     /// RMSNorm epsilon (default 1e-6).
     #[serde(default = "d_eps")]
     pub rms_norm_eps: f64,
@@ -169,7 +198,7 @@ pub struct Qwen4ExpTextConfig {
     pub norm_topk_prob: bool,
     /// Per-layer mixer kinds; derived from `full_attention_interval` (default 4) when absent.
     #[serde(default)]
-    pub layer_types: Option<Vec<String>>,
+    pub layer_types: Option<Vec<LayerType>>,
     /// Interval of the derived layer pattern (a constructor kwarg in the reference, default 4).
     #[serde(default)]
     pub full_attention_interval: Option<usize>,
@@ -226,7 +255,7 @@ pub struct Qwen4ExpTextConfig {
     pub indexer_compress_ratio: Option<usize>,
     /// GDN gated-norm activation (`sigmoid` or `silu`; default `hidden_act`).
     #[serde(default)]
-    pub output_gate_type: Option<String>,
+    pub output_gate_type: Option<GateAct>,
     /// Untied in every release; tying is not supported.
     #[serde(default)]
     pub tie_word_embeddings: bool,
@@ -255,50 +284,53 @@ impl Qsa {
     }
 }
 
-/// Output gate activation of the GDN gated norm.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GateAct {
-    /// `sigmoid` (the release).
-    Sigmoid,
-    /// `silu` (Qwen3.5's choice).
-    Silu,
-}
-
 impl Qwen4ExpTextConfig {
     /// Parses the text config (the CMF header's `config`), applies the reference's
     /// `__post_init__`, then [`Self::validate`].
     pub fn from_json(value: &Value) -> Result<Self, ConfigError> {
+        // Values that select math are enums; an unknown one is reported with its field.
+        let rope = value.get("rope_parameters").unwrap_or(&Value::Null);
+        for (field, check) in [
+            (
+                "layer_types",
+                check_field::<LayerType>(value, "layer_types"),
+            ),
+            ("hidden_act", check_field::<HiddenAct>(value, "hidden_act")),
+            (
+                "output_gate_type",
+                check_field::<GateAct>(value, "output_gate_type"),
+            ),
+            (
+                "rope_parameters",
+                check_field::<RopeType>(rope, "rope_type"),
+            ),
+        ] {
+            check.map_err(|rule| invalid(field, rule))?;
+        }
         let mut c: Qwen4ExpTextConfig = serde_json::from_value(value.clone())?;
         // __post_init__: ple_layer_ids = sorted(set(...)).
         let mut ids = c.ple_layer_ids.take().unwrap_or_default();
         ids.sort_unstable();
         ids.dedup();
         c.ple_layer_ids = Some(ids);
-        match &mut c.layer_types {
-            None => {
-                let interval = c.full_attention_interval.unwrap_or(4);
-                if interval == 0 {
-                    return Err(invalid("full_attention_interval", "must be > 0"));
-                }
-                c.layer_types = Some(
-                    (0..c.num_hidden_layers)
-                        .map(|i| {
-                            if (i + 1) % interval != 0 {
-                                "linear_attention".to_string()
-                            } else {
-                                "indexed_attention".to_string()
-                            }
-                        })
-                        .collect(),
-                );
+        // __post_init__: layer_types derived from the interval when absent (`full_attention`
+        // already parsed as `indexed_attention`).
+        if c.layer_types.is_none() {
+            let interval = c.full_attention_interval.unwrap_or(4);
+            if interval == 0 {
+                return Err(invalid("full_attention_interval", "must be > 0"));
             }
-            Some(types) => {
-                for t in types.iter_mut() {
-                    if t == "full_attention" {
-                        *t = "indexed_attention".into();
-                    }
-                }
-            }
+            c.layer_types = Some(
+                (0..c.num_hidden_layers)
+                    .map(|i| {
+                        if (i + 1) % interval != 0 {
+                            LayerType::LinearAttention
+                        } else {
+                            LayerType::IndexedAttention
+                        }
+                    })
+                    .collect(),
+            );
         }
         c.validate()?;
         Ok(c)
@@ -317,29 +349,6 @@ impl Qwen4ExpTextConfig {
                     types.len(),
                     self.num_hidden_layers
                 ),
-            ));
-        }
-        for t in types {
-            if t != "linear_attention" && t != "indexed_attention" {
-                return Err(invalid(
-                    "layer_types",
-                    format!(
-                        "unsupported layer type `{t}` (validate_architecture: linear_attention or indexed_attention)"
-                    ),
-                ));
-            }
-        }
-        let gate = self.output_gate_type.as_deref().unwrap_or(&self.hidden_act);
-        if gate != "sigmoid" && gate != "silu" {
-            return Err(invalid(
-                "output_gate_type",
-                format!("`{gate}` is not sigmoid or silu (validate_architecture)"),
-            ));
-        }
-        if self.hidden_act != "silu" {
-            return Err(invalid(
-                "hidden_act",
-                format!("only silu is supported, got `{}`", self.hidden_act),
             ));
         }
         if self.hc_count <= 1 {
@@ -420,16 +429,6 @@ impl Qwen4ExpTextConfig {
                 "attention biases are not supported",
             ));
         }
-        let rope = self.rope();
-        if rope.rope_type != "default" {
-            return Err(invalid(
-                "rope_parameters",
-                format!(
-                    "rope_type `{}` is not supported (only default)",
-                    rope.rope_type
-                ),
-            ));
-        }
         let rot = self.rotary_dim();
         if rot == 0 || !rot.is_multiple_of(2) || rot > self.head_dim {
             return Err(invalid(
@@ -447,7 +446,7 @@ impl Qwen4ExpTextConfig {
             ("indexer_compress_ratio", self.indexer_compress_ratio),
         ];
         let any_set = qsa.iter().any(|(_, v)| v.is_some());
-        let has_attention = types.iter().any(|t| t == "indexed_attention");
+        let has_attention = types.contains(&LayerType::IndexedAttention);
         if any_set || has_attention {
             for (field, v) in qsa {
                 match v {
@@ -521,7 +520,7 @@ impl Qwen4ExpTextConfig {
                         ),
                     ));
                 }
-                if types[id - 1] != "linear_attention" {
+                if types[id - 1] != LayerType::LinearAttention {
                     return Err(invalid(
                         "ple_layer_ids",
                         format!(
@@ -542,10 +541,10 @@ impl Qwen4ExpTextConfig {
 
     /// The mixer kind of layer `il`.
     pub fn layer_type(&self, il: usize) -> LayerType {
-        match self.layer_types.as_ref().map(|t| t[il].as_str()) {
-            Some("indexed_attention") => LayerType::IndexedAttention,
-            _ => LayerType::LinearAttention,
-        }
+        self.layer_types
+            .as_ref()
+            .and_then(|t| t.get(il).copied())
+            .unwrap_or(LayerType::LinearAttention)
     }
 
     /// The RoPE parameters (reference defaults when absent).
@@ -603,9 +602,8 @@ impl Qwen4ExpTextConfig {
 
     /// GDN gated-norm activation (`output_gate_type`, else `hidden_act`).
     pub fn gate_act(&self) -> GateAct {
-        match self.output_gate_type.as_deref().unwrap_or(&self.hidden_act) {
-            "sigmoid" => GateAct::Sigmoid,
-            _ => GateAct::Silu,
-        }
+        self.output_gate_type.unwrap_or(match self.hidden_act {
+            HiddenAct::Silu => GateAct::Silu,
+        })
     }
 }

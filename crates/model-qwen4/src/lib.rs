@@ -6,7 +6,7 @@
 
 pub mod config;
 
-pub use config::{ConfigError, LayerType, Qwen4ExpTextConfig};
+pub use config::{ConfigError, GateAct, HiddenAct, LayerType, Qwen4ExpTextConfig, RopeType};
 pub mod forward;
 pub mod gdn;
 pub mod hc;

@@ -99,3 +99,56 @@ fn broken_configs_name_the_field() {
         Err(ConfigError::Json(_))
     ));
 }
+
+/// Every config value that selects math is an enum: an unknown value names the field and the
+/// values it accepts; the reference's alias `full_attention` reads as indexed attention.
+#[test]
+fn unknown_enum_values_name_the_field_and_the_accepted_values() {
+    let base = fixture_text_config("qwen4_exp_a");
+    let with = |path: &[&str], v: Value| {
+        let mut c = base.clone();
+        let mut at = &mut c;
+        for p in &path[..path.len() - 1] {
+            at = &mut at[*p];
+        }
+        at[path[path.len() - 1]] = v;
+        Qwen4ExpTextConfig::from_json(&c)
+    };
+    let n = base["num_hidden_layers"].as_u64().unwrap() as usize;
+    let mut types = vec![json!("linear_attention"); n];
+    types[1] = json!("mamba");
+    for (path, value, field, accepted) in [
+        (vec!["hidden_act"], json!("gelu"), "hidden_act", "silu"),
+        (
+            vec!["output_gate_type"],
+            json!("tanh"),
+            "output_gate_type",
+            "sigmoid, silu",
+        ),
+        (
+            vec!["layer_types"],
+            Value::Array(types),
+            "layer_types",
+            "linear_attention, indexed_attention, full_attention",
+        ),
+        (
+            vec!["rope_parameters", "rope_type"],
+            json!("yarn"),
+            "rope_parameters",
+            "default",
+        ),
+    ] {
+        match with(&path, value) {
+            Err(e @ ConfigError::Invalid { .. }) => {
+                let msg = e.to_string();
+                assert!(msg.contains(&format!("`{field}`")), "{msg}");
+                assert!(msg.contains(accepted), "{msg}");
+            }
+            other => panic!("{path:?}: expected an Invalid error, got {other:?}"),
+        }
+    }
+    let mut types = vec![json!("linear_attention"); n];
+    types[n - 1] = json!("full_attention");
+    let c = with(&["layer_types"], Value::Array(types)).unwrap();
+    assert_eq!(c.layer_type(n - 1), LayerType::IndexedAttention);
+}
