@@ -7,6 +7,7 @@
 use std::path::Path;
 
 use cmf_format::{Cmf, CmfError};
+use model_core::CausalLm;
 
 /// Why a CMF could not be bound.
 #[derive(Debug, thiserror::Error)]

@@ -9,6 +9,8 @@
 //!   order. It is the seam where the expert offload decides "in VRAM" or "on the CPU".
 //! - [`config`]: config values that select math are enums ([`config_enum!`]); an unknown value
 //!   is an error naming the field and the accepted values.
+//! - [`lm`]: [`CausalLm`], the interface every architecture's forward offers (`run` per model;
+//!   `forward`, `forward_last`, `forward_traced`, `forward_prefill` once, on top of it).
 //! - [`input`]: the checks every forward makes on its tokens.
 //! - [`trace`]: the callback that sees every named intermediate, and the names both
 //!   architectures use for the same step.
@@ -29,12 +31,14 @@ pub mod bind;
 pub mod config;
 pub mod experts;
 pub mod input;
+pub mod lm;
 pub mod trace;
 
 pub use bind::{BindError, Binder, Mat, Vector};
 pub use config::ConfigEnum;
 pub use experts::{Activation, Expert, RoutedExperts, Routes};
 pub use input::{InputError, check_tokens};
+pub use lm::CausalLm;
 pub use trace::Trace;
 
 #[doc(hidden)]

@@ -13,39 +13,18 @@ use crate::weights::Weights;
 use model_core::trace::{
     ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
 };
-use model_core::{InputError, check_tokens};
+use model_core::{CausalLm, InputError, check_tokens};
 use quant_codecs::ops::linear;
 
 /// Bad input to a forward.
 #[derive(Debug, thiserror::Error)]
 pub enum ForwardError {
-    /// No tokens.
-    #[error("empty prompt: at least one token is required")]
-    Empty,
-    /// A token id outside the vocabulary.
-    #[error("token id {id} at position {index} is outside the vocabulary (size {vocab})")]
-    TokenOutOfRange {
-        /// Offending id.
-        id: u32,
-        /// Its index in the input.
-        index: usize,
-        /// Vocabulary size.
-        vocab: usize,
-    },
+    /// No tokens, or a token id outside the vocabulary.
+    #[error(transparent)]
+    Input(#[from] InputError),
     /// The sequence state was made for a different model (or its caches were altered).
     #[error("the sequence state does not belong to this model: {0}")]
     StateMismatch(String),
-}
-
-impl From<InputError> for ForwardError {
-    fn from(e: InputError) -> Self {
-        match e {
-            InputError::Empty => ForwardError::Empty,
-            InputError::TokenOutOfRange { id, index, vocab } => {
-                ForwardError::TokenOutOfRange { id, index, vocab }
-            }
-        }
-    }
 }
 
 /// Called with every named intermediate: `(name, layer index, data [t, width])`, with the
@@ -76,37 +55,18 @@ impl<'a> Model<'a> {
             ropes,
         }
     }
+}
 
-    /// Logits `[T, vocab]` of every position of `tokens`, from an empty sequence.
-    pub fn forward_prefill(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
-        let mut st = SeqState::new(&self.config);
-        self.forward(tokens, &mut st)
+impl CausalLm for Model<'_> {
+    type State = SeqState;
+    type Error = ForwardError;
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
     }
 
-    /// Feeds `tokens` after whatever `st` holds; returns their logits `[T, vocab]`.
-    pub fn forward(&self, tokens: &[u32], st: &mut SeqState) -> Result<Vec<f32>, ForwardError> {
-        self.forward_traced(tokens, st, &mut |_, _, _| {})
-    }
-
-    /// Feeds `tokens` after whatever `st` holds; returns the logits `[vocab]` of the last one
-    /// only. What generation needs: the lm_head (vocab x hidden, the largest matrix) then runs
-    /// once per call instead of once per prompt token.
-    pub fn forward_last(
-        &self,
-        tokens: &[u32],
-        st: &mut SeqState,
-    ) -> Result<Vec<f32>, ForwardError> {
-        self.run(tokens, st, &mut |_, _, _| {}, true)
-    }
-
-    /// [`Model::forward`], reporting every named intermediate to `trace`.
-    pub fn forward_traced(
-        &self,
-        tokens: &[u32],
-        st: &mut SeqState,
-        trace: &mut Trace<'_>,
-    ) -> Result<Vec<f32>, ForwardError> {
-        self.run(tokens, st, trace, false)
+    fn new_state(&self) -> SeqState {
+        SeqState::new(&self.config)
     }
 
     fn run(

@@ -11,7 +11,7 @@
 
 use cmf_format::Cmf;
 use model_core::{Activation, BindError, Binder, Expert, Mat, RoutedExperts, Vector};
-use quant_codecs::{CodecError, DType, MatRef};
+use quant_codecs::{DType, MatRef};
 
 use crate::config::{AttnKind, ConfigError, DeepseekV4Config};
 
@@ -24,54 +24,9 @@ pub enum WeightError {
     /// The header's config is unusable.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// A tensor the config requires is absent.
-    #[error("missing tensor `{0}`")]
-    Missing(String),
-    /// A tensor has the wrong shape.
-    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
-    Shape {
-        /// Tensor name.
-        name: String,
-        /// Shape the config implies.
-        expected: Vec<usize>,
-        /// Stored shape.
-        found: Vec<usize>,
-    },
-    /// The payload does not decode.
-    #[error("tensor `{name}`: {source}")]
-    Codec {
-        /// Tensor name.
-        name: String,
-        /// Codec error.
-        source: CodecError,
-    },
-    /// An integer tensor holds a value that is not a valid index.
-    #[error("tensor `{name}`: {detail}")]
-    Integer {
-        /// Tensor name.
-        name: String,
-        /// What is wrong.
-        detail: String,
-    },
-}
-
-impl From<BindError> for WeightError {
-    fn from(e: BindError) -> Self {
-        match e {
-            BindError::Missing(name) => WeightError::Missing(name),
-            BindError::Shape {
-                name,
-                expected,
-                found,
-            } => WeightError::Shape {
-                name,
-                expected,
-                found,
-            },
-            BindError::Codec { name, source } => WeightError::Codec { name, source },
-            BindError::Integer { name, detail } => WeightError::Integer { name, detail },
-        }
-    }
+    /// A tensor is missing, has the wrong shape, or does not decode.
+    #[error(transparent)]
+    Bind(#[from] BindError),
 }
 
 /// A `[groups * rows, cols]` matrix cut into `groups` row blocks (`o_a_proj`).
@@ -83,7 +38,7 @@ fn grouped(
     cols: usize,
 ) -> Result<GroupedMat, WeightError> {
     let (id, v) = b.view(name, &[groups * rows, cols])?;
-    let codec = |source| WeightError::Codec {
+    let codec = |source| BindError::Codec {
         name: name.to_string(),
         source,
     };
@@ -365,7 +320,7 @@ impl<'a> Weights<'a> {
                         u32::try_from(x)
                             .ok()
                             .filter(|&x| (x as usize) < e)
-                            .ok_or_else(|| WeightError::Integer {
+                            .ok_or_else(|| BindError::Integer {
                                 name: name.clone(),
                                 detail: format!("expert id {x} is outside [0, {e})"),
                             })

@@ -10,20 +10,13 @@
 //! attention), EXPERTS routed experts (default 64, release 512), vocab 32768 and a small PLE
 //! n-gram table. Matrices in DTYPE (default q8_2f), vectors f32.
 
-use cmf_format::{Cmf, CmfWriter, Header};
-use model_qwen4::{Model, SeqState, Weights};
-use quant_codecs::{DType, synthetic_payload};
-use rayon::prelude::*;
+use cmf_format::Cmf;
+use model_qwen4::{Model, Weights};
 use serde_json::json;
-use std::time::Instant;
+use test_support::bench::{self, SyntheticWriter};
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let dtype = args
-        .first()
-        .map_or(DType::Q8_2f, |s| DType::from_name(s).expect("dtype name"));
-    let experts: usize = args.get(1).map_or(64, |s| s.parse().expect("experts"));
-    let prompt: usize = args.get(2).map_or(128, |s| s.parse().expect("prompt"));
+    let (dtype, experts, prompt) = bench::args(64, 128);
     let config = json!({
         "model_type": "qwen4_exp_text",
         "vocab_size": 32768, "hidden_size": 2560, "num_hidden_layers": 4,
@@ -43,117 +36,75 @@ fn main() {
     let cfg = model_qwen4::Qwen4ExpTextConfig::from_json(&config).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("synthetic.cmf");
-    let mut header = Header::new("qwen4_exp");
-    header.config = config;
-    let mut w = CmfWriter::create(&path, header).unwrap();
-    let mut seed = 1u64;
-    let mut mat = |w: &mut CmfWriter, name: &str, rows: usize, cols: usize| {
-        seed += 1;
-        let b = synthetic_payload(dtype, rows, cols, seed).unwrap();
-        w.add_tensor(name, dtype, &[rows, cols], &b).unwrap();
-    };
-    let vec = |w: &mut CmfWriter, name: &str, shape: &[usize], value: f32| {
-        let n: usize = shape.iter().product();
-        let b: Vec<u8> = (0..n).flat_map(|_| value.to_le_bytes()).collect();
-        w.add_tensor(name, DType::F32, shape, &b).unwrap();
-    };
+    let mut w = SyntheticWriter::create(&path, "qwen4_exp", config, dtype);
     let (d, hd, r) = (2560, 4 * 2560, 320);
-    let hc = |w: &mut CmfWriter,
-              mat: &mut dyn FnMut(&mut CmfWriter, &str, usize, usize),
-              p: &str,
-              inject: bool| {
-        vec(w, &format!("{p}.hc_norm.weight"), &[hd], 0.0);
-        mat(w, &format!("{p}.input_mix_weight_down.weight"), r, hd);
-        mat(w, &format!("{p}.input_mix_weight_up.weight"), hd, r);
+    let hc = |w: &mut SyntheticWriter, p: &str, inject: bool| {
+        w.vec(&format!("{p}.hc_norm.weight"), &[hd], 0.0);
+        w.mat(&format!("{p}.input_mix_weight_down.weight"), r, hd);
+        w.mat(&format!("{p}.input_mix_weight_up.weight"), hd, r);
         if inject {
-            mat(w, &format!("{p}.block_inject_weight.weight"), 4, hd);
+            w.mat(&format!("{p}.block_inject_weight.weight"), 4, hd);
         }
     };
-    mat(&mut w, "model.embed_tokens.weight", 32768, d);
-    mat(&mut w, "lm_head.weight", 32768, d);
-    hc(&mut w, &mut mat, "model.hyper_connection_mixer", false);
+    w.mat("model.embed_tokens.weight", 32768, d);
+    w.mat("lm_head.weight", 32768, d);
+    hc(&mut w, "model.hyper_connection_mixer", false);
     for il in 0..4 {
         let p = format!("model.layers.{il}");
-        hc(
-            &mut w,
-            &mut mat,
-            &format!("{p}.attn_hyper_connection"),
-            true,
-        );
-        hc(&mut w, &mut mat, &format!("{p}.mlp_hyper_connection"), true);
+        hc(&mut w, &format!("{p}.attn_hyper_connection"), true);
+        hc(&mut w, &format!("{p}.mlp_hyper_connection"), true);
         if il < 3 {
             let q = format!("{p}.linear_attn");
-            mat(&mut w, &format!("{q}.in_proj_qkv.weight"), 10240, d);
-            mat(&mut w, &format!("{q}.in_proj_z.weight"), 6144, d);
-            mat(&mut w, &format!("{q}.in_proj_b.weight"), 48, d);
-            mat(&mut w, &format!("{q}.in_proj_a.weight"), 48, d);
-            mat(&mut w, &format!("{q}.out_proj.weight"), d, 6144);
-            vec(&mut w, &format!("{q}.conv1d.weight"), &[10240, 1, 4], 0.25);
-            vec(&mut w, &format!("{q}.dt_bias"), &[48], 0.0);
-            vec(&mut w, &format!("{q}.A_log"), &[48], 0.0);
-            vec(&mut w, &format!("{q}.norm.weight"), &[128], 1.0);
+            w.mat(&format!("{q}.in_proj_qkv.weight"), 10240, d);
+            w.mat(&format!("{q}.in_proj_z.weight"), 6144, d);
+            w.mat(&format!("{q}.in_proj_b.weight"), 48, d);
+            w.mat(&format!("{q}.in_proj_a.weight"), 48, d);
+            w.mat(&format!("{q}.out_proj.weight"), d, 6144);
+            w.vec(&format!("{q}.conv1d.weight"), &[10240, 1, 4], 0.25);
+            w.vec(&format!("{q}.dt_bias"), &[48], 0.0);
+            w.vec(&format!("{q}.A_log"), &[48], 0.0);
+            w.vec(&format!("{q}.norm.weight"), &[128], 1.0);
         } else {
             let q = format!("{p}.self_attn");
-            mat(&mut w, &format!("{q}.q_proj.weight"), 24 * 512, d);
-            mat(&mut w, &format!("{q}.k_proj.weight"), 512, d);
-            mat(&mut w, &format!("{q}.v_proj.weight"), 512, d);
-            mat(&mut w, &format!("{q}.o_proj.weight"), d, 6144);
-            mat(&mut w, &format!("{q}.indexer.index_qk_proj.weight"), 640, d);
+            w.mat(&format!("{q}.q_proj.weight"), 24 * 512, d);
+            w.mat(&format!("{q}.k_proj.weight"), 512, d);
+            w.mat(&format!("{q}.v_proj.weight"), 512, d);
+            w.mat(&format!("{q}.o_proj.weight"), d, 6144);
+            w.mat(&format!("{q}.indexer.index_qk_proj.weight"), 640, d);
             for n in ["q_norm", "k_norm"] {
-                vec(&mut w, &format!("{q}.{n}.weight"), &[256], 0.0);
+                w.vec(&format!("{q}.{n}.weight"), &[256], 0.0);
             }
             for n in ["q_layernorm", "k_layernorm"] {
-                vec(&mut w, &format!("{q}.indexer.{n}.weight"), &[128], 0.0);
+                w.vec(&format!("{q}.indexer.{n}.weight"), &[128], 0.0);
             }
         }
         if il == 1 {
             let q = format!("{p}.ple");
             let rows = model_qwen4::ple::PleHash::new(&cfg, 0).padded_rows;
-            mat(
-                &mut w,
+            w.mat(
                 &format!("{q}.ple_embedding.ngram_embedding.shard_0.weight"),
                 rows,
                 160,
             );
-            mat(&mut w, &format!("{q}.key_proj.weight"), hd, d);
-            mat(&mut w, &format!("{q}.value_proj.weight"), d, d);
+            w.mat(&format!("{q}.key_proj.weight"), hd, d);
+            w.mat(&format!("{q}.value_proj.weight"), d, d);
             for n in ["norm_key", "norm_query", "norm_conv"] {
-                vec(&mut w, &format!("{q}.{n}.weight"), &[hd], 0.0);
+                w.vec(&format!("{q}.{n}.weight"), &[hd], 0.0);
             }
-            vec(&mut w, &format!("{q}.conv1d.weight"), &[hd, 1, 4], 0.25);
+            w.vec(&format!("{q}.conv1d.weight"), &[hd, 1, 4], 0.25);
         }
         let m = format!("{p}.mlp");
-        mat(&mut w, &format!("{m}.gate.weight"), experts, d);
+        w.mat(&format!("{m}.gate.weight"), experts, d);
         for e in 0..experts {
-            mat(
-                &mut w,
-                &format!("{m}.experts.{e}.gate_up_proj.weight"),
-                1280,
-                d,
-            );
-            mat(&mut w, &format!("{m}.experts.{e}.down_proj.weight"), d, 640);
+            w.mat(&format!("{m}.experts.{e}.gate_up_proj.weight"), 1280, d);
+            w.mat(&format!("{m}.experts.{e}.down_proj.weight"), d, 640);
         }
-        mat(
-            &mut w,
-            &format!("{m}.shared_expert.gate_proj.weight"),
-            640,
-            d,
-        );
-        mat(&mut w, &format!("{m}.shared_expert.up_proj.weight"), 640, d);
-        mat(
-            &mut w,
-            &format!("{m}.shared_expert.down_proj.weight"),
-            d,
-            640,
-        );
-        vec(
-            &mut w,
-            &format!("{m}.shared_expert_gate.weight"),
-            &[1, d],
-            0.001,
-        );
+        w.mat(&format!("{m}.shared_expert.gate_proj.weight"), 640, d);
+        w.mat(&format!("{m}.shared_expert.up_proj.weight"), 640, d);
+        w.mat(&format!("{m}.shared_expert.down_proj.weight"), d, 640);
+        w.vec(&format!("{m}.shared_expert_gate.weight"), &[1, d], 0.001);
     }
-    w.finish().unwrap();
+    w.finish();
 
     let cmf = Cmf::open(&path).unwrap();
     let (config, weights) = Weights::bind(&cmf).unwrap();
@@ -178,44 +129,5 @@ fn main() {
     let per_token = total - embed - ple_table - routed + 4 * 10 * expert_bytes;
     let model = Model::new(config, weights);
 
-    let tokens: Vec<u32> = (0..prompt as u32)
-        .map(|i| (i * 7919 + 13) % 32768)
-        .collect();
-    let mut st = SeqState::new(&model.config);
-    let t0 = Instant::now();
-    model.forward(&tokens, &mut st).unwrap();
-    let prefill = prompt as f64 / t0.elapsed().as_secs_f64();
-    let n_dec = 16;
-    let t0 = Instant::now();
-    for i in 0..n_dec {
-        model.forward(&[(i * 31 + 5) % 32768], &mut st).unwrap();
-    }
-    let dec_s = t0.elapsed().as_secs_f64() / n_dec as f64;
-
-    // Read bandwidth: sum a 1 GiB buffer with all cores (best of 3).
-    let buf = vec![1u64; 1 << 27];
-    let mut bw: f64 = 0.0;
-    for _ in 0..3 {
-        let t0 = Instant::now();
-        let s: u64 = buf
-            .par_chunks(1 << 16)
-            .map(|c| c.iter().copied().fold(0u64, u64::wrapping_add))
-            .sum();
-        std::hint::black_box(s);
-        bw = bw.max((buf.len() * 8) as f64 / t0.elapsed().as_secs_f64());
-    }
-    let bound = per_token as f64 / bw;
-    println!(
-        "dtype {} experts {experts} threads {}: prefill {prompt} tokens {prefill:.1} tok/s; decode {:.2} tok/s \
-         ({:.1} ms/token); {:.1} MB of weights per decoded token, read bandwidth {:.1} GB/s -> bound {:.1} ms/token \
-         ({:.0}% of the bandwidth bound)",
-        dtype.name(),
-        rayon::current_num_threads(),
-        1.0 / dec_s,
-        dec_s * 1e3,
-        per_token as f64 / 1e6,
-        bw / 1e9,
-        bound * 1e3,
-        100.0 * bound / dec_s
-    );
+    bench::report(&model, dtype, experts, prompt, per_token);
 }

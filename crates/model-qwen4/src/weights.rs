@@ -9,7 +9,6 @@
 
 use cmf_format::Cmf;
 use model_core::{Activation, BindError, Binder, Expert, Mat, RoutedExperts, Vector};
-use quant_codecs::CodecError;
 
 use crate::config::{ConfigError, LayerType, Qwen4ExpTextConfig};
 use crate::ple::PleHash;
@@ -23,35 +22,9 @@ pub enum WeightError {
     /// The header's config is unusable.
     #[error(transparent)]
     Config(#[from] ConfigError),
-    /// A tensor the config requires is absent.
-    #[error("missing tensor `{0}`")]
-    Missing(String),
-    /// A tensor has the wrong shape.
-    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
-    Shape {
-        /// Tensor name.
-        name: String,
-        /// Shape the config implies.
-        expected: Vec<usize>,
-        /// Stored shape.
-        found: Vec<usize>,
-    },
-    /// The payload does not decode.
-    #[error("tensor `{name}`: {source}")]
-    Codec {
-        /// Tensor name.
-        name: String,
-        /// Codec error.
-        source: CodecError,
-    },
-    /// An integer tensor is malformed.
-    #[error("tensor `{name}`: {detail}")]
-    Integer {
-        /// Tensor name.
-        name: String,
-        /// What is wrong.
-        detail: String,
-    },
+    /// A tensor is missing, has the wrong shape, or does not decode.
+    #[error(transparent)]
+    Bind(#[from] BindError),
     /// A stored PLE hash buffer disagrees with the values the config implies.
     #[error("PLE buffer `{name}` holds {found:?}, the config implies {expected:?}")]
     PleBuffer {
@@ -62,25 +35,6 @@ pub enum WeightError {
         /// Stored.
         found: Vec<i64>,
     },
-}
-
-impl From<BindError> for WeightError {
-    fn from(e: BindError) -> Self {
-        match e {
-            BindError::Missing(name) => WeightError::Missing(name),
-            BindError::Shape {
-                name,
-                expected,
-                found,
-            } => WeightError::Shape {
-                name,
-                expected,
-                found,
-            },
-            BindError::Codec { name, source } => WeightError::Codec { name, source },
-            BindError::Integer { name, detail } => WeightError::Integer { name, detail },
-        }
-    }
 }
 
 /// One gated hyper-connection site (`Qwen4ExpTextGatedResidual`).

@@ -6,6 +6,9 @@
 
 use std::path::{Path, PathBuf};
 
+pub mod bench;
+pub mod harness;
+
 pub use cmf_convert::Profile;
 pub use cmf_format::npy::Npy;
 
