@@ -229,7 +229,6 @@ fn print_report(
     Ok(())
 }
 
-/// The model at `path`, or the embedded demo model.
 /// The runner of the model at `path`, else of the embedded demo model.
 fn open_runner(path: Option<&std::path::Path>) -> anyhow::Result<engine::run::Runner> {
     Ok(match path {

@@ -41,6 +41,10 @@ fn binary_exits_non_zero_and_leaves_nothing() {
     let dir = tmp.path().join("nope");
     std::fs::create_dir(&dir).unwrap();
     std::fs::write(dir.join("config.json"), r#"{"model_type": "nope"}"#).unwrap();
+    // An empty safetensors shard: an 8-byte header length, then the header `{}`.
+    let mut shard = 2u64.to_le_bytes().to_vec();
+    shard.extend_from_slice(b"{}");
+    std::fs::write(dir.join("model.safetensors"), shard).unwrap();
     let out = tmp.path().join("x.cmf");
     let o = Command::new(env!("CARGO_BIN_EXE_cortiq"))
         .arg("convert")
