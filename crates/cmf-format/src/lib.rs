@@ -51,4 +51,4 @@ pub use preamble::{ALIGN, DATA_START, KNOWN_REQUIRED_FEATURES, MAGIC, PREAMBLE_L
 pub use reader::{Cmf, IN_MEMORY, TensorView};
 pub use sidecar::check_sidecar;
 pub use table::TensorInfo;
-pub use writer::CmfWriter;
+pub use writer::{CmfWriter, temp_files};

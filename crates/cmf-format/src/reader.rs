@@ -96,7 +96,7 @@ impl Cmf {
     /// in place is not. When that cannot be promised, use [`Cmf::read`].
     pub fn open(path: impl AsRef<Path>) -> Result<Cmf, CmfError> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| CmfError::io(path, e))?;
+        let file = open_regular(path)?;
         let len = file.metadata().map_err(|e| CmfError::io(path, e))?.len();
         let backing = if len < DATA_START {
             Backing::Owned(read_all(file, path)?)
@@ -112,7 +112,7 @@ impl Cmf {
     /// Reads the file at `path` into memory and validates it: no mapping, no contract.
     pub fn read(path: impl AsRef<Path>) -> Result<Cmf, CmfError> {
         let path = path.as_ref();
-        let file = File::open(path).map_err(|e| CmfError::io(path, e))?;
+        let file = open_regular(path)?;
         Cmf::validate(
             Backing::Owned(read_all(file, path)?),
             path.to_path_buf(),
@@ -415,4 +415,23 @@ fn check_tensors(
         }
     }
     Ok(by_name)
+}
+
+/// Opens `path` for reading if it is a regular file: a directory, a device or a FIFO is an
+/// error saying so (mapping a directory fails obscurely, reading a device never ends, opening a
+/// FIFO blocks).
+fn open_regular(path: &Path) -> Result<File, CmfError> {
+    let meta = std::fs::metadata(path).map_err(|e| CmfError::io(path, e))?;
+    if !meta.is_file() {
+        let what = if meta.is_dir() {
+            "is a directory, not a CMF file"
+        } else {
+            "is not a regular file (a device, FIFO or socket), not a CMF file"
+        };
+        return Err(CmfError::io(
+            path,
+            std::io::Error::new(std::io::ErrorKind::InvalidInput, what),
+        ));
+    }
+    File::open(path).map_err(|e| CmfError::io(path, e))
 }

@@ -328,6 +328,34 @@ impl Drop for CmfWriter {
 }
 
 /// Creates `.{name}.tmp-{pid}` in `dir`, or `…-{pid}-{n}` if that exists, never reusing a file.
+/// The temporary files writers of `target` left or are using (`.{name}.tmp-{pid}[-n]` beside
+/// it), each with the id of the process that made it. A caller removes those of processes that
+/// no longer run (a conversion killed hard), or its own on an interrupt.
+pub fn temp_files(target: &Path) -> Vec<(PathBuf, u32)> {
+    let Some(name) = target.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return Vec::new();
+    };
+    let dir = match target.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let prefix = format!(".{name}.tmp-");
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Vec::new();
+    };
+    let mut out: Vec<(PathBuf, u32)> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let file_name = e.file_name().to_string_lossy().into_owned();
+            let rest = file_name.strip_prefix(&prefix)?;
+            let pid = rest.split('-').next()?.parse().ok()?;
+            Some((e.path(), pid))
+        })
+        .collect();
+    out.sort();
+    out
+}
+
 fn create_temp(dir: &Path, name: &str) -> Result<(PathBuf, File), CmfError> {
     let pid = std::process::id();
     for n in 0..1000u32 {

@@ -41,6 +41,16 @@ pub enum ChatError {
     /// Tokenising or the forward pass.
     #[error(transparent)]
     Run(#[from] RunError),
+    /// The conversation no longer fits the context limit.
+    #[error(
+        "the conversation is {tokens} tokens, at the context limit of {limit}: /reset starts over"
+    )]
+    Context {
+        /// Tokens of the rendered conversation.
+        tokens: usize,
+        /// The limit.
+        limit: usize,
+    },
 }
 
 /// What one reply did.
@@ -72,6 +82,10 @@ pub struct Chat<'r> {
     /// The rendered prompt's ids of the last turn and the state right after them.
     saved: Option<(Vec<u32>, AnyState)>,
     sampler: Sampler,
+    /// Most tokens the conversation may hold, prompt and reply (`None`: no limit).
+    pub ctx_limit: Option<usize>,
+    /// Chunk size of a long prefill ([`GenerateOptions::prefill_chunk`]; 0 = one call).
+    pub prefill_chunk: usize,
 }
 
 /// A Jinja environment holding the chat template as `chat`, with what Hugging Face templates
@@ -155,6 +169,8 @@ impl<'r> Chat<'r> {
             eos: special(runner, &h.config, "eos_token_id"),
             saved: None,
             sampler: Sampler::new(sampling),
+            ctx_limit: None,
+            prefill_chunk: 0,
         })
     }
 
@@ -173,6 +189,7 @@ impl<'r> Chat<'r> {
     pub fn reset(&mut self) {
         self.messages.retain(|m| m.role == "system");
         self.saved = None;
+        self.sampler.reset_history();
     }
 
     /// Adds the user's message and generates the reply, handing each printable piece to
@@ -214,6 +231,16 @@ impl<'r> Chat<'r> {
         if ids.is_empty() {
             return Err(RunError::EmptyPrompt.into());
         }
+        let mut max_new = max_new;
+        if let Some(limit) = self.ctx_limit {
+            if ids.len() >= limit {
+                return Err(ChatError::Context {
+                    tokens: ids.len(),
+                    limit,
+                });
+            }
+            max_new = max_new.min(limit - ids.len());
+        }
         let (mut st, reused) = match self.saved.take() {
             // Keep at least one token to prefill: its logits start the reply.
             Some((prev, st)) if prev.len() < ids.len() && ids.starts_with(&prev) => {
@@ -226,6 +253,7 @@ impl<'r> Chat<'r> {
             stop: self.stop.clone(),
             cancel: None,
             keep_prompt_state: true,
+            prefill_chunk: self.prefill_chunk,
         };
         let g = self.runner.complete(
             &mut st,

@@ -1,15 +1,23 @@
 //! The command line, parsed by clap into a plain description of what was asked.
 //!
 //! These types stay as close to the flags as possible; each subcommand resolves them into its
-//! library options (e.g. [`engine::inspect::InspectOptions`]) in `main.rs`.
+//! library options (e.g. [`engine::inspect::InspectOptions`]) in `main.rs`. Conventions shared
+//! by every command: the model is a positional argument or `-m`, and optional wherever the
+//! embedded demo model can serve; the short flags are llama.cpp's (`-m`, `-p`, `-f`, `-n`, `-c`,
+//! `-t`, `-o`); every number is checked here, with the flag and the accepted range in the
+//! message, and negative numbers are read as values (and then refused where they make no
+//! sense), never as unknown flags.
 
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
-/// cortiq: run and inspect CMF model files.
+/// cortiq: run, chat with, convert and measure mixture-of-experts models stored as CMF files.
+///
+/// With no model given, `run`, `chat`, `logits`, `perplexity` and `inspect` use the demo model
+/// built into the binary (a 12.6 M-parameter qwen4_exp trained on Shakespeare).
 #[derive(Debug, Parser)]
-#[command(name = "cortiq", version, about, propagate_version = true)]
+#[command(name = "cortiq", version, about, long_about, propagate_version = true)]
 pub struct Cli {
     /// The subcommand.
     #[command(subcommand)]
@@ -19,39 +27,74 @@ pub struct Cli {
 /// Every subcommand.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Show what a CMF file holds: metadata, tensors, totals; optionally verify checksums.
+    /// Generate text from a prompt, streamed to stdout (CPU today).
+    Run(RunArgs),
+    /// Talk with a model through its chat template, one line per message (/help lists commands).
+    Chat(ChatArgs),
+    /// Convert a Hugging Face checkpoint directory (qwen4_exp, deepseek_v4) to one CMF file.
+    Convert(ConvertArgs),
+    /// Perplexity of a model on a text file; with --kl-base, KL and top-1 agreement vs a base.
+    Perplexity(PerplexityArgs),
+    /// Show what a CMF file holds: metadata, generation defaults, tensors; optionally verify checksums.
     Inspect(InspectArgs),
     /// Report the GPU (adapter, driver, features, limits, VRAM budget) and whether every kernel builds.
     Doctor(DoctorArgs),
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Convert a Hugging Face checkpoint directory (qwen4_exp, deepseek_v4) to one CMF file.
-    Convert(ConvertArgs),
-    /// Write float32 logits [T, vocab] of every prompt position as .npy (qwen4_exp, deepseek_v4; CPU).
+    /// Write float32 logits [T, vocab] of every prompt position as .npy (CPU).
     Logits(LogitsArgs),
-    /// Generate text from a prompt, streamed to stdout (qwen4_exp, deepseek_v4; CPU).
-    Run(RunArgs),
-    /// Talk with a model through its chat template, one line per message (/reset, /quit).
-    Chat(ChatArgs),
-    /// Perplexity of a model on a text file; with --kl-base, KL and top-1 agreement vs a base.
-    Perplexity(PerplexityArgs),
+}
+
+/// The model: positional, or `-m` as llama.cpp spells it.
+#[derive(Debug, Args)]
+pub struct ModelArg {
+    /// The CMF model file (default: the demo model built into the binary).
+    #[arg(value_name = "MODEL")]
+    pub model_pos: Option<PathBuf>,
+    /// The CMF model file (the same as the positional MODEL).
+    #[arg(
+        short = 'm',
+        long = "model",
+        value_name = "MODEL",
+        conflicts_with = "model_pos"
+    )]
+    pub model_flag: Option<PathBuf>,
+}
+
+impl ModelArg {
+    /// The model given, if any.
+    pub fn path(&self) -> Option<&std::path::Path> {
+        self.model_flag.as_deref().or(self.model_pos.as_deref())
+    }
+}
+
+/// CPU threads.
+#[derive(Debug, Args)]
+pub struct ThreadsArg {
+    /// CPU threads for the forward pass (default: every core).
+    #[arg(short = 't', long, value_name = "N", value_parser = threads, allow_negative_numbers = true)]
+    pub threads: Option<usize>,
 }
 
 /// `cortiq logits`.
 #[derive(Debug, Args)]
 pub struct LogitsArgs {
-    /// The CMF model.
-    pub model: PathBuf,
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArg,
     /// Token ids, comma-separated, used exactly as given (no BOS added).
     #[arg(long, value_delimiter = ',', required = true)]
     pub tokens: Vec<u32>,
     /// The .npy file to write.
-    #[arg(long, value_name = "FILE.npy")]
+    #[arg(short = 'o', long, value_name = "FILE.npy")]
     pub out: PathBuf,
     /// Prefill K tokens, then decode the rest one at a time (same output shape).
     #[arg(long, value_name = "K")]
     pub decode_from: Option<usize>,
+    /// Threads.
+    #[command(flatten)]
+    pub threads: ThreadsArg,
 }
 
 /// `cortiq convert`.
@@ -59,7 +102,7 @@ pub struct LogitsArgs {
 pub struct ConvertArgs {
     /// The checkpoint directory (config.json, *.safetensors, tokenizer files).
     pub input: PathBuf,
-    /// The CMF file to write.
+    /// The CMF file to write (written to a temporary file beside it, renamed when complete).
     #[arg(short, long, value_name = "OUT.cmf")]
     pub output: PathBuf,
     /// Quantisation profile: f32, f16, bf16, q8, q4, q2 or fp4 (docs/convert.md).
@@ -76,9 +119,10 @@ pub struct DeviceArgs {
     /// auto (GPU if present, else CPU), wgpu, or cpu. Default: $CORTIQ_GPU, else auto.
     #[arg(long, value_name = "BACKEND")]
     pub backend: Option<String>,
-    /// VRAM the weight arena may use, e.g. 16G. Default: $CORTIQ_VRAM, else by adapter type.
-    #[arg(long, value_name = "SIZE")]
-    pub vram: Option<String>,
+    /// VRAM the weight arena may use, e.g. 16G or 1.5T (K, M, G, T; binary units). Default:
+    /// $CORTIQ_VRAM, else by adapter type.
+    #[arg(long, value_name = "SIZE", value_parser = positive_size)]
+    pub vram: Option<u64>,
 }
 
 /// `cortiq doctor`.
@@ -109,10 +153,10 @@ pub struct BenchKernelsArgs {
     #[arg(long)]
     pub json: bool,
     /// Size of the large matrix, e.g. 1G (it must exceed every cache to measure memory).
-    #[arg(long, value_name = "SIZE", default_value = "1G")]
-    pub large: String,
-    /// Seconds of measurement per record.
-    #[arg(long, default_value_t = 0.5)]
+    #[arg(long, value_name = "SIZE", default_value = "1G", value_parser = positive_size)]
+    pub large: u64,
+    /// Seconds of measurement per record (setup, such as making the test matrices, comes on top).
+    #[arg(long, default_value_t = 0.5, value_parser = positive_seconds, allow_negative_numbers = true)]
     pub seconds: f64,
     /// Only these formats (comma-separated dtype names, e.g. q4tp,mxfp4).
     #[arg(long, value_delimiter = ',')]
@@ -122,8 +166,9 @@ pub struct BenchKernelsArgs {
 /// `cortiq inspect`.
 #[derive(Debug, Args)]
 pub struct InspectArgs {
-    /// The CMF file (default: the example model embedded in the binary).
-    pub file: Option<PathBuf>,
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArg,
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
@@ -143,69 +188,108 @@ pub fn parse() -> Cli {
     Cli::parse()
 }
 
-/// Sampling flags shared by `run` and `chat`.
+/// Sampling flags shared by `run` and `chat`. Unset flags take the model's own generation
+/// defaults (`cortiq inspect` shows them), else llama.cpp's defaults.
 #[derive(Debug, Args)]
 pub struct SamplingArgs {
-    /// Most tokens to generate.
-    #[arg(short = 'n', long, default_value_t = 128)]
+    /// Most tokens to generate (per reply in chat).
+    #[arg(short = 'n', long = "max-tokens", value_name = "N", default_value_t = 128,
+          value_parser = count, allow_negative_numbers = true)]
     pub max_tokens: usize,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long = "temp", default_value_t = 0.8)]
-    pub temperature: f32,
-    /// Keep only the K most likely tokens (0 = all).
-    #[arg(long, default_value_t = 40)]
-    pub top_k: usize,
-    /// Keep the smallest set of tokens whose probability reaches P.
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    /// Random seed.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
+    /// Sampling temperature; 0 is greedy. Default: the model's, else 0.8.
+    #[arg(long = "temp", value_name = "T", value_parser = temperature, allow_negative_numbers = true)]
+    pub temperature: Option<f32>,
+    /// Keep only the K most likely tokens (0 = all). Default: the model's, else 40.
+    #[arg(long, value_name = "K")]
+    pub top_k: Option<usize>,
+    /// Keep the smallest set of tokens whose probability reaches P, in (0, 1]. Default: the
+    /// model's, else 0.95.
+    #[arg(long, value_name = "P", value_parser = top_p, allow_negative_numbers = true)]
+    pub top_p: Option<f32>,
+    /// Drop tokens less likely than P times the most likely one, in [0, 1]. Default: the
+    /// model's, else 0.05.
+    #[arg(long, value_name = "P", value_parser = unit_interval, allow_negative_numbers = true)]
+    pub min_p: Option<f32>,
+    /// Penalise tokens seen in the last --repeat-last-n tokens (1 = off, > 1 discourages
+    /// repeats). Default: the model's, else 1.
+    #[arg(long, value_name = "X", value_parser = penalty, allow_negative_numbers = true)]
+    pub repeat_penalty: Option<f32>,
+    /// How many recent tokens the repeat penalty looks at.
+    #[arg(long, value_name = "N", default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Random seed (default: a fresh one, printed so the run can be repeated).
+    #[arg(long, value_name = "N")]
+    pub seed: Option<u64>,
+    /// Context limit in tokens, prompt included (default: the model's context length).
+    #[arg(short = 'c', long = "ctx", value_name = "N", value_parser = count,
+          allow_negative_numbers = true)]
+    pub ctx: Option<usize>,
 }
 
 /// `cortiq run`.
 #[derive(Debug, Args)]
 pub struct RunArgs {
-    /// The CMF model, with an embedded tokenizer (default: the Shakespeare demo model embedded in
-    /// the binary).
-    pub model: Option<PathBuf>,
+    /// The model.
+    #[command(flatten)]
+    pub model: ModelArg,
     /// The prompt.
-    #[arg(short = 'p', long)]
-    pub prompt: String,
+    #[arg(
+        short = 'p',
+        long,
+        required_unless_present = "file",
+        conflicts_with = "file"
+    )]
+    pub prompt: Option<String>,
+    /// Read the prompt from this text file (UTF-8, at most 256 MiB).
+    #[arg(short = 'f', long, value_name = "FILE")]
+    pub file: Option<PathBuf>,
     /// Sampling.
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Threads.
+    #[command(flatten)]
+    pub threads: ThreadsArg,
 }
 
 /// `cortiq chat`.
 #[derive(Debug, Args)]
 pub struct ChatArgs {
-    /// The CMF model, with an embedded tokenizer and chat template (default: the embedded demo).
-    pub model: Option<PathBuf>,
+    /// The model (it needs an embedded chat template).
+    #[command(flatten)]
+    pub model: ModelArg,
     /// A system message to start the conversation with.
     #[arg(long)]
     pub system: Option<String>,
-    /// Sampling (-n is per reply).
+    /// Sampling.
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Threads.
+    #[command(flatten)]
+    pub threads: ThreadsArg,
 }
 
 /// `cortiq perplexity`.
 #[derive(Debug, Args)]
 pub struct PerplexityArgs {
-    /// The CMF model.
-    pub model: PathBuf,
-    /// The text file to score (tokenised with the model's tokenizer, no special tokens added).
-    pub file: PathBuf,
-    /// Tokens per window.
-    #[arg(long, default_value_t = 512)]
+    /// `[MODEL] FILE`: the CMF model (default: the built-in demo) and the UTF-8 text file to
+    /// score (tokenised with the model's tokenizer, no special tokens added; at most 256 MiB).
+    #[arg(value_name = "PATHS", num_args = 0..=2)]
+    pub paths: Vec<PathBuf>,
+    /// The CMF model (instead of the first positional path).
+    #[arg(short = 'm', long = "model", value_name = "MODEL")]
+    pub model: Option<PathBuf>,
+    /// The text file to score (instead of the last positional path).
+    #[arg(short = 'f', long = "file", value_name = "FILE")]
+    pub file: Option<PathBuf>,
+    /// Tokens per window (at least 2).
+    #[arg(short = 'c', long, default_value_t = 512, value_parser = window, allow_negative_numbers = true)]
     pub ctx: usize,
     /// Tokens between window starts (default: ctx / 2).
-    #[arg(long)]
+    #[arg(long, value_parser = count, allow_negative_numbers = true)]
     pub stride: Option<usize>,
-    /// Score only the first N tokens of the file.
-    #[arg(long, value_name = "N")]
-    pub max_tokens: Option<usize>,
+    /// Score only the first N tokens of the text.
+    #[arg(long, value_name = "N", value_parser = count, allow_negative_numbers = true)]
+    pub limit: Option<usize>,
     /// Also run this model on the same windows: mean KL divergence and top-1 agreement of MODEL
     /// against it.
     #[arg(long, value_name = "BASE.cmf")]
@@ -213,4 +297,175 @@ pub struct PerplexityArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
+    /// Threads.
+    #[command(flatten)]
+    pub threads: ThreadsArg,
+}
+
+impl PerplexityArgs {
+    /// `(model, text)` from the positional paths and the flags.
+    pub fn resolve(&self) -> Result<(Option<PathBuf>, PathBuf), String> {
+        let mut pos = self.paths.iter().cloned();
+        let (model, file) = match (self.model.clone(), self.file.clone(), self.paths.len()) {
+            (m, Some(f), n) if n + usize::from(m.is_some()) <= 1 => (m.or(pos.next()), f),
+            (Some(m), None, 1) => (Some(m), pos.next().expect("one path")),
+            (None, None, 1) => (None, pos.next().expect("one path")),
+            (None, None, 2) => (pos.next(), pos.next().expect("two paths")),
+            (_, None, 0) => return Err("no text file to score (perplexity [MODEL] FILE)".into()),
+            _ => {
+                return Err(
+                    "too many paths: give perplexity [MODEL] FILE, or -m MODEL and -f FILE".into(),
+                );
+            }
+        };
+        Ok((model, file))
+    }
+}
+
+// ---- value checks: each names the accepted range (clap adds the flag and the value) ----
+
+fn number<T: std::str::FromStr>(s: &str) -> Result<T, String> {
+    s.trim()
+        .parse()
+        .map_err(|_| format!("`{s}` is not a number"))
+}
+
+fn finite(s: &str) -> Result<f64, String> {
+    let v: f64 = number(s)?;
+    if v.is_finite() {
+        Ok(v)
+    } else {
+        Err("must be a finite number".into())
+    }
+}
+
+fn temperature(s: &str) -> Result<f32, String> {
+    match finite(s)? {
+        v if v >= 0.0 => Ok(v as f32),
+        _ => Err("must be >= 0 (0 is greedy)".into()),
+    }
+}
+
+fn top_p(s: &str) -> Result<f32, String> {
+    match finite(s)? {
+        v if v > 0.0 && v <= 1.0 => Ok(v as f32),
+        _ => Err("must be in (0, 1]".into()),
+    }
+}
+
+fn unit_interval(s: &str) -> Result<f32, String> {
+    match finite(s)? {
+        v if (0.0..=1.0).contains(&v) => Ok(v as f32),
+        _ => Err("must be in [0, 1]".into()),
+    }
+}
+
+fn penalty(s: &str) -> Result<f32, String> {
+    match finite(s)? {
+        v if v > 0.0 => Ok(v as f32),
+        _ => Err("must be > 0 (1 is off)".into()),
+    }
+}
+
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match finite(s)? {
+        v if v > 0.0 && v <= 3600.0 => Ok(v),
+        _ => Err("must be in (0, 3600] seconds".into()),
+    }
+}
+
+fn count(s: &str) -> Result<usize, String> {
+    match number::<i128>(s)? {
+        v if v >= 1 && v <= usize::MAX as i128 => Ok(v as usize),
+        _ => Err("must be a whole number >= 1".into()),
+    }
+}
+
+fn window(s: &str) -> Result<usize, String> {
+    match count(s)? {
+        v if v >= 2 => Ok(v),
+        _ => Err("must be at least 2 (a window predicts its tokens from the ones before)".into()),
+    }
+}
+
+fn threads(s: &str) -> Result<usize, String> {
+    match number::<i128>(s)? {
+        v if (1..=4096).contains(&v) => Ok(v as usize),
+        _ => Err("must be between 1 and 4096".into()),
+    }
+}
+
+fn positive_size(s: &str) -> Result<u64, String> {
+    match gpu_runtime_size(s) {
+        Some(v) if v > 0 => Ok(v),
+        Some(_) => Err("must be larger than 0".into()),
+        None => Err("expected a size like 512M, 16G or 1.5T (K, M, G, T; binary units)".into()),
+    }
+}
+
+fn gpu_runtime_size(s: &str) -> Option<u64> {
+    engine::gpu_runtime::parse_size(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_are_checked_with_their_range() {
+        assert_eq!(temperature("0"), Ok(0.0));
+        assert!(temperature("-1").unwrap_err().contains(">= 0"));
+        assert!(temperature("nan").unwrap_err().contains("finite"));
+        assert!(temperature("inf").is_err());
+        assert!(top_p("2").unwrap_err().contains("(0, 1]"));
+        assert!(top_p("-0.5").is_err());
+        assert!(top_p("0").is_err());
+        assert_eq!(top_p("1"), Ok(1.0));
+        assert!(penalty("0").is_err());
+        assert!(count("0").is_err());
+        assert!(count("-3").is_err());
+        assert!(window("1").unwrap_err().contains("at least 2"));
+        assert!(positive_seconds("-1").is_err());
+        assert!(positive_size("0").unwrap_err().contains("larger than 0"));
+        assert_eq!(positive_size("1T"), Ok(1 << 40));
+        assert_eq!(positive_size("1.5G"), Ok(3 << 29));
+        assert!(threads("0").is_err());
+    }
+
+    #[test]
+    fn perplexity_paths_resolve_every_spelling() {
+        let args = |v: &[&str]| {
+            let cli = Cli::try_parse_from([&["cortiq", "perplexity"], v].concat()).unwrap();
+            let Command::Perplexity(p) = cli.command else {
+                unreachable!()
+            };
+            p.resolve()
+        };
+        let p = PathBuf::from;
+        assert_eq!(
+            args(&["m.cmf", "t.txt"]),
+            Ok((Some(p("m.cmf")), p("t.txt")))
+        );
+        assert_eq!(args(&["t.txt"]), Ok((None, p("t.txt"))));
+        assert_eq!(
+            args(&["-m", "m.cmf", "t.txt"]),
+            Ok((Some(p("m.cmf")), p("t.txt")))
+        );
+        assert_eq!(args(&["-f", "t.txt"]), Ok((None, p("t.txt"))));
+        assert_eq!(
+            args(&["m.cmf", "-f", "t.txt"]),
+            Ok((Some(p("m.cmf")), p("t.txt")))
+        );
+        assert!(args(&[]).is_err());
+        assert!(args(&["-m", "m.cmf", "a", "b"]).is_err());
+    }
+
+    #[test]
+    fn negative_numbers_are_values_and_refused_by_range() {
+        let e = Cli::try_parse_from(["cortiq", "run", "-p", "x", "--temp", "-1"]).unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("--temp") && msg.contains(">= 0"), "{msg}");
+        let e = Cli::try_parse_from(["cortiq", "run", "-p", "x", "-n", "-5"]).unwrap_err();
+        assert!(e.to_string().contains("whole number >= 1"), "{e}");
+    }
 }

@@ -8,8 +8,10 @@ use serde::Serialize;
 /// The doctor's findings.
 #[derive(Debug, Serialize)]
 pub struct Doctor {
-    /// `gpu` or `cpu`.
+    /// `gpu`, `gpu (software adapter)` for a CPU-emulated device such as lavapipe, or `cpu`.
     pub backend: String,
+    /// Whether the adapter is CPU-emulated (it runs every kernel, but at CPU speed).
+    pub software_adapter: bool,
     /// Why the CPU was chosen, when it was.
     pub cpu_reason: Option<String>,
     /// The one-line adapter description.
@@ -35,6 +37,7 @@ pub fn run(opts: &GpuOptions) -> Result<Doctor, gpu_runtime::GpuError> {
     match gpu_runtime::select(opts)? {
         Selected::Cpu(reason) => Ok(Doctor {
             backend: "cpu".into(),
+            software_adapter: false,
             cpu_reason: Some(reason),
             adapter: None,
             limits: Vec::new(),
@@ -46,8 +49,14 @@ pub fn run(opts: &GpuOptions) -> Result<Doctor, gpu_runtime::GpuError> {
         }),
         Selected::Gpu(ctx) => {
             let report = gpu_runtime::report::kernel_report(&ctx);
+            let software = ctx.is_software();
             Ok(Doctor {
-                backend: "gpu".into(),
+                backend: if software {
+                    "gpu (software adapter: CPU-emulated, for correctness, not speed)".into()
+                } else {
+                    "gpu".into()
+                },
+                software_adapter: software,
                 cpu_reason: None,
                 adapter: Some(ctx.describe()),
                 plan: Some(report.plan_text()),

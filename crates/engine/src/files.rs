@@ -126,18 +126,30 @@ mod tests {
         let p = dir.path().join("t.txt");
         std::fs::write(&p, "héllo").unwrap();
         assert_eq!(read_text(&p, 100).unwrap(), "héllo");
-        assert!(matches!(read_text(&p, 3), Err(FileError::TooLarge { size: 6, .. })));
+        assert!(matches!(
+            read_text(&p, 3),
+            Err(FileError::TooLarge { size: 6, .. })
+        ));
         assert!(matches!(
             read_text(dir.path(), 100),
-            Err(FileError::NotRegular { kind: "a directory", .. })
+            Err(FileError::NotRegular {
+                kind: "a directory",
+                ..
+            })
         ));
         #[cfg(unix)]
         assert!(matches!(
             check_regular(Path::new("/dev/zero")),
-            Err(FileError::NotRegular { kind: "a device", .. })
+            Err(FileError::NotRegular {
+                kind: "a device",
+                ..
+            })
         ));
         std::fs::write(&p, [b'a', 0xff]).unwrap();
-        assert!(matches!(read_text(&p, 100), Err(FileError::NotText { offset: 1, .. })));
+        assert!(matches!(
+            read_text(&p, 100),
+            Err(FileError::NotText { offset: 1, .. })
+        ));
         assert!(matches!(
             read_text(&dir.path().join("missing"), 100),
             Err(FileError::Io { .. })

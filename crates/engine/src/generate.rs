@@ -50,6 +50,9 @@ pub struct GenerateOptions {
     /// Keep a snapshot of the state right after the prompt ([`Generation::prompt_state`]), for
     /// a caller that will extend the same prompt later (chat turns, a prompt cache).
     pub keep_prompt_state: bool,
+    /// Prefill a prompt longer than this in chunks of this many tokens, reporting
+    /// [`Event::Prefill`] after each (0: one call, no progress events).
+    pub prefill_chunk: usize,
 }
 
 impl GenerateOptions {
@@ -69,6 +72,13 @@ pub enum Event<'a> {
     Token(u32),
     /// Text that is complete and can no longer become part of a stop string.
     Text(&'a str),
+    /// Prompt tokens prefilled so far, of the total (chunked prefill only).
+    Prefill {
+        /// Tokens done.
+        done: usize,
+        /// Tokens in the prompt.
+        total: usize,
+    },
 }
 
 /// Why a generation ended.
@@ -147,7 +157,28 @@ impl Runner {
         if cancelled() {
             return Ok(g);
         }
-        let logits = model.forward_last(prompt, state)?;
+        let integrity = self.model.integrity();
+        integrity.check()?;
+        let chunk = match opts.prefill_chunk {
+            0 => prompt.len(),
+            c => c,
+        };
+        let mut logits = Vec::new();
+        for (i, part) in prompt.chunks(chunk).enumerate() {
+            if i > 0 && cancelled() {
+                return Ok(g);
+            }
+            logits = model.forward_last(part, state)?;
+            if chunk < prompt.len() {
+                on_event(Event::Prefill {
+                    done: (i * chunk + part.len()),
+                    total: prompt.len(),
+                });
+            }
+        }
+        for &id in prompt {
+            sampler.accept(id);
+        }
         if opts.keep_prompt_state {
             g.prompt_state = Some(state.clone());
         }
@@ -162,6 +193,7 @@ impl Runner {
                 break Finish::Length;
             }
             g.tokens.push(next);
+            sampler.accept(next);
             on_event(Event::Token(next));
             if self.eos.contains(&next) {
                 break Finish::Eos;
@@ -194,12 +226,15 @@ impl Runner {
             if cancelled() {
                 break Finish::Cancelled;
             }
+            integrity.check()?;
             let logits = model.forward(&[next], state)?;
             next = sampler.sample(&logits);
         };
         if shown < g.text.len() {
             on_event(Event::Text(&g.text[shown..]));
         }
+        // A corrupt tensor found while the last tokens were made taints them too.
+        integrity.check()?;
         g.gen_seconds = t1.elapsed().as_secs_f64();
         Ok(g)
     }

@@ -76,6 +76,8 @@ pub struct Report {
     pub dims: Dims,
     /// Which optional parts are embedded.
     pub embedded: Embedded,
+    /// The model's own sampling settings (what `run` and `chat` use unless a flag overrides).
+    pub sampling_defaults: crate::sampling::GenerationDefaults,
     /// Sidecars the file lists.
     pub sidecars: Vec<SidecarRef>,
     /// Set when the file is itself a sidecar.
@@ -199,6 +201,7 @@ pub fn inspect_cmf(cmf: &Cmf, opts: &InspectOptions) -> Result<Report, InspectEr
             chat_template: h.chat_template.is_some(),
             generation: h.generation.is_some(),
         },
+        sampling_defaults: crate::sampling::GenerationDefaults::from_json(h.generation.as_ref()),
         sidecars: h.sidecars.clone(),
         sidecar_of: h.sidecar_of.clone(),
         tensors: cmf.tensors().iter().map(row).collect(),
@@ -427,6 +430,33 @@ impl Report {
             yes(e.chat_template),
             yes(e.generation)
         )?;
+        let g = &self.sampling_defaults;
+        if !g.is_empty() {
+            let mut parts = Vec::new();
+            if let Some(v) = g.do_sample {
+                parts.push(format!("do_sample={v}"));
+            }
+            if let Some(v) = g.temperature {
+                parts.push(format!("temperature={v}"));
+            }
+            if let Some(v) = g.top_k {
+                parts.push(format!("top_k={v}"));
+            }
+            if let Some(v) = g.top_p {
+                parts.push(format!("top_p={v}"));
+            }
+            if let Some(v) = g.min_p {
+                parts.push(format!("min_p={v}"));
+            }
+            if let Some(v) = g.repetition_penalty {
+                parts.push(format!("repetition_penalty={v}"));
+            }
+            writeln!(
+                w,
+                "sampling      {} (run/chat flags override)",
+                parts.join(" ")
+            )?;
+        }
         if self.sidecars.is_empty() {
             writeln!(w, "sidecars      none")?;
         }

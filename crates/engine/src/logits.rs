@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use crate::model::{AnyModel, BindError, ForwardError};
+use crate::model::{AnyModel, ForwardError, LoadError};
 use cmf_format::{Cmf, CmfError};
 
 pub use cmf_format::npy::{Npy, read_npy, write_npy};
@@ -38,9 +38,9 @@ pub enum LogitsError {
     /// The file does not open.
     #[error(transparent)]
     Open(#[from] CmfError),
-    /// Not a usable model.
+    /// Not a usable model (names the file).
     #[error(transparent)]
-    Weights(#[from] BindError),
+    Load(#[from] LoadError),
     /// Bad tokens.
     #[error(transparent)]
     Forward(#[from] ForwardError),
@@ -56,8 +56,14 @@ pub enum LogitsError {
 
 /// Runs the model at `path` on `opts.tokens`.
 pub fn logits(path: &Path, opts: &LogitsOptions) -> Result<Logits, LogitsError> {
-    let cmf = Cmf::open(path)?;
-    let model = AnyModel::bind(&cmf)?;
+    logits_cmf(&Cmf::open(path)?, opts)
+}
+
+/// Runs the model in `cmf` on `opts.tokens`.
+pub fn logits_cmf(cmf: &Cmf, opts: &LogitsOptions) -> Result<Logits, LogitsError> {
+    let model = AnyModel::bind(cmf).map_err(|e| LoadError::bind(cmf, e))?;
+    // Logits are reference data: every tensor's checksum is checked first.
+    cmf.verify()?;
     let t = opts.tokens.len();
     let data = match opts.decode_from {
         None => model.forward_prefill(&opts.tokens)?,

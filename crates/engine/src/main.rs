@@ -17,16 +17,56 @@ use engine::inspect::{self, InspectOptions};
 use engine::{gpu_runtime, quant_codecs};
 
 fn main() -> ExitCode {
+    quiet_mesa();
     init_logging();
     run(cli::parse())
+}
+
+/// Mesa's Vulkan loader prints `XDG_RUNTIME_DIR is invalid or not set` on stderr when the
+/// variable is missing (containers, cron, CI); that line is not ours and alarms users. Point it
+/// at a private directory before any library can read it.
+fn quiet_mesa() {
+    let ok = std::env::var_os("XDG_RUNTIME_DIR")
+        .map(std::path::PathBuf::from)
+        .is_some_and(|d| d.is_dir());
+    if ok {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("cortiq-xdg-{}", std::process::id()));
+    #[cfg(unix)]
+    let made = {
+        use std::os::unix::fs::DirBuilderExt;
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).is_ok() || dir.is_dir()
+    };
+    #[cfg(not(unix))]
+    let made = std::fs::create_dir_all(&dir).is_ok();
+    if made {
+        // SAFETY: called first thing in `main`, before any other thread exists, so nothing can
+        // read the environment concurrently.
+        unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
+    }
+}
+
+/// Sizes rayon's global pool (`-t`); the default is every core.
+fn set_threads(args: &cli::ThreadsArg) -> anyhow::Result<()> {
+    if let Some(n) = args.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .build_global()
+            .context("-t: setting up the thread pool")?;
+    }
+    Ok(())
 }
 
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(io::stderr)
+        // Colour codes only for a person at a terminal, never in a log file or a pipe.
+        .with_ansi(io::stderr().is_terminal())
         .init();
 }
 
@@ -79,8 +119,8 @@ fn run_inspect(args: InspectArgs) -> anyhow::Result<ExitCode> {
         tensor: args.tensor,
         values: args.values,
     };
-    tracing::debug!(file = ?args.file, ?opts, "inspect");
-    let report = match &args.file {
+    tracing::debug!(file = ?args.model.path(), ?opts, "inspect");
+    let report = match args.model.path() {
         Some(file) => inspect::inspect(file, &opts)?,
         None => inspect::inspect_cmf(&engine::embedded_model()?, &opts)?,
     };
@@ -99,11 +139,8 @@ fn gpu_options(args: &DeviceArgs) -> anyhow::Result<gpu_runtime::GpuOptions> {
     if let Some(b) = &args.backend {
         o.backend = b.parse()?;
     }
-    if let Some(v) = &args.vram {
-        o.vram_budget = Some(
-            gpu_runtime::parse_size(v)
-                .with_context(|| format!("--vram {v:?}: expected a size like 16G or 512M"))?,
-        );
+    if let Some(v) = args.vram {
+        o.vram_budget = Some(v);
     }
     Ok(o)
 }
@@ -128,8 +165,7 @@ fn run_bench_kernels(args: BenchKernelsArgs) -> anyhow::Result<ExitCode> {
         .collect::<anyhow::Result<Vec<_>>>()?;
     let opts = engine::bench::KernelBenchOptions {
         gpu: gpu_options(&args.device)?,
-        large_bytes: gpu_runtime::parse_size(&args.large)
-            .with_context(|| format!("--large {:?}: expected a size like 1G", args.large))?,
+        large_bytes: args.large,
         seconds: args.seconds,
         formats,
     };
@@ -147,11 +183,69 @@ fn run_bench_kernels(args: BenchKernelsArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Whether process `pid` runs (Linux: its `/proc` entry); `None` where that cannot be told.
+fn process_alive(pid: u32) -> Option<bool> {
+    let proc = std::path::Path::new("/proc");
+    proc.join("self")
+        .exists()
+        .then(|| proc.join(pid.to_string()).exists())
+}
+
+/// Checks `-o` before any work, clears what dead conversions of the same target left, and
+/// makes Ctrl-C / SIGTERM remove this conversion's temporary file before exiting.
+fn prepare_output(target: &std::path::Path) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !target.is_dir(),
+        "-o {}: is a directory; give the CMF file's path",
+        target.display()
+    );
+    let parent = match target.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => std::path::Path::new("."),
+    };
+    anyhow::ensure!(
+        parent.is_dir(),
+        "-o {}: the directory {} does not exist",
+        target.display(),
+        parent.display()
+    );
+    let own = std::process::id();
+    for (path, pid) in engine::cmf_format::temp_files(target) {
+        match process_alive(pid) {
+            Some(false) if pid != own => match std::fs::remove_file(&path) {
+                Ok(()) => eprintln!(
+                    "cortiq: removed {}, left by an interrupted conversion (process {pid})",
+                    path.display()
+                ),
+                Err(e) => eprintln!("cortiq: could not remove stale {}: {e}", path.display()),
+            },
+            _ if pid != own => eprintln!(
+                "cortiq: note: {} belongs to process {pid}, which may still be converting",
+                path.display()
+            ),
+            _ => {}
+        }
+    }
+    let target = target.to_path_buf();
+    ctrlc::set_handler(move || {
+        for (path, pid) in engine::cmf_format::temp_files(&target) {
+            if pid == own {
+                let _ = std::fs::remove_file(path);
+            }
+        }
+        eprintln!("\ncortiq: interrupted; the partial output was removed");
+        std::process::exit(130);
+    })
+    .context("installing the Ctrl-C handler")?;
+    Ok(())
+}
+
 fn run_convert(args: ConvertArgs) -> anyhow::Result<ExitCode> {
     let profile: engine::convert::Profile = args
         .quant
         .parse()
         .map_err(|e: String| anyhow::anyhow!("--quant: {e}"))?;
+    prepare_output(&args.output)?;
     let opts = engine::convert::ConvertOptions::new(args.input, args.output, profile);
     let bar = if args.quiet {
         indicatif::ProgressBar::hidden()
@@ -202,7 +296,11 @@ fn run_logits(args: LogitsArgs) -> anyhow::Result<ExitCode> {
         tokens: args.tokens,
         decode_from: args.decode_from,
     };
-    let l = engine::logits::logits(&args.model, &opts)?;
+    set_threads(&args.threads)?;
+    let l = match args.model.path() {
+        Some(p) => engine::logits::logits(p, &opts)?,
+        None => engine::logits::logits_cmf(&engine::embedded_model()?, &opts)?,
+    };
     let file = std::fs::File::create(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let mut w = io::BufWriter::new(file);
@@ -237,13 +335,65 @@ fn open_runner(path: Option<&std::path::Path>) -> anyhow::Result<engine::run::Ru
     })
 }
 
-fn sampling(args: &cli::SamplingArgs) -> engine::sampling::Sampling {
-    engine::sampling::Sampling {
-        temperature: args.temperature,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        seed: args.seed,
+/// The sampling settings: each flag given, else the model's generation default, else
+/// llama.cpp's default; a fresh seed when none is given (printed when it matters, so the run
+/// can be repeated).
+fn sampling(
+    args: &cli::SamplingArgs,
+    model: engine::sampling::GenerationDefaults,
+) -> engine::sampling::Sampling {
+    let greedy_model = model.do_sample == Some(false);
+    let temperature = args.temperature.unwrap_or(if greedy_model {
+        0.0
+    } else {
+        model.temperature.unwrap_or(0.8)
+    });
+    let seed = args.seed.unwrap_or_else(fresh_seed);
+    if temperature > 0.0 && args.seed.is_none() {
+        eprintln!("cortiq: seed {seed} (--seed {seed} repeats this run)");
     }
+    engine::sampling::Sampling {
+        temperature,
+        top_k: args.top_k.or(model.top_k).unwrap_or(40),
+        top_p: args.top_p.or(model.top_p).unwrap_or(0.95),
+        min_p: args.min_p.or(model.min_p).unwrap_or(0.05),
+        repeat_penalty: args
+            .repeat_penalty
+            .or(model.repetition_penalty)
+            .unwrap_or(1.0),
+        repeat_last_n: args.repeat_last_n,
+        seed,
+    }
+}
+
+/// A seed from the clock and the process id (not cryptographic: it only has to differ between
+/// runs).
+fn fresh_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let mut z = nanos ^ ((std::process::id() as u64) << 32);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    (z ^ (z >> 31)) % 1_000_000_000
+}
+
+/// Prompts longer than this are prefilled in chunks with a progress line on a terminal.
+const PREFILL_CHUNK: usize = 512;
+
+/// A progress bar on stderr when it is a terminal, hidden otherwise.
+fn progress_bar(len: u64, what: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&format!(
+        "{what} {{pos}}/{{len}} tokens [{{wide_bar}}] {{per_sec}} ETA {{eta}}"
+    )) {
+        bar.set_style(style);
+    }
+    bar
 }
 
 fn rate(n: usize, s: f64) -> f64 {
@@ -253,30 +403,80 @@ fn rate(n: usize, s: f64) -> f64 {
 fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
     use engine::generate::{Event, Finish, GenerateOptions};
 
-    let runner = open_runner(args.model.as_deref())?;
-    let prompt = runner.encode(&args.prompt)?;
-    let mut sampler = engine::sampling::Sampler::new(sampling(&args.sampling));
+    set_threads(&args.threads)?;
+    let runner = open_runner(args.model.path())?;
+    let text = match (&args.prompt, &args.file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => engine::files::read_text(f, engine::files::MAX_TEXT_BYTES)?,
+        (None, None) => anyhow::bail!("no prompt: give -p TEXT or -f FILE"),
+    };
+    let prompt = runner.encode(&text)?;
+    let mut max_new = args.sampling.max_tokens;
+    if let Some(ctx) = args.sampling.ctx {
+        anyhow::ensure!(
+            prompt.len() < ctx,
+            "the prompt is {} tokens: --ctx {ctx} leaves no room to generate",
+            prompt.len()
+        );
+        if prompt.len() + max_new > ctx {
+            max_new = ctx - prompt.len();
+            eprintln!(
+                "cortiq: generating at most {max_new} tokens: the prompt is {} of --ctx {ctx}",
+                prompt.len()
+            );
+        }
+    }
+    if let Some(model_ctx) = runner.context_length()
+        && prompt.len() + max_new > model_ctx
+    {
+        eprintln!(
+            "cortiq: warning: the prompt ({} tokens) plus -n {max_new} exceeds the model's context \
+             length of {model_ctx} tokens; past it the output is not what the model was trained for",
+            prompt.len()
+        );
+    }
+    let mut sampler =
+        engine::sampling::Sampler::new(sampling(&args.sampling, runner.generation_defaults()));
     let mut state = runner.model.model().new_state();
+    let bar = if prompt.len() > PREFILL_CHUNK {
+        progress_bar(prompt.len() as u64, "prefill")
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    let opts = GenerateOptions {
+        max_new,
+        prefill_chunk: if prompt.len() > PREFILL_CHUNK {
+            PREFILL_CHUNK
+        } else {
+            0
+        },
+        ..GenerateOptions::default()
+    };
     let mut out = io::stdout().lock();
     let mut write_err = None;
-    let g = runner.complete(
-        &mut state,
-        &prompt,
-        &mut sampler,
-        &GenerateOptions::new(args.sampling.max_tokens),
-        &mut |e| {
-            if let Event::Text(piece) = e
-                && write_err.is_none()
+    let g = runner.complete(&mut state, &prompt, &mut sampler, &opts, &mut |e| match e {
+        Event::Prefill { done, total } => {
+            bar.set_position(done as u64);
+            if done == total {
+                bar.finish_and_clear();
+            }
+        }
+        Event::Text(piece) => {
+            if write_err.is_none()
                 && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
             {
                 write_err = Some(e);
             }
-        },
-    )?;
+        }
+        Event::Token(_) => {}
+    })?;
     if let Some(e) = write_err {
         return Err(e.into());
     }
     writeln!(out)?;
+    // The checksum check runs beside generation; a short run waits for its verdict here, after
+    // the text, so a damaged file never passes unnoticed.
+    runner.model.integrity().wait()?;
     eprintln!(
         "cortiq: prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s){}",
         g.prompt.len(),
@@ -297,12 +497,15 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
 fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
     use std::io::{BufRead, IsTerminal};
 
-    let runner = open_runner(args.model.as_deref())?;
-    let mut chat =
-        engine::chat::Chat::new(&runner, args.system.as_deref(), sampling(&args.sampling))?;
+    set_threads(&args.threads)?;
+    let runner = open_runner(args.model.path())?;
+    let settings = sampling(&args.sampling, runner.generation_defaults());
+    let mut chat = engine::chat::Chat::new(&runner, args.system.as_deref(), settings)?;
+    chat.ctx_limit = args.sampling.ctx.or(runner.context_length());
+    const HELP: &str = "commands: /reset starts over, /quit or /exit (or Ctrl-D) ends, /help";
     let interactive = io::stdin().is_terminal();
     if interactive {
-        eprintln!("cortiq chat: one line per message; /reset starts over, /quit (or Ctrl-D) ends.");
+        eprintln!("cortiq chat: one line per message; {HELP}.");
     }
     let mut out = io::stdout().lock();
     let mut lines = io::stdin().lock().lines();
@@ -321,7 +524,20 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
                 chat.reset();
                 continue;
             }
+            "/help" => {
+                eprintln!("{HELP}");
+                continue;
+            }
+            // A slash and a word is a command; an unknown one is answered, not sent to the model.
+            c if c.starts_with('/') && c.len() > 1 && !c.contains(char::is_whitespace) => {
+                eprintln!("cortiq chat: unknown command {c}; {HELP}");
+                continue;
+            }
             _ => {}
+        }
+        if !interactive {
+            // Piped input is not echoed by a terminal: write the transcript.
+            writeln!(out, "> {line}")?;
         }
         let mut write_err = None;
         let r = chat.reply(line, args.sampling.max_tokens, &mut |piece| {
@@ -335,6 +551,9 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
             return Err(e.into());
         }
         writeln!(out)?;
+        if !interactive {
+            writeln!(out)?;
+        }
         tracing::info!(
             prefilled = r.prefilled,
             reused = r.reused,
@@ -356,27 +575,27 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
-    let runner = engine::run::Runner::open(&args.model)?;
-    let text = std::fs::read_to_string(&args.file)
-        .with_context(|| format!("reading {}", args.file.display()))?;
+    set_threads(&args.threads)?;
+    let (model, file) = args.resolve().map_err(anyhow::Error::msg)?;
+    let runner = open_runner(model.as_deref())?;
+    let text = engine::files::read_text(&file, engine::files::MAX_TEXT_BYTES)?;
     let mut ids = runner
         .tokenizer
         .encode(text.as_str(), false)
-        .map_err(|e| anyhow::anyhow!("{}: tokenizing: {e}", args.file.display()))?
+        .map_err(|e| anyhow::anyhow!("{}: tokenizing: {e}", file.display()))?
         .get_ids()
         .to_vec();
-    if let Some(n) = args.max_tokens {
+    if let Some(n) = args.limit {
         ids.truncate(n);
     }
-    let base_cmf = args
+    let base = args
         .kl_base
-        .as_ref()
-        .map(engine::cmf_format::Cmf::open)
+        .as_deref()
+        .map(|p| engine::model::LoadedModel::open(p).map(std::sync::Arc::new))
         .transpose()?;
-    let base = base_cmf
-        .as_ref()
-        .map(engine::model::AnyModel::bind)
-        .transpose()?;
+    if let Some(b) = &base {
+        engine::integrity::Integrity::start(b);
+    }
     let opts = engine::perplexity::PerplexityOptions {
         ctx: args.ctx,
         stride: args.stride.unwrap_or(args.ctx.div_ceil(2)),
@@ -385,7 +604,7 @@ fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
     let mut err = io::stderr().lock();
     let report = engine::perplexity::perplexity(
         runner.model.model(),
-        base.as_ref(),
+        base.as_ref().map(|b| b.model()),
         &ids,
         opts,
         &mut |p| {
@@ -394,6 +613,10 @@ fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
         },
     )?;
     let _ = writeln!(err);
+    runner.model.integrity().wait()?;
+    if let Some(b) = &base {
+        b.integrity().wait()?;
+    }
     print_report(args.json, &report, |w| report.write_text(w))?;
     Ok(ExitCode::SUCCESS)
 }

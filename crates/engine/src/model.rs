@@ -130,9 +130,24 @@ pub enum LoadError {
     /// The file does not open or validate.
     #[error(transparent)]
     Open(#[from] CmfError),
-    /// Not a model this engine runs.
-    #[error(transparent)]
-    Bind(#[from] BindError),
+    /// Not a model this engine runs, or its config or tensors are unusable.
+    #[error("{file}: {source}")]
+    Bind {
+        /// The model file.
+        file: String,
+        /// What is wrong.
+        source: BindError,
+    },
+}
+
+impl LoadError {
+    /// `source` from binding the model in `cmf`.
+    pub fn bind(cmf: &Cmf, source: BindError) -> LoadError {
+        LoadError::Bind {
+            file: cmf.display_path().display().to_string(),
+            source,
+        }
+    }
 }
 
 /// A CMF file and its bound model, owned together: `Send + Sync`, so an `Arc<LoadedModel>` is
@@ -140,6 +155,7 @@ pub enum LoadError {
 /// [`AnyState`]).
 pub struct LoadedModel {
     bound: Bound,
+    integrity: crate::integrity::Integrity,
 }
 
 impl std::fmt::Debug for LoadedModel {
@@ -152,15 +168,18 @@ impl std::fmt::Debug for LoadedModel {
 
 impl LoadedModel {
     /// Binds the model in `cmf`, taking ownership of the file.
-    pub fn new(cmf: Cmf) -> Result<LoadedModel, BindError> {
+    pub fn new(cmf: Cmf) -> Result<LoadedModel, LoadError> {
         Ok(LoadedModel {
-            bound: Bound::try_new(cmf, |c| AnyModel::bind(c))?,
+            bound: Bound::try_new(cmf, |c| {
+                AnyModel::bind(c).map_err(|e| LoadError::bind(c, e))
+            })?,
+            integrity: Default::default(),
         })
     }
 
     /// Opens (memory-maps) and binds the CMF at `path`.
     pub fn open(path: &Path) -> Result<LoadedModel, LoadError> {
-        Ok(Self::new(Cmf::open(path)?)?)
+        Self::new(Cmf::open(path)?)
     }
 
     /// The file.
@@ -171,5 +190,10 @@ impl LoadedModel {
     /// The bound model.
     pub fn model(&self) -> &AnyModel<'_> {
         self.bound.borrow_dependent()
+    }
+
+    /// The tensor checksum check of this model ([`crate::integrity`]).
+    pub fn integrity(&self) -> &crate::integrity::Integrity {
+        &self.integrity
     }
 }

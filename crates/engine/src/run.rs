@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cmf_format::{Cmf, CmfError};
 
 use crate::generate::{Event, GenerateOptions, Generation};
-use crate::model::{BindError, ForwardError, LoadedModel};
+use crate::model::{ForwardError, LoadError, LoadedModel};
 use crate::sampling::{Sampler, Sampling};
 
 /// Why generation could not run.
@@ -17,9 +17,9 @@ pub enum RunError {
     /// The file does not open.
     #[error(transparent)]
     Open(#[from] CmfError),
-    /// Not a model this engine runs.
+    /// Not a model this engine runs, or its config or tensors are unusable (names the file).
     #[error(transparent)]
-    Weights(#[from] BindError),
+    Load(#[from] LoadError),
     /// The forward pass refused its input.
     #[error(transparent)]
     Forward(#[from] ForwardError),
@@ -34,6 +34,9 @@ pub enum RunError {
     /// The prompt tokenised to nothing.
     #[error("the prompt is empty")]
     EmptyPrompt,
+    /// A tensor failed its checksum.
+    #[error(transparent)]
+    Corrupt(#[from] crate::integrity::IntegrityError),
 }
 
 /// A loaded model with its tokenizer and EOS ids: owns (an `Arc` of) the model, so it is
@@ -80,6 +83,7 @@ impl Runner {
     }
 
     fn with_tokenizer(model: Arc<LoadedModel>, tokenizer: tokenizers::Tokenizer) -> Runner {
+        crate::integrity::Integrity::start(&model);
         let h = model.cmf().header();
         let mut eos = h
             .generation
@@ -96,6 +100,24 @@ impl Runner {
             tokenizer,
             eos,
         }
+    }
+
+    /// The model's context length (`max_position_embeddings` of its config), if it states one.
+    pub fn context_length(&self) -> Option<usize> {
+        self.model
+            .cmf()
+            .header()
+            .config
+            .get("max_position_embeddings")
+            .and_then(serde_json::Value::as_u64)
+            .map(|n| n as usize)
+    }
+
+    /// The model's own sampling settings (its generation defaults).
+    pub fn generation_defaults(&self) -> crate::sampling::GenerationDefaults {
+        crate::sampling::GenerationDefaults::from_json(
+            self.model.cmf().header().generation.as_ref(),
+        )
     }
 
     /// The prompt's ids (special tokens as the tokenizer's post-processor adds them).

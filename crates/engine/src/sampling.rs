@@ -1,5 +1,9 @@
-//! Choosing the next token from logits: greedy at temperature 0, else temperature, top-k and
-//! top-p (nucleus) over a softmax in f64, drawn with a seeded generator so a run repeats.
+//! Choosing the next token from logits: a repetition penalty over the recent tokens, then greedy
+//! at temperature 0, else temperature, top-k, top-p (nucleus) and min-p over a softmax in f64,
+//! drawn with a seeded generator so a run repeats. [`GenerationDefaults`] reads a model's own
+//! settings (its `generation_config.json`), which the command line overrides.
+
+use std::collections::VecDeque;
 
 /// Sampling settings (the `cortiq run` flags).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -10,6 +14,13 @@ pub struct Sampling {
     pub top_k: usize,
     /// Keep the smallest set of tokens whose probability reaches p (1 = all).
     pub top_p: f32,
+    /// Drop tokens less likely than `min_p` times the most likely one (0 = off).
+    pub min_p: f32,
+    /// Divide positive logits (multiply negative ones) of recently seen tokens by this
+    /// (1 = off; the CTRL / transformers `repetition_penalty` rule).
+    pub repeat_penalty: f32,
+    /// How many of the most recent tokens (prompt included) the penalty looks at.
+    pub repeat_last_n: usize,
     /// Seed of the generator.
     pub seed: u64,
 }
@@ -20,8 +31,60 @@ impl Default for Sampling {
             temperature: 0.0,
             top_k: 0,
             top_p: 1.0,
+            min_p: 0.0,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
             seed: 0,
         }
+    }
+}
+
+/// A model's own sampling settings (the CMF header's generation defaults, from the checkpoint's
+/// `generation_config.json`); absent fields are `None`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize)]
+pub struct GenerationDefaults {
+    /// `do_sample`: `false` means greedy.
+    pub do_sample: Option<bool>,
+    /// `temperature`.
+    pub temperature: Option<f32>,
+    /// `top_k`.
+    pub top_k: Option<usize>,
+    /// `top_p`.
+    pub top_p: Option<f32>,
+    /// `min_p`.
+    pub min_p: Option<f32>,
+    /// `repetition_penalty`.
+    pub repetition_penalty: Option<f32>,
+}
+
+impl GenerationDefaults {
+    /// Reads the fields from a `generation_config.json` value (`None` or malformed fields are
+    /// absent).
+    pub fn from_json(v: Option<&serde_json::Value>) -> GenerationDefaults {
+        let Some(v) = v else {
+            return GenerationDefaults::default();
+        };
+        let f = |k: &str| {
+            v.get(k)
+                .and_then(serde_json::Value::as_f64)
+                .map(|x| x as f32)
+        };
+        GenerationDefaults {
+            do_sample: v.get("do_sample").and_then(serde_json::Value::as_bool),
+            temperature: f("temperature"),
+            top_k: v
+                .get("top_k")
+                .and_then(serde_json::Value::as_u64)
+                .map(|x| x as usize),
+            top_p: f("top_p"),
+            min_p: f("min_p"),
+            repetition_penalty: f("repetition_penalty"),
+        }
+    }
+
+    /// Whether any field is set.
+    pub fn is_empty(&self) -> bool {
+        *self == GenerationDefaults::default()
     }
 }
 
@@ -30,6 +93,7 @@ impl Default for Sampling {
 pub struct Sampler {
     cfg: Sampling,
     state: u64,
+    recent: VecDeque<u32>,
 }
 
 impl Sampler {
@@ -38,7 +102,47 @@ impl Sampler {
         Sampler {
             cfg,
             state: cfg.seed ^ 0x9e37_79b9_7f4a_7c15,
+            recent: VecDeque::new(),
         }
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &Sampling {
+        &self.cfg
+    }
+
+    /// Records a token of the sequence (prompt or generated) for the repetition penalty.
+    pub fn accept(&mut self, id: u32) {
+        if self.cfg.repeat_penalty == 1.0 || self.cfg.repeat_last_n == 0 {
+            return;
+        }
+        if self.recent.len() == self.cfg.repeat_last_n {
+            self.recent.pop_front();
+        }
+        self.recent.push_back(id);
+    }
+
+    /// Forgets the recorded tokens (a new sequence).
+    pub fn reset_history(&mut self) {
+        self.recent.clear();
+    }
+
+    /// `logits` with the repetition penalty applied to every recent token (once each).
+    fn penalised<'l>(&self, logits: &'l [f32]) -> std::borrow::Cow<'l, [f32]> {
+        let p = self.cfg.repeat_penalty;
+        if p == 1.0 || self.recent.is_empty() {
+            return std::borrow::Cow::Borrowed(logits);
+        }
+        let mut out = logits.to_vec();
+        let mut seen: Vec<u32> = self.recent.iter().copied().collect();
+        seen.sort_unstable();
+        seen.dedup();
+        for id in seen {
+            if let Some(l) = out.get_mut(id as usize) {
+                *l = if *l > 0.0 { *l / p } else { *l * p };
+            }
+        }
+        std::borrow::Cow::Owned(out)
     }
 
     /// splitmix64, as a uniform number in [0, 1).
@@ -52,6 +156,8 @@ impl Sampler {
 
     /// The next token for `logits` (one row of the vocabulary).
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let logits = self.penalised(logits);
+        let logits = &logits[..];
         if self.cfg.temperature <= 0.0 {
             return argmax(logits);
         }
@@ -81,6 +187,15 @@ impl Sampler {
                 keep = i + 1;
                 break;
             }
+        }
+        // Min-p: drop what is less likely than `min_p` times the top token (probs are sorted).
+        if self.cfg.min_p > 0.0 {
+            let floor = probs[0] * self.cfg.min_p as f64;
+            keep = probs[..keep]
+                .iter()
+                .take_while(|&&p| p >= floor)
+                .count()
+                .max(1);
         }
         let total: f64 = probs[..keep].iter().sum();
         let mut u = self.uniform() * total;
@@ -124,6 +239,7 @@ mod tests {
             top_k: 1,
             top_p: 1.0,
             seed: 7,
+            ..Sampling::default()
         });
         for _ in 0..20 {
             assert_eq!(s.sample(&logits), 1);
@@ -134,6 +250,7 @@ mod tests {
             top_k: 0,
             top_p: 0.9,
             seed: 3,
+            ..Sampling::default()
         });
         let mut seen = [0usize; 4];
         for _ in 0..2000 {
@@ -151,6 +268,7 @@ mod tests {
             top_k: 0,
             top_p: 1.0,
             seed: 42,
+            ..Sampling::default()
         };
         let draw = |n| {
             let mut s = Sampler::new(cfg);
@@ -162,5 +280,63 @@ mod tests {
             let f = d.iter().filter(|&&x| x == tok).count() as f64 / d.len() as f64;
             assert!((f - want).abs() < 0.01, "token {tok}: {f} vs {want}");
         }
+    }
+
+    #[test]
+    fn min_p_drops_tokens_below_its_share_of_the_top_one() {
+        // Probabilities 0.5, 0.3, 0.15, 0.05: min_p 0.2 keeps those >= 0.1 (tokens 0, 1, 2).
+        let logits = [0.5f32.ln(), 0.3f32.ln(), 0.15f32.ln(), 0.05f32.ln()];
+        let mut s = Sampler::new(Sampling {
+            temperature: 1.0,
+            min_p: 0.2,
+            seed: 11,
+            ..Sampling::default()
+        });
+        let mut seen = [0usize; 4];
+        for _ in 0..3000 {
+            seen[s.sample(&logits) as usize] += 1;
+        }
+        assert_eq!(seen[3], 0, "{seen:?}");
+        // The kept mass renormalised: 0.5/0.95 of the draws are token 0.
+        let f0 = seen[0] as f64 / 3000.0;
+        assert!((f0 - 0.5 / 0.95).abs() < 0.03, "{seen:?}");
+    }
+
+    #[test]
+    fn the_repeat_penalty_follows_the_ctrl_rule() {
+        // Token 1 was seen: its positive logit 2.0 becomes 2.0 / 2.5 = 0.8 < token 2's 1.0;
+        // token 0's negative logit -1 becomes -2.5.
+        let mut s = Sampler::new(Sampling {
+            repeat_penalty: 2.5,
+            ..Sampling::default()
+        });
+        let logits = [-1.0f32, 2.0, 1.0];
+        assert_eq!(s.sample(&logits), 1);
+        s.accept(1);
+        s.accept(1);
+        assert_eq!(s.sample(&logits), 2);
+        assert_eq!(&s.penalised(&logits)[..], &[-1.0, 0.8, 1.0]);
+        s.accept(0);
+        assert_eq!(&s.penalised(&logits)[..], &[-2.5, 0.8, 1.0]);
+        // Only the last `repeat_last_n` tokens count.
+        let mut s = Sampler::new(Sampling {
+            repeat_penalty: 2.5,
+            repeat_last_n: 1,
+            ..Sampling::default()
+        });
+        s.accept(1);
+        s.accept(0);
+        assert_eq!(s.sample(&logits), 1);
+    }
+
+    #[test]
+    fn generation_defaults_read_the_models_config() {
+        let v =
+            serde_json::json!({"do_sample": true, "temperature": 0.6, "top_k": 20, "top_p": 0.95});
+        let d = GenerationDefaults::from_json(Some(&v));
+        assert_eq!(d.temperature, Some(0.6));
+        assert_eq!(d.top_k, Some(20));
+        assert_eq!(d.min_p, None);
+        assert!(GenerationDefaults::from_json(None).is_empty());
     }
 }

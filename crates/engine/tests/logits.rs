@@ -3,7 +3,7 @@
 
 use engine::convert::{ConvertOptions, Profile, convert};
 use engine::logits::{LogitsError, LogitsOptions, logits, write_npy};
-use engine::model::BindError;
+use engine::model::{BindError, LoadError};
 use std::path::{Path, PathBuf};
 
 /// The container example (`cargo xtask tiny-cmf`): an architecture no model crate runs.
@@ -127,8 +127,15 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
         },
     );
     match arch {
-        Err(LogitsError::Weights(e @ BindError::Architecture(_))) => {
-            assert!(e.to_string().contains("unsupported architecture"), "{e}")
+        Err(LogitsError::Load(
+            e @ LoadError::Bind {
+                source: BindError::Architecture(_),
+                ..
+            },
+        )) => {
+            let msg = e.to_string();
+            assert!(msg.contains("unsupported architecture"), "{msg}");
+            assert!(msg.contains("other.cmf"), "the error names the file: {msg}");
         }
         other => panic!("{other:?}"),
     }

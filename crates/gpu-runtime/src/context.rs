@@ -85,7 +85,8 @@ fn default_cache_dir() -> Option<PathBuf> {
     Some(base.join("cortiq"))
 }
 
-/// Parses `16G`, `512M`, `64K`, `1.5G` or a plain byte count (binary units).
+/// Parses `16G`, `512M`, `64K`, `1.5G`, `2T` or a plain byte count (binary units; a trailing
+/// `B` or `iB` is allowed).
 pub fn parse_size(s: &str) -> Option<u64> {
     let s = s.trim();
     let s = s
@@ -95,13 +96,15 @@ pub fn parse_size(s: &str) -> Option<u64> {
         .or_else(|| s.strip_suffix('b'))
         .unwrap_or(s);
     let (num, mult) = match s.char_indices().last()? {
+        (i, 'T' | 't') => (&s[..i], 1u64 << 40),
         (i, 'G' | 'g') => (&s[..i], 1u64 << 30),
         (i, 'M' | 'm') => (&s[..i], 1 << 20),
         (i, 'K' | 'k') => (&s[..i], 1 << 10),
         _ => (s, 1),
     };
     let v: f64 = num.trim().parse().ok()?;
-    (v.is_finite() && v >= 0.0).then_some((v * mult as f64) as u64)
+    let bytes = v * mult as f64;
+    (v.is_finite() && v >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
 }
 
 /// The VRAM budget used when none is given. wgpu does not report memory sizes, so it is derived
@@ -313,6 +316,12 @@ impl GpuContext {
         m & !15
     }
 
+    /// Whether the adapter is CPU-emulated (lavapipe, WARP, SwiftShader): every kernel runs,
+    /// at CPU speed.
+    pub fn is_software(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
+    }
+
     /// One line: adapter, backend, type, driver, subgroups, features, binding limit, budget.
     pub fn describe(&self) -> String {
         let i = &self.info;
@@ -392,6 +401,8 @@ mod tests {
         assert_eq!(parse_size("512M"), Some(512 << 20));
         assert_eq!(parse_size("1.5GiB"), Some(3 << 29));
         assert_eq!(parse_size("4096"), Some(4096));
+        assert_eq!(parse_size("1T"), Some(1 << 40));
+        assert_eq!(parse_size("1e30T"), None);
         assert_eq!(parse_size("lots"), None);
         assert_eq!(parse_size("-1G"), None);
     }

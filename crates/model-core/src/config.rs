@@ -87,6 +87,18 @@ macro_rules! config_enum {
     };
 }
 
+/// `Err` with the rule broken unless every value is a finite number above 0 (epsilons, RoPE
+/// bases, scaling factors: 0, a negative value or NaN would not fail loudly, it would make
+/// every logit NaN or the model silently wrong). Returns the first offending field.
+pub fn check_positive(values: &[(&'static str, f64)]) -> Result<(), (&'static str, String)> {
+    for &(field, v) in values {
+        if !(v.is_finite() && v > 0.0) {
+            return Err((field, format!("must be a finite number > 0, got {v}")));
+        }
+    }
+    Ok(())
+}
+
 /// The message for an unknown spelling of `E`.
 pub fn unknown<E: ConfigEnum>(found: &str) -> String {
     format!(
@@ -138,5 +150,16 @@ mod tests {
         let e = check_field::<Kind>(&json!({"k": ["a", "c"]}), "k").unwrap_err();
         assert_eq!(e, "unsupported value `c` (accepted: a, alias_a, b)");
         assert!(check_field::<Kind>(&json!({"k": 3}), "k").is_err());
+    }
+
+    #[test]
+    fn positive_values_are_checked() {
+        assert_eq!(check_positive(&[("a", 1e-6), ("b", 3.0)]), Ok(()));
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(
+                check_positive(&[("a", 1.0), ("eps", bad)]).unwrap_err().0,
+                "eps"
+            );
+        }
     }
 }

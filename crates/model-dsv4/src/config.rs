@@ -512,6 +512,14 @@ impl DeepseekV4Config {
     /// and rules it enforces by construction (marked "construction"), and that every tensor
     /// size the weights are bound with fits in `usize`.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        model_core::config::check_positive(&[
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("hc_eps", self.hc_eps),
+            ("routed_scaling_factor", self.routed_scaling_factor),
+            ("rope_theta", self.rope_theta),
+            ("compress_rope_theta", self.compress_rope_theta),
+        ])
+        .map_err(|(field, rule)| invalid(field, rule))?;
         let n = self.num_hidden_layers;
         check_layers(n)?;
         let types = self.layer_types.as_deref().unwrap_or(&[]);

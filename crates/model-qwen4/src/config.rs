@@ -340,6 +340,16 @@ impl Qwen4ExpTextConfig {
     /// `Qwen4ExpTextConfig.validate_architecture` (quoted per check) plus shape rules the
     /// reference enforces by construction (marked "construction").
     pub fn validate(&self) -> Result<(), ConfigError> {
+        let rope = self.rope();
+        model_core::config::check_positive(&[
+            ("rms_norm_eps", self.rms_norm_eps),
+            ("rope_parameters.rope_theta", rope.rope_theta),
+            (
+                "rope_parameters.partial_rotary_factor",
+                rope.partial_rotary_factor,
+            ),
+        ])
+        .map_err(|(field, rule)| invalid(field, rule))?;
         let types = self.layer_types.as_deref().unwrap_or(&[]);
         if types.len() != self.num_hidden_layers {
             return Err(invalid(

@@ -26,7 +26,11 @@ pub enum WeightError {
     #[error(transparent)]
     Bind(#[from] BindError),
     /// A stored PLE hash buffer disagrees with the values the config implies.
-    #[error("PLE buffer `{name}` holds {found:?}, the config implies {expected:?}")]
+    #[error(
+        "PLE buffer `{name}` holds {found:?}, but the config implies {expected:?} (derived from \
+         vocab_size, ngram_vocab_size_base, ngram_size, heads_per_ngram and seed: do they match \
+         the checkpoint?)"
+    )]
     PleBuffer {
         /// Tensor name.
         name: String,
