@@ -9,6 +9,10 @@
 //! FFN 640, top-10, gated shared expert 640, PLE on the 2nd layer) but 4 layers (3 GDN + 1
 //! attention), EXPERTS routed experts (default 64, release 512), vocab 32768 and a small PLE
 //! n-gram table. Matrices in DTYPE (default q8_2f), vectors f32.
+//!
+//! With `CORTIQ_BENCH_KEEP=FILE.cmf` it only writes the model there, with the demo model's
+//! tokenizer embedded, for measuring the `cortiq` binary on a multi-GB file (e.g. 256 experts
+//! make about 5 GB at q8_2f).
 
 use cmf_format::Cmf;
 use model_qwen4::{Model, Weights};
@@ -35,8 +39,17 @@ fn main() {
     });
     let cfg = model_qwen4::Qwen4ExpTextConfig::from_json(&config).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("synthetic.cmf");
-    let mut w = SyntheticWriter::create(&path, "qwen4_exp", config, dtype);
+    let keep = std::env::var_os("CORTIQ_BENCH_KEEP").map(std::path::PathBuf::from);
+    let path = keep
+        .clone()
+        .unwrap_or_else(|| dir.path().join("synthetic.cmf"));
+    let mut header = cmf_format::Header::new("qwen4_exp");
+    header.config = config;
+    if keep.is_some() {
+        let demo = test_support::workspace().join("assets/shakespeare.cmf");
+        header.tokenizer = Cmf::open(&demo).unwrap().header().tokenizer.clone();
+    }
+    let mut w = SyntheticWriter::with_header(&path, header, dtype);
     let (d, hd, r) = (2560, 4 * 2560, 320);
     let hc = |w: &mut SyntheticWriter, p: &str, inject: bool| {
         w.vec(&format!("{p}.hc_norm.weight"), &[hd], 0.0);
@@ -105,6 +118,11 @@ fn main() {
         w.vec(&format!("{m}.shared_expert_gate.weight"), &[1, d], 0.001);
     }
     w.finish();
+    if keep.is_some() {
+        let bytes = std::fs::metadata(&path).unwrap().len();
+        println!("wrote {} ({:.2} GB)", path.display(), bytes as f64 / 1e9);
+        return;
+    }
 
     let cmf = Cmf::open(&path).unwrap();
     let (config, weights) = Weights::bind(&cmf).unwrap();

@@ -28,6 +28,12 @@ impl SyntheticWriter {
     ) -> Self {
         let mut header = Header::new(architecture);
         header.config = config;
+        Self::with_header(path, header, dtype)
+    }
+
+    /// A new file at `path` with `header` (e.g. one carrying a tokenizer, so `cortiq run` can
+    /// drive the synthetic model).
+    pub fn with_header(path: &Path, header: Header, dtype: DType) -> Self {
         SyntheticWriter {
             writer: CmfWriter::create(path, header).unwrap_or_else(|e| panic!("{e}")),
             dtype,
