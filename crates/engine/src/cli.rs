@@ -84,13 +84,18 @@ pub struct LogitsArgs {
     #[command(flatten)]
     pub model: ModelArg,
     /// Token ids, comma-separated, used exactly as given (no BOS added).
-    #[arg(long, value_delimiter = ',', required = true)]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        required = true,
+        allow_negative_numbers = true
+    )]
     pub tokens: Vec<u32>,
     /// The .npy file to write.
     #[arg(short = 'o', long, value_name = "FILE.npy")]
     pub out: PathBuf,
     /// Prefill K tokens, then decode the rest one at a time (same output shape).
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "K", allow_negative_numbers = true)]
     pub decode_from: Option<usize>,
     /// Threads.
     #[command(flatten)]
@@ -179,7 +184,12 @@ pub struct InspectArgs {
     #[arg(long, value_name = "NAME")]
     pub tensor: Option<String>,
     /// With --tensor: print its first N values, dequantised to f32.
-    #[arg(long, value_name = "N", requires = "tensor")]
+    #[arg(
+        long,
+        value_name = "N",
+        requires = "tensor",
+        allow_negative_numbers = true
+    )]
     pub values: Option<usize>,
 }
 
@@ -200,7 +210,7 @@ pub struct SamplingArgs {
     #[arg(long = "temp", value_name = "T", value_parser = temperature, allow_negative_numbers = true)]
     pub temperature: Option<f32>,
     /// Keep only the K most likely tokens (0 = all). Default: the model's, else 40.
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "K", allow_negative_numbers = true)]
     pub top_k: Option<usize>,
     /// Keep the smallest set of tokens whose probability reaches P, in (0, 1]. Default: the
     /// model's, else 0.95.
@@ -215,10 +225,15 @@ pub struct SamplingArgs {
     #[arg(long, value_name = "X", value_parser = penalty, allow_negative_numbers = true)]
     pub repeat_penalty: Option<f32>,
     /// How many recent tokens the repeat penalty looks at.
-    #[arg(long, value_name = "N", default_value_t = 64)]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value_t = 64,
+        allow_negative_numbers = true
+    )]
     pub repeat_last_n: usize,
     /// Random seed (default: a fresh one, printed so the run can be repeated).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub seed: Option<u64>,
     /// Context limit in tokens, prompt included (default: the model's context length).
     #[arg(short = 'c', long = "ctx", value_name = "N", value_parser = count,
@@ -467,5 +482,14 @@ mod tests {
         assert!(msg.contains("--temp") && msg.contains(">= 0"), "{msg}");
         let e = Cli::try_parse_from(["cortiq", "run", "-p", "x", "-n", "-5"]).unwrap_err();
         assert!(e.to_string().contains("whole number >= 1"), "{e}");
+        // Every numeric flag reads a negative number as its value, then refuses it.
+        for flag in ["--top-k", "--repeat-last-n", "--seed"] {
+            let e = Cli::try_parse_from(["cortiq", "run", "-p", "x", flag, "-1"]).unwrap_err();
+            let msg = e.to_string();
+            assert!(
+                msg.contains("invalid value '-1'") && msg.contains(flag),
+                "{msg}"
+            );
+        }
     }
 }
