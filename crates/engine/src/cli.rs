@@ -235,7 +235,8 @@ pub struct SamplingArgs {
     /// Random seed (default: a fresh one, printed so the run can be repeated).
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub seed: Option<u64>,
-    /// Context limit in tokens, prompt included (default: the model's context length).
+    /// Context limit in tokens, prompt included. Default: none for run (it warns past the
+    /// model's context length), the model's context length for chat.
     #[arg(short = 'c', long = "ctx", value_name = "N", value_parser = count,
           allow_negative_numbers = true)]
     pub ctx: Option<usize>,

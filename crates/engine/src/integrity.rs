@@ -5,7 +5,8 @@
 //! does not wait for a full read of a multi-GB file.
 //!
 //! `CORTIQ_VERIFY=off` skips the check; `CORTIQ_VERIFY=sync` hashes everything before the first
-//! token (what `cortiq inspect --verify` does, with every bad tensor listed).
+//! token. Either way the check stops at the first bad tensor; `cortiq inspect --verify` lists
+//! every one.
 
 use std::sync::{Arc, Condvar, Mutex, Weak};
 

@@ -211,8 +211,16 @@ fn prepare_output(target: &std::path::Path) -> anyhow::Result<()> {
     );
     let own = std::process::id();
     for (path, pid) in engine::cmf_format::temp_files(target) {
+        // A live writer (perhaps in another PID namespace sharing this directory) touches its
+        // file continuously: only one idle for a minute and of a process not running here is
+        // stale.
+        let idle = std::fs::metadata(&path)
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|d| d > std::time::Duration::from_secs(60));
         match process_alive(pid) {
-            Some(false) if pid != own => match std::fs::remove_file(&path) {
+            Some(false) if pid != own && idle => match std::fs::remove_file(&path) {
                 Ok(()) => eprintln!(
                     "cortiq: removed {}, left by an interrupted conversion (process {pid})",
                     path.display()
@@ -342,6 +350,7 @@ fn sampling(
     args: &cli::SamplingArgs,
     model: engine::sampling::GenerationDefaults,
 ) -> engine::sampling::Sampling {
+    let model = model.checked();
     let greedy_model = model.do_sample == Some(false);
     let temperature = args.temperature.unwrap_or(if greedy_model {
         0.0
@@ -418,7 +427,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
             "the prompt is {} tokens: --ctx {ctx} leaves no room to generate",
             prompt.len()
         );
-        if prompt.len() + max_new > ctx {
+        if prompt.len().saturating_add(max_new) > ctx {
             max_new = ctx - prompt.len();
             eprintln!(
                 "cortiq: generating at most {max_new} tokens: the prompt is {} of --ctx {ctx}",
@@ -427,7 +436,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
         }
     }
     if let Some(model_ctx) = runner.context_length()
-        && prompt.len() + max_new > model_ctx
+        && prompt.len().saturating_add(max_new) > model_ctx
     {
         eprintln!(
             "cortiq: warning: the prompt ({} tokens) plus -n {max_new} exceeds the model's context \
@@ -540,16 +549,30 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
             writeln!(out, "> {line}")?;
         }
         let mut write_err = None;
-        let r = chat.reply(line, args.sampling.max_tokens, &mut |piece| {
+        let reply = chat.reply(line, args.sampling.max_tokens, &mut |piece| {
             if write_err.is_none()
                 && let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush())
             {
                 write_err = Some(e);
             }
-        })?;
+        });
         if let Some(e) = write_err {
             return Err(e.into());
         }
+        let r = match reply {
+            Ok(r) => r,
+            // What the user can fix in the conversation ends the turn, not the session (the
+            // conversation is as it was before the message).
+            Err(
+                e @ (engine::chat::ChatError::Context { .. }
+                | engine::chat::ChatError::Template(_)
+                | engine::chat::ChatError::Run(engine::run::RunError::EmptyPrompt)),
+            ) => {
+                eprintln!("cortiq chat: {e}");
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
         writeln!(out)?;
         if !interactive {
             writeln!(out)?;

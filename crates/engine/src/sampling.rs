@@ -82,6 +82,29 @@ impl GenerationDefaults {
         }
     }
 
+    /// The same settings with every value outside its range dropped (with a warning): a
+    /// config's `repetition_penalty: 0` or `top_p: 2` must not reach the sampler, where the
+    /// command line would have refused them.
+    pub fn checked(mut self) -> GenerationDefaults {
+        fn keep(name: &str, v: &mut Option<f32>, ok: impl Fn(f32) -> bool) {
+            if let Some(x) = *v
+                && !(x.is_finite() && ok(x))
+            {
+                tracing::warn!(
+                    "ignoring the model's generation default {name} = {x}: out of range"
+                );
+                *v = None;
+            }
+        }
+        keep("temperature", &mut self.temperature, |x| x >= 0.0);
+        keep("top_p", &mut self.top_p, |x| x > 0.0 && x <= 1.0);
+        keep("min_p", &mut self.min_p, |x| (0.0..=1.0).contains(&x));
+        keep("repetition_penalty", &mut self.repetition_penalty, |x| {
+            x > 0.0
+        });
+        self
+    }
+
     /// Whether any field is set.
     pub fn is_empty(&self) -> bool {
         *self == GenerationDefaults::default()
@@ -158,7 +181,11 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         let logits = self.penalised(logits);
         let logits = &logits[..];
-        if self.cfg.temperature <= 0.0 {
+        // A NaN or +inf logit (a damaged row) would make every probability NaN: such a row is
+        // decided by argmax, whose rules for them are defined (NaN never wins, +inf does).
+        let degenerate = logits.iter().any(|v| v.is_nan() || *v == f32::INFINITY)
+            || logits.iter().all(|v| *v == f32::NEG_INFINITY);
+        if self.cfg.temperature <= 0.0 || degenerate {
             return argmax(logits);
         }
         let mut order: Vec<u32> = (0..logits.len() as u32).collect();
@@ -338,5 +365,29 @@ mod tests {
         assert_eq!(d.top_k, Some(20));
         assert_eq!(d.min_p, None);
         assert!(GenerationDefaults::from_json(None).is_empty());
+        let bad =
+            serde_json::json!({"temperature": -1, "top_p": 2, "repetition_penalty": 0, "top_k": 5});
+        let d = GenerationDefaults::from_json(Some(&bad)).checked();
+        assert_eq!(
+            (d.temperature, d.top_p, d.repetition_penalty, d.top_k),
+            (None, None, None, Some(5))
+        );
+    }
+
+    #[test]
+    fn non_finite_logits_never_poison_sampling() {
+        let mut s = Sampler::new(Sampling {
+            temperature: 1.0,
+            seed: 5,
+            ..Sampling::default()
+        });
+        for _ in 0..50 {
+            assert_eq!(s.sample(&[0.0, f32::NAN, 2.0, -1.0]), 2);
+            assert_eq!(s.sample(&[0.0, f32::INFINITY, 2.0]), 1);
+        }
+        // -inf alone is a masked token, not a degenerate row.
+        for _ in 0..50 {
+            assert_ne!(s.sample(&[f32::NEG_INFINITY, 0.0, 0.1]), 0);
+        }
     }
 }

@@ -343,6 +343,13 @@ fn convert_cleans_up_after_interrupts() {
     // A dead conversion's leftover (no process has this id: ids stay below 2^22 on Linux).
     let stale = dir.path().join(".x.cmf.tmp-4194305");
     std::fs::write(&stale, b"partial").unwrap();
+    // Idle for an hour: a live writer's file is never that old.
+    std::fs::File::options()
+        .write(true)
+        .open(&stale)
+        .unwrap()
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_cortiq"))
         .args(["convert", fixture_hf("shakespeare").to_str().unwrap(), "-o"])
         .arg(&out)
@@ -380,4 +387,31 @@ fn convert_cleans_up_after_interrupts() {
             .verify()
             .unwrap();
     }
+}
+
+/// A message that does not fit the context ends that turn with a message, not the session.
+#[test]
+fn chat_survives_a_turn_past_the_context() {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cortiq"))
+        .args(["chat", "-c", "8", "--temp", "0", "-n", "4"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"Good morrow, fair lady, how fares thy noble father?\n/help\n")
+        .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let err = stderr(&o);
+    assert!(o.status.success(), "{err}");
+    assert!(err.contains("context limit of 8"), "{err}");
+    assert!(
+        err.contains("commands:"),
+        "the session went on to /help: {err}"
+    );
 }
