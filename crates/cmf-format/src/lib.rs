@@ -48,7 +48,7 @@ pub use header::{
     Dims, FORMAT, Header, Provenance, Quantization, SidecarOf, SidecarRef, SourceFile,
 };
 pub use preamble::{ALIGN, DATA_START, KNOWN_REQUIRED_FEATURES, MAGIC, PREAMBLE_LEN, VERSION};
-pub use reader::{Cmf, IN_MEMORY, TensorView};
+pub use reader::{Cmf, IN_MEMORY, TensorView, non_regular_kind};
 pub use sidecar::check_sidecar;
 pub use table::TensorInfo;
 pub use writer::{CmfWriter, temp_files};

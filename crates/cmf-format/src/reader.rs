@@ -417,20 +417,42 @@ fn check_tensors(
     Ok(by_name)
 }
 
-/// Opens `path` for reading if it is a regular file: a directory, a device or a FIFO is an
-/// error saying so (mapping a directory fails obscurely, reading a device never ends, opening a
-/// FIFO blocks).
+/// What a path that is not a regular file is, in words (`None` for a regular file): opening a
+/// directory as a model fails obscurely, reading a device never ends, opening a FIFO blocks.
+pub fn non_regular_kind(meta: &std::fs::Metadata) -> Option<&'static str> {
+    let t = meta.file_type();
+    if t.is_file() {
+        return None;
+    }
+    if t.is_dir() {
+        return Some("a directory");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileTypeExt;
+        if t.is_fifo() {
+            return Some("a FIFO");
+        }
+        if t.is_socket() {
+            return Some("a socket");
+        }
+        if t.is_char_device() || t.is_block_device() {
+            return Some("a device");
+        }
+    }
+    Some("not a regular file")
+}
+
+/// Opens `path` for reading if it is a regular file; otherwise an error saying what it is.
 fn open_regular(path: &Path) -> Result<File, CmfError> {
     let meta = std::fs::metadata(path).map_err(|e| CmfError::io(path, e))?;
-    if !meta.is_file() {
-        let what = if meta.is_dir() {
-            "is a directory, not a CMF file"
-        } else {
-            "is not a regular file (a device, FIFO or socket), not a CMF file"
-        };
+    if let Some(kind) = non_regular_kind(&meta) {
         return Err(CmfError::io(
             path,
-            std::io::Error::new(std::io::ErrorKind::InvalidInput, what),
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("is {kind}, not a regular file (a CMF model is one file)"),
+            ),
         ));
     }
     File::open(path).map_err(|e| CmfError::io(path, e))

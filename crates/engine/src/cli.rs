@@ -412,15 +412,11 @@ fn threads(s: &str) -> Result<usize, String> {
 }
 
 fn positive_size(s: &str) -> Result<u64, String> {
-    match gpu_runtime_size(s) {
+    match engine::gpu_runtime::parse_size(s) {
         Some(v) if v > 0 => Ok(v),
         Some(_) => Err("must be larger than 0".into()),
         None => Err("expected a size like 512M, 16G or 1.5T (K, M, G, T; binary units)".into()),
     }
-}
-
-fn gpu_runtime_size(s: &str) -> Option<u64> {
-    engine::gpu_runtime::parse_size(s)
 }
 
 #[cfg(test)]

@@ -54,35 +54,13 @@ pub fn check_regular(path: &Path) -> Result<u64, FileError> {
         path: path.to_path_buf(),
         source,
     })?;
-    if meta.is_file() {
-        return Ok(meta.len());
+    match cmf_format::non_regular_kind(&meta) {
+        None => Ok(meta.len()),
+        Some(kind) => Err(FileError::NotRegular {
+            path: path.to_path_buf(),
+            kind,
+        }),
     }
-    Err(FileError::NotRegular {
-        path: path.to_path_buf(),
-        kind: kind_of(&meta),
-    })
-}
-
-/// What a non-regular file is, in words.
-fn kind_of(meta: &std::fs::Metadata) -> &'static str {
-    let t = meta.file_type();
-    if t.is_dir() {
-        return "a directory";
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::FileTypeExt;
-        if t.is_fifo() {
-            return "a FIFO";
-        }
-        if t.is_socket() {
-            return "a socket";
-        }
-        if t.is_char_device() || t.is_block_device() {
-            return "a device";
-        }
-    }
-    "not a regular file"
 }
 
 /// Reads the UTF-8 text file at `path`, refusing anything but a regular file of at most `limit`

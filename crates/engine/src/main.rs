@@ -357,7 +357,7 @@ fn sampling(
     } else {
         model.temperature.unwrap_or(0.8)
     });
-    let seed = args.seed.unwrap_or_else(fresh_seed);
+    let seed = args.seed.unwrap_or_else(engine::sampling::fresh_seed);
     if temperature > 0.0 && args.seed.is_none() {
         eprintln!("cortiq: seed {seed} (--seed {seed} repeats this run)");
     }
@@ -373,18 +373,6 @@ fn sampling(
         repeat_last_n: args.repeat_last_n,
         seed,
     }
-}
-
-/// A seed from the clock and the process id (not cryptographic: it only has to differ between
-/// runs).
-fn fresh_seed() -> u64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let mut z = nanos ^ ((std::process::id() as u64) << 32);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)) % 1_000_000_000
 }
 
 /// Prompts longer than this are prefilled in chunks with a progress line on a terminal.

@@ -171,10 +171,7 @@ impl Sampler {
     /// splitmix64, as a uniform number in [0, 1).
     fn uniform(&mut self) -> f64 {
         self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64
+        (mix64(self.state) >> 11) as f64 / (1u64 << 53) as f64
     }
 
     /// The next token for `logits` (one row of the vocabulary).
@@ -234,6 +231,22 @@ impl Sampler {
         }
         order[keep - 1]
     }
+}
+
+/// splitmix64's output function: a well-spread 64-bit value from any input.
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// A seed for a run that was given none, from the clock and the process id (it only has to
+/// differ between runs), below 10^9 so it is easy to type back as `--seed`.
+pub fn fresh_seed() -> u64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    mix64(nanos ^ ((std::process::id() as u64) << 32)) % 1_000_000_000
 }
 
 /// The index of the largest logit, the lowest on ties (NaN never wins).

@@ -421,3 +421,20 @@ fn matmat_or_cpu_falls_back_with_the_cpu_result() {
     assert!(matmat_or_cpu(Some((ctx, &arena)), 32, "ok", &m, &[0.5; 63]).is_err());
     assert!(matmat_or_cpu(None, 32, "ok", &m, &[0.5; 63]).is_err());
 }
+
+/// The report `cortiq doctor` prints: every codec's matvec at 1 and 8 rows plus the two
+/// read-bandwidth probes, each built on this adapter.
+#[test]
+fn the_kernel_report_builds_every_kernel() {
+    let Some(ctx) = ctx() else { return };
+    let r = gpu_runtime::report::kernel_report(ctx);
+    assert_eq!(r.kernels.len(), 2 * kernels_wgsl::Codec::ALL.len() + 2);
+    assert!(r.all_ok(), "{:?}", r.kernels);
+    assert!(
+        r.limits
+            .iter()
+            .any(|(k, v)| k == "max_buffer_size" && *v > 0)
+    );
+    assert!(r.plan_text().contains("lanes per workgroup"));
+    eprintln!("software adapter: {}", ctx.is_software());
+}
