@@ -193,9 +193,9 @@ pub struct InspectArgs {
     pub values: Option<usize>,
 }
 
-/// Parses `std::env::args`, exiting with clap's usage message on error.
-pub fn parse() -> Cli {
-    Cli::parse()
+/// Parses `std::env::args`; `Err` carries clap's usage message (or `--help` / `--version`).
+pub fn parse() -> Result<Cli, clap::Error> {
+    Cli::try_parse()
 }
 
 /// Sampling flags shared by `run` and `chat`. Unset flags take the model's own generation

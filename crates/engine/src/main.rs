@@ -17,34 +17,49 @@ use engine::inspect::{self, InspectOptions};
 use engine::{gpu_runtime, quant_codecs};
 
 fn main() -> ExitCode {
-    quiet_mesa();
+    let xdg = quiet_mesa();
     init_logging();
-    run(cli::parse())
+    let code = match cli::parse() {
+        Ok(cli) => run(cli),
+        Err(e) => {
+            // Usage errors exit 2, --help and --version 0, as clap's own exit would.
+            let _ = e.print();
+            ExitCode::from(e.exit_code().clamp(0, 255) as u8)
+        }
+    };
+    if let Some(dir) = xdg {
+        // Ours and empty (Mesa only checks that it exists); a leftover would pile up per run.
+        let _ = std::fs::remove_dir(dir);
+    }
+    code
 }
 
 /// Mesa's Vulkan loader prints `XDG_RUNTIME_DIR is invalid or not set` on stderr when the
 /// variable is missing (containers, cron, CI); that line is not ours and alarms users. Point it
-/// at a private directory before any library can read it.
-fn quiet_mesa() {
+/// at a private directory before any library can read it; returns it, for removal at exit.
+fn quiet_mesa() -> Option<std::path::PathBuf> {
     let ok = std::env::var_os("XDG_RUNTIME_DIR")
         .map(std::path::PathBuf::from)
         .is_some_and(|d| d.is_dir());
     if ok {
-        return;
+        return None;
     }
     let dir = std::env::temp_dir().join(format!("cortiq-xdg-{}", std::process::id()));
+    // Created fresh (not an existing directory someone else made), mode 0700.
     #[cfg(unix)]
     let made = {
         use std::os::unix::fs::DirBuilderExt;
-        std::fs::DirBuilder::new().mode(0o700).create(&dir).is_ok() || dir.is_dir()
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).is_ok()
     };
     #[cfg(not(unix))]
-    let made = std::fs::create_dir_all(&dir).is_ok();
-    if made {
-        // SAFETY: called first thing in `main`, before any other thread exists, so nothing can
-        // read the environment concurrently.
-        unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
+    let made = std::fs::create_dir(&dir).is_ok();
+    if !made {
+        return None;
     }
+    // SAFETY: called first thing in `main`, before any other thread exists, so nothing can read
+    // the environment concurrently.
+    unsafe { std::env::set_var("XDG_RUNTIME_DIR", &dir) };
+    Some(dir)
 }
 
 /// Sizes rayon's global pool (`-t`); the default is every core.
@@ -242,6 +257,13 @@ fn prepare_output(target: &std::path::Path) -> anyhow::Result<()> {
             }
         }
         eprintln!("\ncortiq: interrupted; the partial output was removed");
+        if let Some(dir) = std::env::var_os("XDG_RUNTIME_DIR").map(std::path::PathBuf::from)
+            && dir
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with("cortiq-xdg-"))
+        {
+            let _ = std::fs::remove_dir(dir);
+        }
         std::process::exit(130);
     })
     .context("installing the Ctrl-C handler")?;
