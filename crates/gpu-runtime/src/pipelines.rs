@@ -11,7 +11,10 @@ use parking_lot::Mutex;
 
 use crate::GpuError;
 
-type Key = (String, String, Vec<(String, u64)>);
+/// Name, entry point, constants, and the explicit layout's address (0 for an automatic one): the
+/// same shader and constants under another layout is another pipeline, whose bind groups would
+/// not fit the first.
+type Key = (String, String, Vec<(String, u64)>, usize);
 
 /// The pipeline table of one device.
 pub(crate) struct Pipelines {
@@ -83,6 +86,7 @@ impl Pipelines {
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_bits()))
                 .collect(),
+            layout.map_or(0, |l| l as *const wgpu::PipelineLayout as usize),
         );
         let label = format!("{name}:{entry}{constants:?}");
         if let Some(hit) = self.map.lock().get(&key) {

@@ -1,7 +1,7 @@
 //! What a device offers and whether every kernel family builds on it: the runtime's own
 //! report, so a front end (`cortiq doctor`) shows it without knowing how pipelines are made.
 
-use kernels_wgsl::{Codec, Matvec};
+use kernels_wgsl::{Codec, Epilogue};
 
 use crate::GpuContext;
 use crate::ops::matvec::Plan;
@@ -39,12 +39,12 @@ pub fn kernel_report(ctx: &GpuContext) -> KernelReport {
     let mut kernels = Vec::new();
     for codec in Codec::ALL {
         for nt in [1, 8] {
-            let k = plan.kernel(codec, nt);
-            let status = ctx
-                .compute_pipeline(&k.name(), &|| k.source(), Matvec::ENTRY, &plan.constants())
+            // Built exactly as a matvec dispatch builds it (same layout), so the report checks
+            // the pipelines that will run.
+            let status = crate::ops::matvec::codec_pipeline(ctx, codec, nt, plan, Epilogue::None)
                 .map(|_| ())
                 .map_err(|e| e.to_string());
-            kernels.push((k.name(), status));
+            kernels.push((plan.kernel(codec, nt).name(), status));
         }
     }
     for entry in ["read_bw", "tiny"] {

@@ -159,6 +159,18 @@ pub fn pipeline(
     epilogue: Epilogue,
 ) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
     let codec = kernel_codec(m.dtype).ok_or(GpuError::UnsupportedDtype { dtype: m.dtype })?;
+    codec_pipeline(ctx, codec, nt, plan, epilogue)
+}
+
+/// The pipeline for `codec`, `nt` token rows and `epilogue` under `plan`, with the matvec
+/// bind-group layout: the one every matvec dispatch (and `cortiq doctor`'s report) uses.
+pub fn codec_pipeline(
+    ctx: &GpuContext,
+    codec: kernels_wgsl::Codec,
+    nt: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
     let k = plan.fused_kernel(codec, nt, epilogue);
     let (_, pl) = ctx.matvec_layout();
     ctx.pipelines.get(
