@@ -25,6 +25,7 @@
 #[cfg(target_endian = "big")]
 compile_error!("cortiq's formats are little-endian and the kernels read them in place");
 
+pub mod act8;
 mod dtype;
 mod error;
 pub mod float;
