@@ -135,6 +135,8 @@ pub struct DeviceCaps {
     pub pipeline_cache: bool,
     /// Binding arrays of storage buffers.
     pub binding_arrays: bool,
+    /// The f16 <-> f32 conversion builtins (`unpack2x16float`): the hardware f16 matvec.
+    pub f16_in_f32: bool,
 }
 
 impl DeviceCaps {
@@ -144,6 +146,7 @@ impl DeviceCaps {
             subgroups: self.subgroups,
             binding_arrays: self.binding_arrays,
             shader_f16: self.shader_f16,
+            f16_in_f32: self.f16_in_f32,
         }
     }
 }
@@ -167,6 +170,8 @@ pub struct GpuContext {
     pub vram_budget: u64,
     pub(crate) pipelines: Pipelines,
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pub(crate) act_quant_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     /// Errors no scope caught (logged; the last few kept for `doctor`).
     pub uncaptured: Arc<Mutex<Vec<String>>>,
 }
@@ -281,6 +286,10 @@ impl GpuContext {
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             pipeline_cache: features.contains(wgpu::Features::PIPELINE_CACHE),
             binding_arrays: features.contains(wgpu::Features::STORAGE_RESOURCE_BINDING_ARRAY),
+            f16_in_f32: adapter
+                .get_downlevel_capabilities()
+                .flags
+                .contains(wgpu::DownlevelFlags::SHADER_F16_IN_F32),
         };
         let vram_budget = opts
             .vram_budget
@@ -301,6 +310,8 @@ impl GpuContext {
             vram_budget,
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),
+            i8_layout: std::sync::OnceLock::new(),
+            act_quant_layout: std::sync::OnceLock::new(),
             uncaptured,
         };
         tracing::info!("{}", ctx.describe());
@@ -338,6 +349,7 @@ impl GpuContext {
             (c.timestamps, "timestamps"),
             (c.pipeline_cache, "pipeline-cache"),
             (c.binding_arrays, "binding-arrays"),
+            (c.f16_in_f32, "f16-in-f32"),
         ] {
             if on {
                 feats.push(name.to_string());

@@ -34,10 +34,19 @@ pub use context::{
     BackendChoice, DeviceCaps, GpuContext, GpuOptions, Selected, default_budget, parse_size, select,
 };
 pub use error::GpuError;
-pub use kernels_wgsl::Epilogue;
+pub use kernels_wgsl::{ActLayout, Epilogue, Path};
 
 impl GpuContext {
     pub(crate) fn matvec_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         self.matvec_layout.get_or_init(|| ops::matvec::layout(self))
+    }
+
+    pub(crate) fn i8_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.i8_layout.get_or_init(|| ops::matvec::i8_layout(self))
+    }
+
+    pub(crate) fn act_quant_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.act_quant_layout
+            .get_or_init(|| ops::act8::layout(self))
     }
 }

@@ -2,35 +2,12 @@
 //! kernel), on whatever adapter is present: lavapipe in CI, where `CORTIQ_REQUIRE_GPU=1` makes a
 //! missing adapter a failure rather than a skip.
 
-use std::sync::OnceLock;
+mod common;
 
+use common::{ctx, rng, weights};
 use gpu_runtime::ops::matvec::{self, POISON, Plan};
-use gpu_runtime::{GpuContext, GpuError, GpuOptions, WeightArena};
+use gpu_runtime::{GpuContext, GpuError, WeightArena};
 use quant_codecs::{DType, MatRef, quantize};
-
-fn ctx() -> Option<&'static GpuContext> {
-    static CTX: OnceLock<Option<GpuContext>> = OnceLock::new();
-    CTX.get_or_init(|| {
-        let opts = GpuOptions {
-            pipeline_cache_dir: None,
-            ..GpuOptions::default()
-        };
-        match GpuContext::new(&opts) {
-            Ok(c) => {
-                eprintln!("adapter: {}", c.describe());
-                Some(c)
-            }
-            Err(e) if std::env::var("CORTIQ_REQUIRE_GPU").as_deref() == Ok("1") => {
-                panic!("CORTIQ_REQUIRE_GPU=1 but no GPU: {e}")
-            }
-            Err(e) => {
-                eprintln!("no GPU adapter, GPU tests skipped: {e}");
-                None
-            }
-        }
-    })
-    .as_ref()
-}
 
 const GPU_DTYPES: [DType; 6] = [
     DType::F16,
@@ -40,23 +17,6 @@ const GPU_DTYPES: [DType; 6] = [
     DType::Q2tp,
     DType::Mxfp4,
 ];
-
-fn rng(seed: u64) -> impl FnMut() -> f32 {
-    let mut s = seed | 1;
-    move || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0
-    }
-}
-
-fn weights(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
-    let mut r = rng(seed);
-    (0..rows * cols)
-        .map(|i| r() * if i % cols < 8 { 4.0 } else { 1.0 } * (1.0 + (i / cols % 5) as f32))
-        .collect()
-}
 
 /// Checks GPU output against f64 math on the decoded matrix: |err| <= 4e-6 * sum |w x|.
 fn check(dtype: DType, rows: usize, cols: usize, w: &[f32], xs: &[f32], got: &[f32]) {

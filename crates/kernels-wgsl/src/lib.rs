@@ -6,24 +6,31 @@
 //! will build them.
 //!
 //! ```
-//! use kernels_wgsl::{Caps, Codec, Epilogue, Matvec, Reduce, Specialization, validate};
+//! use kernels_wgsl::{Caps, Codec, Epilogue, Matvec, Path, Reduce, Specialization, validate};
 //!
-//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None };
-//! assert_eq!(k.name(), "matvec_q4tp_smem_t8_r4");
+//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None, path: Path::Int8 };
+//! assert_eq!(k.name(), "matvec_q4tp_i8_smem_t8_r4");
 //! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64)).unwrap();
 //! ```
 #![deny(missing_docs)]
 
 use std::borrow::Cow;
 
+mod generate;
+
 /// WGSL sources, embedded.
 mod src {
+    pub const DECODE: &str = include_str!("../wgsl/decode.wgsl");
     pub const COMMON: &str = include_str!("../wgsl/common.wgsl");
+    pub const MATVEC_COMMON: &str = include_str!("../wgsl/matvec_common.wgsl");
     pub const MATVEC: &str = include_str!("../wgsl/matvec.wgsl");
+    pub const MATVEC_I8: &str = include_str!("../wgsl/matvec_i8.wgsl");
+    pub const ACT_QUANT: &str = include_str!("../wgsl/act_quant.wgsl");
     pub const REDUCE_SG: &str = include_str!("../wgsl/reduce_sg.wgsl");
     pub const REDUCE_SMEM: &str = include_str!("../wgsl/reduce_smem.wgsl");
     pub const READ_BW: &str = include_str!("../wgsl/read_bw.wgsl");
     pub const F16: &str = include_str!("../wgsl/f16.wgsl");
+    pub const F16_HW: &str = include_str!("../wgsl/f16_hw.wgsl");
     pub const BF16: &str = include_str!("../wgsl/bf16.wgsl");
     pub const Q8_2F: &str = include_str!("../wgsl/q8_2f.wgsl");
     pub const Q4TP: &str = include_str!("../wgsl/q4tp.wgsl");
@@ -97,6 +104,17 @@ impl Codec {
         }
     }
 
+    /// How the int8 path lays a block's activation codes out for this codec (its weight
+    /// unpacking's element order); `None` for the float codecs, which have no int8 path.
+    pub const fn act_layout(self) -> Option<ActLayout> {
+        match self {
+            Codec::F16 | Codec::Bf16 => None,
+            Codec::Q8_2f | Codec::Mxfp4 => Some(ActLayout::Natural),
+            Codec::Q4tp => Some(ActLayout::Pairs),
+            Codec::Q2tp => Some(ActLayout::Quads),
+        }
+    }
+
     fn source(self) -> &'static str {
         match self {
             Codec::F16 => src::F16,
@@ -105,6 +123,65 @@ impl Codec {
             Codec::Q4tp => src::Q4TP,
             Codec::Q2tp => src::Q2TP,
             Codec::Mxfp4 => src::MXFP4,
+        }
+    }
+}
+
+/// The element order of a 32-activation block's 8 code words on the int8 path (act_quant.wgsl).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ActLayout {
+    /// Word `w` holds elements `4w .. 4w + 3` (q8_2f, mxfp4 through its byte table).
+    Natural = 0,
+    /// Word `2k + h` holds elements `8k + h + {0, 2, 4, 6}`: a q4tp word's low nibbles, then
+    /// its high nibbles.
+    Pairs = 1,
+    /// Word `4k + j` holds elements `16k + j + {0, 4, 8, 12}`: a q2tp word's 2-bit fields at
+    /// shift `2j`.
+    Quads = 2,
+}
+
+impl ActLayout {
+    /// The byte (word * 4 + byte) element `e` (0..32) of a block goes to.
+    pub const fn slot(self, e: usize) -> usize {
+        match self {
+            ActLayout::Natural => e,
+            ActLayout::Pairs => (2 * (e >> 3) + (e & 1)) * 4 + ((e & 7) >> 1),
+            ActLayout::Quads => (4 * (e >> 4) + (e & 3)) * 4 + ((e & 15) >> 2),
+        }
+    }
+}
+
+/// What the activations are and how the weights meet them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Path {
+    /// f32 activations, weights decoded to f32 (every codec; f16 by integer bit construction).
+    #[default]
+    F32,
+    /// f32 activations, f16 weights through the hardware conversion (`unpack2x16float`; needs
+    /// [`Caps::f16_in_f32`]). f16 only.
+    HwF16,
+    /// Activations quantised to int8 per 32-block by [`ACT_QUANT_ENTRY`]'s kernel, integer dot
+    /// products (`dot4I8Packed`) with the weight codes (docs/codecs.md, "int8 activations").
+    /// q8_2f, q4tp, q2tp and mxfp4.
+    Int8,
+}
+
+impl Path {
+    /// Name suffix.
+    pub const fn suffix(self) -> &'static str {
+        match self {
+            Path::F32 => "",
+            Path::HwF16 => "_hw",
+            Path::Int8 => "_i8",
+        }
+    }
+
+    /// Whether `codec` has this path.
+    pub const fn supports(self, codec: Codec) -> bool {
+        match self {
+            Path::F32 => true,
+            Path::HwF16 => matches!(codec, Codec::F16),
+            Path::Int8 => codec.act_layout().is_some(),
         }
     }
 }
@@ -154,6 +231,8 @@ pub struct Matvec {
     pub rows: u32,
     /// What happens to a finished row sum before it is written.
     pub epilogue: Epilogue,
+    /// The activation path.
+    pub path: Path,
 }
 
 /// A fused step after the matvec, saving a dispatch and a round trip through memory.
@@ -188,8 +267,9 @@ impl Matvec {
     /// Systematic name, e.g. `matvec_q4tp_sg_t8_r4`.
     pub fn name(&self) -> String {
         format!(
-            "matvec_{}_{}_t{}_r{}{}",
+            "matvec_{}{}_{}_t{}_r{}{}",
             self.codec.name(),
+            self.path.suffix(),
             self.reduce.suffix(),
             self.nt,
             self.rows,
@@ -197,146 +277,85 @@ impl Matvec {
         )
     }
 
-    /// The assembled module: common decoders, the codec's chunk decoder, the reduction, the
-    /// skeleton, and the body generated for `nt` and `rows`. (WGSL has no includes or
-    /// generics; concatenation plus [`Matvec::body`] is the whole template step.)
+    /// The assembled module: the decoders, the codec's chunk decoder (f32 paths), the
+    /// reduction, the skeleton, and the body generated for `nt`, `rows` and the path. (WGSL has
+    /// no includes or generics; concatenation plus [`Matvec::body`] is the whole template step.)
     pub fn source(&self) -> String {
         let reduce = match self.reduce {
             Reduce::Subgroup => src::REDUCE_SG,
             Reduce::SharedMemory => src::REDUCE_SMEM,
         };
-        [
-            src::COMMON,
-            self.codec.source(),
-            reduce,
-            src::MATVEC,
-            &self.body(),
-        ]
-        .join("\n")
+        let body = self.body();
+        match self.path {
+            Path::F32 | Path::HwF16 => {
+                let codec = if self.path == Path::HwF16 {
+                    src::F16_HW
+                } else {
+                    self.codec.source()
+                };
+                [
+                    src::DECODE,
+                    src::COMMON,
+                    codec,
+                    reduce,
+                    src::MATVEC_COMMON,
+                    src::MATVEC,
+                    &body,
+                ]
+                .join("\n")
+            }
+            Path::Int8 => [
+                src::DECODE,
+                src::COMMON,
+                reduce,
+                src::MATVEC_COMMON,
+                src::MATVEC_I8,
+                &body,
+            ]
+            .join("\n"),
+        }
     }
 
-    /// The generated `matvec_body`: lane `l` of a row group walks chunks `l, l + LANES, ...`
-    /// of its `rows` rows; per chunk it loads each row's 16 bytes and scale once, then for each
-    /// of the chunk's vec4s loads the `nt` activation vectors once and adds
-    /// `dot(weight, x)` into accumulator `a{r}_{t}`; finally each accumulator is reduced across
-    /// the row group and lane 0 writes it.
+    /// The generated `matvec_body` (see the `generate` module): on the f32 paths lane `l` of a
+    /// row group walks chunks `l, l + LANES, ...` of its `rows` rows, decoding each 16-byte
+    /// chunk once for all `nt` token rows; on the int8 path it unpacks each block's weight
+    /// codes once and takes one integer dot product per token row.
+    ///
+    /// # Panics
+    /// On the int8 path with a float codec (the registry never builds one).
     pub fn body(&self) -> String {
-        use std::fmt::Write;
-        let pair = self.epilogue == Epilogue::SiluGateUp;
-        let (nt, nr, kv) = (
-            self.nt.clamp(1, 8),
-            if pair { 2 } else { self.rows.clamp(1, 4) },
-            self.codec.chunk_vec4(),
-        );
-        let mut b = String::new();
-        let _ = writeln!(
-            b,
-            "fn matvec_body(wid: vec3<u32>, li: u32, sg_size: u32, sg_lane: u32) {{"
-        );
-        let _ = writeln!(b, "    let wg = wid.x + wid.y * P.wg_x;");
-        if pair {
-            // Row group g computes gate row g and up row g + half.
-            let _ = writeln!(b, "    let first = wg * (WG / LANES) + li / LANES;");
-        } else {
-            let _ = writeln!(
-                b,
-                "    let first = (wg * (WG / LANES) + li / LANES) * {nr}u;"
-            );
+        match self.path {
+            Path::F32 | Path::HwF16 => generate::body_f32(self),
+            Path::Int8 => generate::body_i8(self),
         }
-        let _ = writeln!(b, "    let lane = li % LANES;");
-        let _ = writeln!(b, "    let last = P.rows - 1u;");
-        let _ = writeln!(b, "    let x_row = P.cols / 4u;");
-        for r in 0..nr {
-            // Rows past the end reuse the last row; their sums are never written.
-            if pair {
-                let _ = writeln!(
-                    b,
-                    "    let row{r} = min(first, P.half - 1u) + {r}u * P.half;"
-                );
-            } else {
-                let _ = writeln!(b, "    let row{r} = min(first + {r}u, last);");
-            }
-            for t in 0..nt {
-                let _ = writeln!(b, "    var a{r}_{t} = 0.0;");
-            }
-        }
-        let _ = writeln!(
-            b,
-            "    for (var c = lane; c < row_chunks(); c = c + LANES) {{"
-        );
-        let _ = writeln!(b, "        let xc = c * CHUNK_VEC4;");
-        for r in 0..nr {
-            let _ = writeln!(b, "        let v{r} = wv[chunk_index(row{r}, c)];");
-            let _ = writeln!(b, "        let s{r} = chunk_scale(row{r}, c);");
-        }
-        for k in 0..kv {
-            let _ = writeln!(b, "        {{");
-            let _ = writeln!(b, "            let xs = x_scale(c, {k}u);");
-            for t in 0..nt {
-                let _ = writeln!(
-                    b,
-                    "            let x{t} = x[{t}u * x_row + xc + {k}u] * xs;"
-                );
-            }
-            for r in 0..nr {
-                let _ = writeln!(b, "            let w{r} = weight4(v{r}, s{r}, {k}u);");
-                for t in 0..nt {
-                    let _ = writeln!(b, "            a{r}_{t} = a{r}_{t} + dot(w{r}, x{t});");
-                }
-            }
-            let _ = writeln!(b, "        }}");
-        }
-        let _ = writeln!(b, "    }}");
-        if pair {
-            for t in 0..nt {
-                let _ = writeln!(b, "    {{");
-                let _ = writeln!(
-                    b,
-                    "        let g = row_finish(reduce(a0_{t}, li, lane, sg_size, sg_lane), row0);"
-                );
-                let _ = writeln!(
-                    b,
-                    "        let u = row_finish(reduce(a1_{t}, li, lane, sg_size, sg_lane), row1);"
-                );
-                let _ = writeln!(b, "        if (lane == 0u && first < P.half) {{");
-                let _ = writeln!(
-                    b,
-                    "            y[{t}u * P.y_stride + P.row_offset + first] = silu(g) * u;"
-                );
-                let _ = writeln!(b, "        }}");
-                let _ = writeln!(b, "    }}");
-            }
-        } else {
-            let act = if self.epilogue == Epilogue::Silu {
-                "silu"
-            } else {
-                ""
-            };
-            for r in 0..nr {
-                for t in 0..nt {
-                    let _ = writeln!(b, "    {{");
-                    let _ = writeln!(
-                        b,
-                        "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
-                    );
-                    let _ = writeln!(b, "        if (lane == 0u && first + {r}u < P.rows) {{");
-                    let _ = writeln!(
-                        b,
-                        "            y[{t}u * P.y_stride + P.row_offset + first + {r}u] = {act}(row_finish(total, first + {r}u));"
-                    );
-                    let _ = writeln!(b, "        }}");
-                    let _ = writeln!(b, "    }}");
-                }
-            }
-        }
-        let _ = writeln!(b, "}}");
-        b
     }
 
     /// Whether the module needs the SUBGROUP capability.
     pub fn needs_subgroups(&self) -> bool {
         self.reduce == Reduce::Subgroup
     }
+
+    /// The capabilities the module needs beyond the baseline.
+    pub fn needs(&self) -> Caps {
+        Caps {
+            subgroups: self.needs_subgroups(),
+            binding_arrays: false,
+            shader_f16: false,
+            f16_in_f32: self.path == Path::HwF16,
+        }
+    }
+}
+
+/// The activation quantiser's entry point (module [`act_quant_source`]): bindings 0 f32
+/// activations `[nt, cols]`, 1 the weight payload as words (q8_2f's column scales), 2 `QParams`
+/// (8 u32: cols, nt, mode = [`ActLayout`] as u32, col_scales byte offset or 0xffffffff, wg_x),
+/// 3 the codes (8 words per block), 4 per block `(bits of d, code sum)`. Override `WG`; one
+/// lane per block.
+pub const ACT_QUANT_ENTRY: &str = "act_quant";
+
+/// The activation quantiser module.
+pub fn act_quant_source() -> String {
+    [src::DECODE, src::ACT_QUANT].join("\n")
 }
 
 /// The bandwidth-ceiling module: entry points `read_bw` (grid-stride read of `array<vec4<u32>>`
@@ -353,60 +372,75 @@ pub struct ModuleSpec {
     pub source: Cow<'static, str>,
     /// Entry points.
     pub entries: &'static [&'static str],
-    /// Whether it needs subgroup operations.
-    pub needs_subgroups: bool,
+    /// The capabilities it needs (the runtime never builds it on a device without them).
+    pub needs: Caps,
     /// Override values each pipeline will be created with (every one is validated).
     pub specializations: Vec<Specialization>,
 }
 
-/// Every module the runtime builds, with every specialisation it uses.
+/// Every module the runtime builds, with every specialisation it uses: each codec's matvec on
+/// every path it has, both reductions, 1..=8 token rows, every row-group shape and epilogue;
+/// the activation quantiser; the bandwidth probes.
 pub fn registry() -> Vec<ModuleSpec> {
     let mut out = Vec::new();
     for codec in Codec::ALL {
-        for reduce in [Reduce::Subgroup, Reduce::SharedMemory] {
-            let shapes = [
-                (1, Epilogue::None),
-                (2, Epilogue::None),
-                (4, Epilogue::None),
-                (1, Epilogue::Silu),
-                (4, Epilogue::Silu),
-                (2, Epilogue::SiluGateUp),
-            ];
-            for nt in 1..=8 {
-                for (rows, epilogue) in shapes {
-                    let k = Matvec {
-                        codec,
-                        reduce,
-                        nt,
-                        rows,
-                        epilogue,
-                    };
-                    let specializations = match reduce {
-                        // One subgroup per row group: LANES is the device's subgroup size.
-                        Reduce::Subgroup => [(64, 8), (64, 16), (64, 32), (64, 64), (128, 128)]
-                            .map(|(wg, lanes)| Specialization::matvec(wg, lanes))
-                            .to_vec(),
-                        Reduce::SharedMemory => vec![
-                            Specialization::matvec(128, 64),
-                            Specialization::matvec(256, 64),
-                        ],
-                    };
-                    out.push(ModuleSpec {
-                        name: k.name(),
-                        source: Cow::Owned(k.source()),
-                        entries: &[Matvec::ENTRY],
-                        needs_subgroups: k.needs_subgroups(),
-                        specializations,
-                    });
+        for path in [Path::F32, Path::HwF16, Path::Int8] {
+            if !path.supports(codec) {
+                continue;
+            }
+            for reduce in [Reduce::Subgroup, Reduce::SharedMemory] {
+                let shapes = [
+                    (1, Epilogue::None),
+                    (2, Epilogue::None),
+                    (4, Epilogue::None),
+                    (1, Epilogue::Silu),
+                    (4, Epilogue::Silu),
+                    (2, Epilogue::SiluGateUp),
+                ];
+                for nt in 1..=8 {
+                    for (rows, epilogue) in shapes {
+                        let k = Matvec {
+                            codec,
+                            reduce,
+                            nt,
+                            rows,
+                            epilogue,
+                            path,
+                        };
+                        let specializations = match reduce {
+                            // One subgroup per row group: LANES is the device's subgroup size.
+                            Reduce::Subgroup => [(64, 8), (64, 16), (64, 32), (64, 64), (128, 128)]
+                                .map(|(wg, lanes)| Specialization::matvec(wg, lanes))
+                                .to_vec(),
+                            Reduce::SharedMemory => vec![
+                                Specialization::matvec(128, 64),
+                                Specialization::matvec(256, 64),
+                            ],
+                        };
+                        out.push(ModuleSpec {
+                            name: k.name(),
+                            source: Cow::Owned(k.source()),
+                            entries: &[Matvec::ENTRY],
+                            needs: k.needs(),
+                            specializations,
+                        });
+                    }
                 }
             }
         }
     }
     out.push(ModuleSpec {
+        name: "act_quant".into(),
+        source: Cow::Owned(act_quant_source()),
+        entries: &[ACT_QUANT_ENTRY],
+        needs: Caps::MINIMAL,
+        specializations: vec![Specialization(vec![("WG".into(), 64.0)])],
+    });
+    out.push(ModuleSpec {
         name: "read_bw".into(),
         source: Cow::Borrowed(READ_BW),
         entries: &["read_bw", "tiny"],
-        needs_subgroups: false,
+        needs: Caps::MINIMAL,
         specializations: vec![Specialization(vec![("WG".into(), 256.0)])],
     });
     out
@@ -440,26 +474,32 @@ pub struct Caps {
     pub binding_arrays: bool,
     /// Shader f16 (wgpu `Features::SHADER_F16`).
     pub shader_f16: bool,
+    /// `unpack2x16float` and friends (wgpu `DownlevelFlags::SHADER_F16_IN_F32`).
+    pub f16_in_f32: bool,
 }
 
 impl Caps {
-    /// Debian 12's lavapipe (Mesa 22.3): subgroups (size 8) and f16, no binding arrays.
+    /// Debian 12's lavapipe (Mesa 22.3): subgroups (size 8) and f16, no binding arrays; wgpu
+    /// does not grant it the f16-in-f32 conversions.
     pub const LAVAPIPE: Caps = Caps {
         subgroups: true,
         binding_arrays: false,
         shader_f16: true,
+        f16_in_f32: false,
     };
     /// Everything the kernels can use (the H200 through Vulkan has all of it).
     pub const FULL: Caps = Caps {
         subgroups: true,
         binding_arrays: true,
         shader_f16: true,
+        f16_in_f32: true,
     };
     /// No optional capability at all.
     pub const MINIMAL: Caps = Caps {
         subgroups: false,
         binding_arrays: false,
         shader_f16: false,
+        f16_in_f32: false,
     };
 
     fn naga(self) -> naga::valid::Capabilities {
@@ -474,7 +514,18 @@ impl Caps {
         if self.shader_f16 {
             c |= C::SHADER_FLOAT16;
         }
+        if self.f16_in_f32 {
+            c |= C::SHADER_FLOAT16_IN_FLOAT32;
+        }
         c
+    }
+
+    /// Whether every capability `need` asks for is here.
+    pub fn covers(self, need: Caps) -> bool {
+        (self.subgroups || !need.subgroups)
+            && (self.binding_arrays || !need.binding_arrays)
+            && (self.shader_f16 || !need.shader_f16)
+            && (self.f16_in_f32 || !need.f16_in_f32)
     }
 }
 
@@ -530,7 +581,7 @@ pub fn validate(
 pub fn validate_all(caps: Caps) -> Vec<ShaderError> {
     let mut errors = Vec::new();
     for m in registry() {
-        if m.needs_subgroups && !caps.subgroups {
+        if !caps.covers(m.needs) {
             continue;
         }
         for spec in &m.specializations {

@@ -3,7 +3,8 @@
 //! a device with no optional capability. No GPU needed.
 
 use kernels_wgsl::{
-    Caps, Codec, Epilogue, Matvec, Reduce, Specialization, registry, validate, validate_all,
+    ActLayout, Caps, Codec, Epilogue, Matvec, Path, Reduce, Specialization, registry, validate,
+    validate_all,
 };
 
 fn assert_clean(caps: Caps) {
@@ -45,6 +46,7 @@ fn subgroup_variants_are_refused_without_subgroups() {
         nt: 1,
         rows: 4,
         epilogue: Epilogue::None,
+        path: Path::F32,
     };
     assert!(
         validate(
@@ -66,7 +68,12 @@ fn registry_names_are_systematic_and_unique() {
     assert_eq!(sorted.len(), names.len());
     assert!(names.contains(&"matvec_mxfp4_sg_t1_r1".to_string()));
     assert!(names.contains(&"matvec_q2tp_smem_t8_r4".to_string()));
-    assert_eq!(registry().len(), 2 * Codec::ALL.len() * 8 * 6 + 1);
+    // f32 for every codec, the hardware f16 variant, int8 for the four quantised codecs; then
+    // the activation quantiser and the bandwidth probes.
+    assert_eq!(registry().len(), 2 * (Codec::ALL.len() + 1 + 4) * 8 * 6 + 2);
+    assert!(names.contains(&"matvec_q2tp_i8_sg_t8_r4".to_string()));
+    assert!(names.contains(&"matvec_f16_hw_smem_t1_r1".to_string()));
+    assert!(!names.iter().any(|n| n.starts_with("matvec_bf16_i8")));
     assert!(names.contains(&"matvec_q4tp_sg_t1_r2_gateup".to_string()));
 }
 
@@ -92,6 +99,7 @@ fn chunk_sizes_agree_between_rust_and_wgsl() {
             nt: 1,
             rows: 1,
             epilogue: Epilogue::None,
+            path: Path::F32,
         };
         let want = format!("const CHUNK_VEC4: u32 = {}u;", codec.chunk_vec4());
         assert!(k.source().contains(&want), "{codec:?}: {want}");
@@ -106,6 +114,7 @@ fn the_generated_body_names_every_accumulator_once() {
         nt: 3,
         rows: 2,
         epilogue: Epilogue::None,
+        path: Path::F32,
     };
     let body = k.body();
     for r in 0..2 {
@@ -114,4 +123,53 @@ fn the_generated_body_names_every_accumulator_once() {
         }
     }
     assert!(!body.contains("a2_0") && !body.contains("a0_3"));
+}
+
+#[test]
+fn activation_layouts_are_permutations_of_a_block() {
+    for layout in [ActLayout::Natural, ActLayout::Pairs, ActLayout::Quads] {
+        let mut seen = [false; 32];
+        for e in 0..32 {
+            let s = layout.slot(e);
+            assert!(s < 32 && !seen[s], "{layout:?}: element {e} -> {s}");
+            seen[s] = true;
+        }
+    }
+    // q4tp's word k holds elements 8k..8k+7 as nibbles: the low nibbles (elements 8k, 8k+2,
+    // 8k+4, 8k+6) are word 2k's bytes 0..3.
+    assert_eq!(ActLayout::Pairs.slot(10), 4 * 2 + 1);
+    assert_eq!(ActLayout::Pairs.slot(11), 4 * 3 + 1);
+    // q2tp's field at shift 2j of word k holds element 16k + 4b + j in byte b.
+    assert_eq!(ActLayout::Quads.slot(16 + 4 * 3 + 1), 4 * (4 + 1) + 3);
+}
+
+#[test]
+fn the_int8_path_needs_no_optional_capability_and_hw_f16_needs_its_own() {
+    let k = |codec, path| Matvec {
+        codec,
+        reduce: Reduce::SharedMemory,
+        nt: 2,
+        rows: 2,
+        epilogue: Epilogue::None,
+        path,
+    };
+    let i8 = k(Codec::Q2tp, Path::Int8);
+    validate(
+        &i8.name(),
+        &i8.source(),
+        Caps::MINIMAL,
+        &Specialization::matvec(128, 64),
+    )
+    .unwrap();
+    let hw = k(Codec::F16, Path::HwF16);
+    assert!(!Caps::MINIMAL.covers(hw.needs()));
+    assert!(
+        validate(
+            &hw.name(),
+            &hw.source(),
+            Caps::MINIMAL,
+            &Specialization::matvec(128, 64)
+        )
+        .is_err()
+    );
 }

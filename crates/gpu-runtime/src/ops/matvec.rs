@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use kernels_wgsl::{Epilogue, Matvec, Reduce};
+use kernels_wgsl::{Codec, Epilogue, Matvec, Path, Reduce};
 use quant_codecs::MAX_BATCH;
 use wgpu::util::DeviceExt;
 
@@ -24,6 +24,9 @@ pub struct Plan {
     pub lanes: u32,
     /// Rows per row group (each activation load serves this many rows).
     pub rows: u32,
+    /// The activation path asked for (a codec or device without it runs the f32 path:
+    /// [`Plan::effective_path`]).
+    pub path: Path,
 }
 
 impl Plan {
@@ -46,6 +49,7 @@ impl Plan {
                 wg: hi.max(64),
                 lanes: hi,
                 rows: rows_per_group,
+                path: Path::F32,
             }
         } else {
             Plan {
@@ -53,8 +57,40 @@ impl Plan {
                 wg: 128,
                 lanes: 64,
                 rows: rows_per_group,
+                path: Path::F32,
             }
         }
+    }
+
+    /// The same plan on another activation path.
+    pub fn with_path(self, path: Path) -> Plan {
+        Plan { path, ..self }
+    }
+
+    /// The fastest path this device has for `codec`: int8 activations for the quantised
+    /// codecs, the hardware conversion for f16 where the device has it, f32 otherwise.
+    pub fn fastest_path(ctx: &GpuContext, codec: Codec) -> Path {
+        if Path::Int8.supports(codec) {
+            Path::Int8
+        } else if codec == Codec::F16 && ctx.caps.f16_in_f32 {
+            Path::HwF16
+        } else {
+            Path::F32
+        }
+    }
+
+    /// The path that runs for `codec` and `cols` columns on this device: the plan's, unless the
+    /// codec lacks it (int8 for the float codecs, the hardware f16 for all but f16), the device
+    /// lacks the f16 conversion, or the int8 path's 32-column blocks do not divide `cols`; then
+    /// f32.
+    pub fn effective_path(&self, ctx: &GpuContext, codec: Codec, cols: usize) -> Path {
+        let ok = self.path.supports(codec)
+            && match self.path {
+                Path::F32 => true,
+                Path::HwF16 => ctx.caps.f16_in_f32,
+                Path::Int8 => cols.is_multiple_of(32),
+            };
+        if ok { self.path } else { Path::F32 }
     }
 
     /// The same plan with the shared-memory reduction (tests run both variants).
@@ -91,6 +127,7 @@ impl Plan {
             nt: nt as u32,
             rows: self.rows_for(epilogue),
             epilogue,
+            path: self.path,
         }
     }
 
@@ -105,10 +142,8 @@ impl Plan {
     }
 }
 
-/// The bind group layout every matvec pipeline uses: explicit, because an automatic layout
-/// drops bindings an entry point does not touch (the f16 kernel never reads binding 1).
-pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
-    let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
+pub(crate) fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
         binding,
         visibility: wgpu::ShaderStages::COMPUTE,
         ty: wgpu::BindingType::Buffer {
@@ -117,9 +152,12 @@ pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::Pipeline
             min_binding_size: None,
         },
         count: None,
-    };
-    let uniform = wgpu::BindGroupLayoutEntry {
-        binding: 2,
+    }
+}
+
+pub(crate) fn uniform_entry(binding: u32) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
+        binding,
         visibility: wgpu::ShaderStages::COMPUTE,
         ty: wgpu::BindingType::Buffer {
             ty: wgpu::BufferBindingType::Uniform,
@@ -127,27 +165,70 @@ pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::Pipeline
             min_binding_size: None,
         },
         count: None,
-    };
+    }
+}
+
+pub(crate) fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
+    wgpu::BindGroupEntry {
+        binding,
+        resource: buffer.as_entire_binding(),
+    }
+}
+
+/// An explicit bind group layout and its pipeline layout: explicit, because an automatic
+/// layout drops bindings an entry point does not touch (the f16 kernel never reads binding 1),
+/// and pipelines sharing a name and constants must share a layout.
+pub(crate) fn bind_layout(
+    ctx: &GpuContext,
+    label: &str,
+    entries: &[wgpu::BindGroupLayoutEntry],
+) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
     let bgl = ctx
         .device
         .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some("matvec"),
-            entries: &[
-                storage(0, true),
-                storage(1, true),
-                uniform,
-                storage(3, true),
-                storage(4, false),
-            ],
+            label: Some(label),
+            entries,
         });
     let pl = ctx
         .device
         .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some("matvec"),
+            label: Some(label),
             bind_group_layouts: &[Some(&bgl)],
             immediate_size: 0,
         });
     (bgl, pl)
+}
+
+/// The f32 paths' layout: 0 and 1 the weights (chunks, words), 2 params, 3 activations, 4 y.
+pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    bind_layout(
+        ctx,
+        "matvec",
+        &[
+            storage_entry(0, true),
+            storage_entry(1, true),
+            uniform_entry(2),
+            storage_entry(3, true),
+            storage_entry(4, false),
+        ],
+    )
+}
+
+/// The int8 path's layout: as [`layout`], with 3 the activation codes and 5 their block
+/// scales and sums.
+pub(crate) fn i8_layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    bind_layout(
+        ctx,
+        "matvec_i8",
+        &[
+            storage_entry(0, true),
+            storage_entry(1, true),
+            uniform_entry(2),
+            storage_entry(3, true),
+            storage_entry(4, false),
+            storage_entry(5, true),
+        ],
+    )
 }
 
 /// The pipeline for `m`'s codec, `nt` token rows, under `plan`.
@@ -159,11 +240,13 @@ pub fn pipeline(
     epilogue: Epilogue,
 ) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
     let codec = kernel_codec(m.dtype).ok_or(GpuError::UnsupportedDtype { dtype: m.dtype })?;
+    let plan = plan.with_path(plan.effective_path(ctx, codec, m.cols));
     codec_pipeline(ctx, codec, nt, plan, epilogue)
 }
 
-/// The pipeline for `codec`, `nt` token rows and `epilogue` under `plan`, with the matvec
-/// bind-group layout: the one every matvec dispatch (and `cortiq doctor`'s report) uses.
+/// The pipeline for `codec`, `nt` token rows and `epilogue` under `plan` (its path as given),
+/// with the path's bind-group layout: the one every matvec dispatch (and `cortiq doctor`'s
+/// report) uses.
 pub fn codec_pipeline(
     ctx: &GpuContext,
     codec: kernels_wgsl::Codec,
@@ -172,7 +255,11 @@ pub fn codec_pipeline(
     epilogue: Epilogue,
 ) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
     let k = plan.fused_kernel(codec, nt, epilogue);
-    let (_, pl) = ctx.matvec_layout();
+    let (_, pl) = if plan.path == Path::Int8 {
+        ctx.i8_layout()
+    } else {
+        ctx.matvec_layout()
+    };
     ctx.pipelines.get(
         &ctx.device,
         &k.name(),
@@ -183,13 +270,20 @@ pub fn codec_pipeline(
     )
 }
 
-/// A matmat ready to record: the pipeline and one bind group per part of the matrix.
-pub struct Prepared {
+/// One pipeline's dispatches: a bind group and grid each.
+pub struct Step {
     pipe: Arc<wgpu::ComputePipeline>,
     groups: Vec<(wgpu::BindGroup, u32, u32)>,
 }
 
-impl Prepared {
+impl Step {
+    pub(crate) fn new(
+        pipe: Arc<wgpu::ComputePipeline>,
+        groups: Vec<(wgpu::BindGroup, u32, u32)>,
+    ) -> Step {
+        Step { pipe, groups }
+    }
+
     /// Records the dispatches into an open compute pass.
     pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
         pass.set_pipeline(&self.pipe);
@@ -198,10 +292,36 @@ impl Prepared {
             pass.dispatch_workgroups(*gx, *gy, 1);
         }
     }
+}
 
-    /// Dispatches per recording (one per part of the matrix).
+/// A matmat ready to record: on the int8 path the activation quantiser, then the matvec with
+/// one bind group per part of the matrix.
+pub struct Prepared {
+    steps: Vec<Step>,
+    /// The path that runs.
+    pub path: Path,
+}
+
+impl Prepared {
+    /// Records the dispatches into an open compute pass (wgpu orders them: the quantiser's
+    /// writes are visible to the matvec).
+    pub fn record(&self, pass: &mut wgpu::ComputePass<'_>) {
+        for s in &self.steps {
+            s.record(pass);
+        }
+    }
+
+    /// Records only the matvec (the activations already quantised by an earlier recording:
+    /// what a forward sharing one quantised input among several matrices does).
+    pub fn record_matvec(&self, pass: &mut wgpu::ComputePass<'_>) {
+        if let Some(s) = self.steps.last() {
+            s.record(pass);
+        }
+    }
+
+    /// Dispatches per recording.
     pub fn dispatches(&self) -> usize {
-        self.groups.len()
+        self.steps.iter().map(|s| s.groups.len()).sum()
     }
 }
 
@@ -272,8 +392,26 @@ pub fn prepare_fused(
             found: y.size() as usize,
         });
     }
-    let pipe = pipeline(ctx, m, nt, plan, epilogue)?;
-    let (bgl, _) = ctx.matvec_layout();
+    let codec = kernel_codec(m.dtype).ok_or(GpuError::UnsupportedDtype { dtype: m.dtype })?;
+    let plan = plan.with_path(plan.effective_path(ctx, codec, m.cols));
+    let pipe = codec_pipeline(ctx, codec, nt, plan, epilogue)?;
+    let mut steps = Vec::new();
+    let acts = match (plan.path, codec.act_layout()) {
+        (Path::Int8, Some(layout)) => {
+            let acts = crate::ops::act8::ActBuffers::new(ctx, nt, m.cols, layout)?;
+            let first = &m.parts[0];
+            let col_scales =
+                (codec == Codec::Q8_2f).then(|| (&first.buffer, first.layout.third as u64));
+            steps.push(crate::ops::act8::prepare(ctx, x, &acts, col_scales)?);
+            Some(acts)
+        }
+        _ => None,
+    };
+    let (bgl, _) = if acts.is_some() {
+        ctx.i8_layout()
+    } else {
+        ctx.matvec_layout()
+    };
     // Output rows per row group: the pair's two matrix rows make one output row.
     let rows_per_group = if pair { 1 } else { plan.rows_for(epilogue) };
     let rows_per_wg = (plan.wg / plan.lanes * rows_per_group) as usize;
@@ -305,26 +443,28 @@ pub fn prepare_fused(
                 contents: bytemuck::cast_slice(&params),
                 usage: wgpu::BufferUsages::UNIFORM,
             });
-        fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry<'_> {
-            wgpu::BindGroupEntry {
-                binding,
-                resource: buffer.as_entire_binding(),
-            }
+        let mut entries = vec![
+            entry(0, &part.buffer),
+            entry(1, &part.buffer),
+            entry(2, &ubuf),
+            entry(3, acts.as_ref().map_or(x, |a| &a.xq)),
+            entry(4, y),
+        ];
+        if let Some(a) = &acts {
+            entries.push(entry(5, &a.xd));
         }
         let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some("matvec"),
             layout: bgl,
-            entries: &[
-                entry(0, &part.buffer),
-                entry(1, &part.buffer),
-                entry(2, &ubuf),
-                entry(3, x),
-                entry(4, y),
-            ],
+            entries: &entries,
         });
         groups.push((bg, wg_x as u32, wg_y as u32));
     }
-    Ok(Prepared { pipe, groups })
+    steps.push(Step::new(pipe, groups));
+    Ok(Prepared {
+        steps,
+        path: plan.path,
+    })
 }
 
 /// Encodes `y = W x` (see [`prepare`]) in a compute pass of its own.

@@ -1,0 +1,188 @@
+//! Activations quantised to int8 on the device (kernels-wgsl's `act_quant`): the input of the
+//! int8 matvec path, computed with the same integer rounding as `quant_codecs::act8`, so the
+//! CPU reproduces the device's codes exactly (docs/codecs.md, "int8 activations").
+
+use std::sync::Arc;
+
+use kernels_wgsl::ActLayout;
+use wgpu::util::DeviceExt;
+
+use crate::ops::matvec::{Step, bind_layout, entry, storage_entry, uniform_entry};
+use crate::{GpuContext, GpuError};
+
+/// Lanes per workgroup of the quantiser (one lane per 32-activation block).
+const WG: u32 = 64;
+
+/// The device buffers of `nt` quantised activation rows of `cols` values: 8 code words per
+/// block in `layout`'s order, and per block `(bits of d, code sum)`.
+pub struct ActBuffers {
+    /// Codes, `[nt, cols / 32, 8]` u32 words.
+    pub xq: wgpu::Buffer,
+    /// Per block `(d bits, sum)`, `[nt, cols / 32]` pairs of u32.
+    pub xd: wgpu::Buffer,
+    /// Token rows.
+    pub nt: usize,
+    /// Activations per row (a multiple of 32).
+    pub cols: usize,
+    /// The codes' order.
+    pub layout: ActLayout,
+}
+
+impl ActBuffers {
+    /// Allocates the buffers (readable back, for tests).
+    pub fn new(
+        ctx: &GpuContext,
+        nt: usize,
+        cols: usize,
+        layout: ActLayout,
+    ) -> Result<ActBuffers, GpuError> {
+        if cols == 0 || !cols.is_multiple_of(32) {
+            return Err(GpuError::BadLength {
+                what: "int8 activation columns (a multiple of 32)",
+                expected: cols.next_multiple_of(32).max(32),
+                found: cols,
+            });
+        }
+        let blocks = (nt * cols / 32) as u64;
+        let buf = |label, size| {
+            ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            })
+        };
+        Ok(ActBuffers {
+            xq: buf("act8 codes", blocks * 32),
+            xd: buf("act8 scales", blocks * 8),
+            nt,
+            cols,
+            layout,
+        })
+    }
+}
+
+/// The quantiser's bind group layout: 0 f32 activations, 1 column scales' buffer, 2 params,
+/// 3 codes, 4 scales and sums.
+pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    bind_layout(
+        ctx,
+        "act_quant",
+        &[
+            storage_entry(0, true),
+            storage_entry(1, true),
+            uniform_entry(2),
+            storage_entry(3, false),
+            storage_entry(4, false),
+        ],
+    )
+}
+
+fn pipeline(ctx: &GpuContext) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
+    let (_, pl) = ctx.act_quant_layout();
+    ctx.pipelines.get(
+        &ctx.device,
+        "act_quant",
+        &kernels_wgsl::act_quant_source,
+        kernels_wgsl::ACT_QUANT_ENTRY,
+        &[("WG", WG as f64)],
+        Some(pl),
+    )
+}
+
+/// The dispatch that quantises `x` (`[acts.nt, acts.cols]` f32) into `acts`; for q8_2f,
+/// `col_scales` is the payload buffer and the byte offset of its f16 column scales, which
+/// multiply the activations first.
+pub fn prepare(
+    ctx: &GpuContext,
+    x: &wgpu::Buffer,
+    acts: &ActBuffers,
+    col_scales: Option<(&wgpu::Buffer, u64)>,
+) -> Result<Step, GpuError> {
+    let need = (acts.nt * acts.cols * 4) as u64;
+    if x.size() < need {
+        return Err(GpuError::BadLength {
+            what: "x buffer bytes",
+            expected: need as usize,
+            found: x.size() as usize,
+        });
+    }
+    let pipe = pipeline(ctx)?;
+    let lanes = acts.nt * acts.cols / 32;
+    let n = lanes.div_ceil(WG as usize);
+    let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let wg_x = n.min(max_dim);
+    let wg_y = n.div_ceil(wg_x);
+    let params: [u32; 8] = [
+        acts.cols as u32,
+        acts.nt as u32,
+        acts.layout as u32,
+        col_scales.map_or(u32::MAX, |(_, off)| off as u32),
+        wg_x as u32,
+        0,
+        0,
+        0,
+    ];
+    let ubuf = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("act_quant params"),
+            contents: bytemuck::cast_slice(&params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+    let (bgl, _) = ctx.act_quant_layout();
+    let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("act_quant"),
+        layout: bgl,
+        entries: &[
+            entry(0, x),
+            entry(1, col_scales.map_or(x, |(b, _)| b)),
+            entry(2, &ubuf),
+            entry(3, &acts.xq),
+            entry(4, &acts.xd),
+        ],
+    });
+    Ok(Step::new(pipe, vec![(bg, wg_x as u32, wg_y as u32)]))
+}
+
+/// Uploads `xs` (`[nt, cols]`), quantises it on the device and reads back the code words and
+/// the per-block `(d bits, sum)` pairs (what the CPU's `act8` must reproduce).
+pub fn quantize(
+    ctx: &GpuContext,
+    xs: &[f32],
+    cols: usize,
+    layout: ActLayout,
+) -> Result<(Vec<u32>, Vec<[u32; 2]>), GpuError> {
+    let nt = xs.len() / cols.max(1);
+    if nt == 0 || nt * cols != xs.len() {
+        return Err(GpuError::BadLength {
+            what: "x (a whole number of rows of cols values)",
+            expected: cols,
+            found: xs.len(),
+        });
+    }
+    let x = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("x"),
+            contents: bytemuck::cast_slice(xs),
+            usage: wgpu::BufferUsages::STORAGE,
+        });
+    let acts = ActBuffers::new(ctx, nt, cols, layout)?;
+    let step = prepare(ctx, &x, &acts, None)?;
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        step.record(&mut pass);
+    }
+    ctx.queue.submit([enc.finish()]);
+    let blocks = nt * cols / 32;
+    let q = crate::readback::read_f32(ctx, &acts.xq, 0, blocks * 8)?;
+    let d = crate::readback::read_f32(ctx, &acts.xd, 0, blocks * 2)?;
+    let q = q.iter().map(|v| v.to_bits()).collect();
+    let d = d
+        .chunks_exact(2)
+        .map(|p| [p[0].to_bits(), p[1].to_bits()])
+        .collect();
+    Ok((q, d))
+}

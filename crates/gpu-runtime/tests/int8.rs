@@ -1,0 +1,352 @@
+//! The int8 activation path on the device: the quantiser's codes against quant-codecs' act8
+//! (exactly: the same integers), and the int8 matvec against f64 math on the quantised
+//! activations (only f32 rounding apart) and on the exact ones (within the documented
+//! quantisation bound), for every codec, 1..=8 token rows, both reductions and the fused
+//! epilogues. The hardware f16 variant runs where the adapter has the conversion.
+
+mod common;
+
+use common::{ctx, rng, weights};
+use gpu_runtime::ops::matvec::{POISON, Plan};
+use gpu_runtime::ops::{act8, matvec};
+use gpu_runtime::{ActLayout, Epilogue, Path, WeightArena};
+use quant_codecs::act8::{ACT_BLOCK, quantize_block};
+use quant_codecs::{DType, MatRef, quantize};
+
+const INT8_DTYPES: [DType; 4] = [DType::Q8_2f, DType::Q4tp, DType::Q2tp, DType::Mxfp4];
+
+/// Activations with every case the integer rounding has to get right: exact ties, subnormals,
+/// a zero block, values across many octaves, an infinity and a NaN in blocks of their own.
+fn hard_activations(nt: usize, cols: usize) -> Vec<f32> {
+    let mut r = rng(99);
+    let mut xs: Vec<f32> = (0..nt * cols)
+        .map(|i| {
+            let v = r();
+            match i % 7 {
+                0 => v * 1e-3,
+                1 => v * 3e4,
+                2 => (i % 255) as f32 - 127.0 + 0.5,
+                3 => v * 1e-39,
+                _ => v,
+            }
+        })
+        .collect();
+    // Block 1 of row 0: all zero; block 2: ties at amax = 127; block 3: subnormal only.
+    xs[32..64].fill(0.0);
+    for (k, x) in xs[64..96].iter_mut().enumerate() {
+        *x = if k == 0 { 127.0 } else { k as f32 + 0.5 - 16.0 };
+    }
+    for (k, x) in xs[96..128].iter_mut().enumerate() {
+        *x = f32::from_bits(k as u32 * 977 + 1) * if k % 2 == 0 { 1.0 } else { -1.0 };
+    }
+    if xs.len() >= 256 {
+        xs[130] = f32::INFINITY;
+        xs[170] = f32::NAN;
+    }
+    xs
+}
+
+#[test]
+fn device_codes_equal_the_cpu_codes_in_every_layout() {
+    let Some(ctx) = ctx() else { return };
+    let (nt, cols) = (3, 512);
+    let xs = hard_activations(nt, cols);
+    for layout in [ActLayout::Natural, ActLayout::Pairs, ActLayout::Quads] {
+        let (words, scales) = act8::quantize(ctx, &xs, cols, layout).unwrap();
+        for (b, xb) in xs.chunks(ACT_BLOCK).enumerate() {
+            let mut q = [0i8; ACT_BLOCK];
+            let d = quantize_block(xb, &mut q);
+            let mut want = [0u32; 8];
+            for (e, &c) in q.iter().enumerate() {
+                let s = layout.slot(e);
+                want[s / 4] |= (c as u8 as u32) << (8 * (s % 4));
+            }
+            assert_eq!(&words[b * 8..b * 8 + 8], &want, "{layout:?} block {b}");
+            let sum: i32 = q.iter().map(|&v| i32::from(v)).sum();
+            assert_eq!(scales[b][1] as i32, sum, "{layout:?} block {b} sum");
+            let gd = f32::from_bits(scales[b][0]);
+            if d.is_nan() || d == 0.0 {
+                assert!(
+                    gd.is_nan() == d.is_nan() && (d.is_nan() || gd == 0.0),
+                    "block {b}"
+                );
+            } else {
+                // The device's division may be off by a few ulp; the codes may not.
+                assert!(
+                    (gd - d).abs() <= 4.0 * f32::EPSILON * d,
+                    "block {b}: {gd} vs {d}"
+                );
+            }
+        }
+    }
+}
+
+/// What the int8 kernels multiply: per row the integer-exact weights without the factors the
+/// activations absorb (q8_2f: code * row scale; the column scale goes with the activation),
+/// and the dequantised int8 activations `d_b q_i`.
+fn witness_terms(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    p: &[u8],
+    xs: &[f32],
+) -> (Vec<f32>, Vec<f64>) {
+    let m = MatRef::new(dtype, rows, cols, p).unwrap();
+    let mut w = vec![0.0f32; rows * cols];
+    m.dequantize(&mut w).unwrap();
+    let mut xq = Vec::with_capacity(xs.len());
+    for x in xs.chunks(cols) {
+        let scaled: Vec<f32> = if dtype == DType::Q8_2f {
+            // x_i * col_scale[i] (f32 product), as both kernels prepare it.
+            let cs = |i: usize| {
+                let o = rows * cols + 2 * rows + 2 * i;
+                quant_codecs::float::f16_bits_to_f32(u16::from_le_bytes([p[o], p[o + 1]]))
+            };
+            x.iter().enumerate().map(|(i, v)| v * cs(i)).collect()
+        } else {
+            x.to_vec()
+        };
+        for xb in scaled.chunks(ACT_BLOCK) {
+            let mut q = [0i8; ACT_BLOCK];
+            let d = quantize_block(xb, &mut q[..xb.len()]);
+            xq.extend(q[..xb.len()].iter().map(|&c| f64::from(c) * f64::from(d)));
+        }
+    }
+    if dtype == DType::Q8_2f {
+        for r in 0..rows {
+            let o = rows * cols + 2 * r;
+            let rs = quant_codecs::float::f16_bits_to_f32(u16::from_le_bytes([p[o], p[o + 1]]));
+            for i in 0..cols {
+                w[r * cols + i] = f32::from(p[r * cols + i] as i8) * rs;
+            }
+        }
+    }
+    (w, xq)
+}
+
+fn check_int8(dtype: DType, rows: usize, cols: usize, p: &[u8], xs: &[f32], got: &[f32]) {
+    let nt = xs.len() / cols;
+    let (w, xq) = witness_terms(dtype, rows, cols, p, xs);
+    let m = MatRef::new(dtype, rows, cols, p).unwrap();
+    let mut dq = vec![0.0f32; rows * cols];
+    m.dequantize(&mut dq).unwrap();
+    let blocks = cols / ACT_BLOCK;
+    for t in 0..nt {
+        for r in 0..rows {
+            let (mut want, mut mag) = (0.0f64, 0.0f64);
+            for i in 0..cols {
+                let v = f64::from(w[r * cols + i]) * xq[t * cols + i];
+                want += v;
+                mag += v.abs();
+            }
+            let g = got[t * rows + r];
+            assert_ne!(g, POISON, "{dtype} row {r} token {t} never written");
+            // Only f32 rounding separates the kernel from this witness: each block term's
+            // factor and product (2 roundings), the sums over blocks and lanes.
+            let tol = (blocks as f64 + 16.0) * f64::from(f32::EPSILON) * mag + 1e-30;
+            assert!(
+                (f64::from(g) - want).abs() <= tol,
+                "{dtype} [{rows}x{cols}] row {r} t {t}: gpu {g} witness {want} (|err| {:e} > {tol:e})",
+                (f64::from(g) - want).abs()
+            );
+            // Against the exact product: the documented quantisation bound. The kernel
+            // quantised x' (q8_2f: x * col_scale, one f32 rounding) and multiplies w~ (q8_2f:
+            // code * row_scale), with w~_i x'_i = w_i x_i up to that rounding; each block's
+            // amax' is 127 d, recovered from its codes.
+            let x = &xs[t * cols..(t + 1) * cols];
+            let (mut exact, mut bound) = (0.0f64, 0.0f64);
+            for b in 0..blocks {
+                let amax = xq_amax(&xq, t, cols, b);
+                for i in b * ACT_BLOCK..(b + 1) * ACT_BLOCK {
+                    let e = f64::from(dq[r * cols + i]) * f64::from(x[i]);
+                    exact += e;
+                    bound += f64::from(w[r * cols + i]).abs() * amax / 254.0 + e.abs() * 1.2e-7;
+                }
+            }
+            let bound = bound * (1.0 + 2e-6) + tol;
+            assert!(
+                (f64::from(g) - exact).abs() <= bound,
+                "{dtype} row {r} t {t}: gpu {g} exact {exact} (|err| {:e} > bound {bound:e})",
+                (f64::from(g) - exact).abs()
+            );
+        }
+    }
+}
+
+/// amax of block `b` of token `t` as the quantiser saw it, recovered from its dequantised
+/// codes (the code 127 * sign sits at the block's largest magnitude).
+fn xq_amax(xq: &[f64], t: usize, cols: usize, b: usize) -> f64 {
+    let s = t * cols + b * ACT_BLOCK;
+    xq[s..s + ACT_BLOCK]
+        .iter()
+        .fold(0.0f64, |a, v| a.max(v.abs()))
+}
+
+fn upload(
+    ctx: &gpu_runtime::GpuContext,
+    arena: &WeightArena,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> (Vec<u8>, std::sync::Arc<gpu_runtime::GpuMatrix>) {
+    let w = weights(rows, cols, seed);
+    let p = quantize(dtype, rows, cols, &w).unwrap();
+    let g = arena
+        .get_or_upload(
+            ctx,
+            seed,
+            &format!("{dtype}-{rows}x{cols}-{seed}"),
+            &MatRef::new(dtype, rows, cols, &p).unwrap(),
+        )
+        .unwrap();
+    (p, g)
+}
+
+#[test]
+fn int8_matvec_matches_f64_for_every_codec_1_to_8_rows_both_reductions() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    for dtype in INT8_DTYPES {
+        for (rows, cols, seed) in [(37, 128, 5), (130, 640, 6), (8, 256, 7)] {
+            let (p, g) = upload(ctx, &arena, dtype, rows, cols, seed);
+            for r in [1, 2, 4] {
+                let device = Plan {
+                    rows: r,
+                    ..Plan::for_matrix(ctx, rows)
+                }
+                .with_path(Path::Int8);
+                for (plan, nt) in [
+                    (device, 1),
+                    (device, 3),
+                    (device, 8),
+                    (device.shared_memory(), 1),
+                    (device.shared_memory(), 8),
+                ] {
+                    let mut rr = rng(seed ^ nt as u64);
+                    let xs: Vec<f32> = (0..nt * cols).map(|_| rr()).collect();
+                    let y = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+                    check_int8(dtype, rows, cols, &p, &xs, &y);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn int8_matvec_on_hard_activations() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let (rows, cols) = (24, 256);
+    for dtype in INT8_DTYPES {
+        let (p, g) = upload(ctx, &arena, dtype, rows, cols, 17);
+        let mut xs = hard_activations(2, cols);
+        // Non-finite values poison their token row: checked apart.
+        xs[130] = 1.0;
+        xs[170] = -2.0;
+        let plan = Plan::for_matrix(ctx, rows).with_path(Path::Int8);
+        let y = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+        check_int8(dtype, rows, cols, &p, &xs, &y);
+        let mut bad = xs.clone();
+        bad[cols + 40] = f32::INFINITY;
+        let y = matvec::matmat(ctx, &g, &bad, plan).unwrap();
+        assert!(
+            y[rows..].iter().all(|v| v.is_nan()),
+            "{dtype}: inf must poison its row"
+        );
+        assert!(
+            y[..rows].iter().all(|v| v.is_finite()),
+            "{dtype}: row 0 is clean"
+        );
+    }
+}
+
+#[test]
+fn int8_fused_epilogues_and_row_t_equals_matvec() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let (half, cols) = (40, 256);
+    for dtype in INT8_DTYPES {
+        let (p, g) = upload(ctx, &arena, dtype, 2 * half, cols, 31);
+        let plan = Plan::for_matrix(ctx, 2 * half).with_path(Path::Int8);
+        let mut r = rng(8);
+        let xs: Vec<f32> = (0..5 * cols).map(|_| r()).collect();
+        let plain = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+        check_int8(dtype, 2 * half, cols, &p, &xs, &plain);
+        let pair = matvec::matmat_fused(ctx, &g, &xs, plan, Epilogue::SiluGateUp).unwrap();
+        let act = matvec::matmat_fused(ctx, &g, &xs, plan, Epilogue::Silu).unwrap();
+        let silu = |v: f32| v / (1.0 + (-v).exp());
+        for t in 0..5 {
+            for row in 0..half {
+                let (gv, uv) = (plain[t * 2 * half + row], plain[t * 2 * half + row + half]);
+                let want = silu(gv) * uv;
+                let got = pair[t * half + row];
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{dtype} gate/up {row}: {got} vs {want}"
+                );
+            }
+            for row in 0..2 * half {
+                let want = silu(plain[t * 2 * half + row]);
+                let got = act[t * 2 * half + row];
+                assert!(
+                    (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                    "{dtype} silu {row}"
+                );
+            }
+            // Token row t of the batch is the matvec of x_t, bit for bit.
+            let one = matvec::matmat(ctx, &g, &xs[t * cols..(t + 1) * cols], plan).unwrap();
+            for (a, b) in one.iter().zip(&plain[t * 2 * half..(t + 1) * 2 * half]) {
+                assert_eq!(a.to_bits(), b.to_bits(), "{dtype} token {t}");
+            }
+        }
+    }
+}
+
+#[test]
+fn paths_fall_back_where_they_do_not_apply() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    // bf16 has no int8 path, q8_2f with 48 columns no whole blocks: both run the f32 path.
+    for (dtype, cols) in [(DType::BF16, 64), (DType::Q8_2f, 48)] {
+        let (_, g) = upload(ctx, &arena, dtype, 8, cols, 41);
+        let plan = Plan::for_matrix(ctx, 8).with_path(Path::Int8);
+        let x = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: (cols * 4) as u64,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let y = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: None,
+            size: 32,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        });
+        let prepared = matvec::prepare(ctx, &g, &x, &y, 1, plan).unwrap();
+        assert_eq!(prepared.path, Path::F32, "{dtype} {cols}");
+    }
+}
+
+#[test]
+fn hardware_f16_matches_the_integer_f16_decode() {
+    let Some(ctx) = ctx() else { return };
+    if !ctx.caps.f16_in_f32 {
+        eprintln!("adapter lacks the f16 conversion builtins: hardware f16 variant not run");
+        return;
+    }
+    let arena = WeightArena::new(ctx);
+    let (rows, cols) = (70, 512);
+    let (_, g) = upload(ctx, &arena, DType::F16, rows, cols, 51);
+    for nt in [1, 8] {
+        let mut r = rng(3);
+        let xs: Vec<f32> = (0..nt * cols).map(|_| r()).collect();
+        let plan = Plan::for_matrix(ctx, rows);
+        let sw = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+        let hw = matvec::matmat(ctx, &g, &xs, plan.with_path(Path::HwF16)).unwrap();
+        // The same decoded values in the same order: bit-identical sums.
+        for (a, b) in sw.iter().zip(&hw) {
+            assert_eq!(a.to_bits(), b.to_bits());
+        }
+    }
+}

@@ -1,0 +1,302 @@
+//! The template step: `matvec_body` generated for one kernel's token rows, rows per row group,
+//! codec and activation path, every accumulator a named scalar and every loop over token rows,
+//! rows and a chunk's words unrolled (runtime-indexed private arrays are spilled to memory by
+//! some drivers, and an override constant does not make a naga loop unroll).
+
+use std::fmt::Write;
+
+use crate::{Codec, Epilogue, Matvec};
+
+/// Lines shared by both paths' bodies: the row group's rows and accumulators.
+fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32) {
+    let _ = writeln!(
+        b,
+        "fn matvec_body(wid: vec3<u32>, li: u32, sg_size: u32, sg_lane: u32) {{"
+    );
+    let _ = writeln!(b, "    let wg = wid.x + wid.y * P.wg_x;");
+    if pair {
+        // Row group g computes gate row g and up row g + half.
+        let _ = writeln!(b, "    let first = wg * (WG / LANES) + li / LANES;");
+    } else {
+        let _ = writeln!(
+            b,
+            "    let first = (wg * (WG / LANES) + li / LANES) * {nr}u;"
+        );
+    }
+    let _ = writeln!(b, "    let lane = li % LANES;");
+    let _ = writeln!(b, "    let last = P.rows - 1u;");
+    for r in 0..nr {
+        // Rows past the end reuse the last row; their sums are never written.
+        if pair {
+            let _ = writeln!(
+                b,
+                "    let row{r} = min(first, P.half - 1u) + {r}u * P.half;"
+            );
+        } else {
+            let _ = writeln!(b, "    let row{r} = min(first + {r}u, last);");
+        }
+        for t in 0..nt {
+            let _ = writeln!(b, "    var a{r}_{t} = 0.0;");
+        }
+    }
+}
+
+/// The reduction of every accumulator and the writes, with `finish(sum, row)` the codec's
+/// last step on a row sum.
+fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &str) -> String) {
+    if k.epilogue == Epilogue::SiluGateUp {
+        for t in 0..nt {
+            let g = finish(
+                &format!("reduce(a0_{t}, li, lane, sg_size, sg_lane)"),
+                "row0",
+            );
+            let u = finish(
+                &format!("reduce(a1_{t}, li, lane, sg_size, sg_lane)"),
+                "row1",
+            );
+            let _ = writeln!(b, "    {{");
+            let _ = writeln!(b, "        let g = {g};");
+            let _ = writeln!(b, "        let u = {u};");
+            let _ = writeln!(b, "        if (lane == 0u && first < P.half) {{");
+            let _ = writeln!(
+                b,
+                "            y[{t}u * P.y_stride + P.row_offset + first] = silu(g) * u;"
+            );
+            let _ = writeln!(b, "        }}");
+            let _ = writeln!(b, "    }}");
+        }
+    } else {
+        let act = if k.epilogue == Epilogue::Silu {
+            "silu"
+        } else {
+            ""
+        };
+        for r in 0..nr {
+            for t in 0..nt {
+                let total = finish("total", &format!("(first + {r}u)"));
+                let _ = writeln!(b, "    {{");
+                let _ = writeln!(
+                    b,
+                    "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
+                );
+                let _ = writeln!(b, "        if (lane == 0u && first + {r}u < P.rows) {{");
+                let _ = writeln!(
+                    b,
+                    "            y[{t}u * P.y_stride + P.row_offset + first + {r}u] = {act}({total});"
+                );
+                let _ = writeln!(b, "        }}");
+                let _ = writeln!(b, "    }}");
+            }
+        }
+    }
+    let _ = writeln!(b, "}}");
+}
+
+/// Token rows and rows per row group, clamped to what the kernels are built for.
+fn shape(k: &Matvec) -> (bool, u32, u32) {
+    let pair = k.epilogue == Epilogue::SiluGateUp;
+    let nr = if pair { 2 } else { k.rows.clamp(1, 4) };
+    (pair, nr, k.nt.clamp(1, 8))
+}
+
+/// The f32 path: lane `l` of a row group walks chunks `l, l + LANES, ...` of its rows; per
+/// chunk it loads each row's 16 bytes and scale once, then for each of the chunk's vec4s loads
+/// the `nt` activation vectors once and adds `dot(weight, x)` into accumulator `a{r}_{t}`.
+pub(crate) fn body_f32(k: &Matvec) -> String {
+    let (pair, nr, nt) = shape(k);
+    let kv = k.codec.chunk_vec4();
+    let mut b = String::new();
+    prelude(&mut b, pair, nr, nt);
+    let _ = writeln!(b, "    let x_row = P.cols / 4u;");
+    let _ = writeln!(
+        b,
+        "    for (var c = lane; c < row_chunks(); c = c + LANES) {{"
+    );
+    let _ = writeln!(b, "        let xc = c * CHUNK_VEC4;");
+    for r in 0..nr {
+        let _ = writeln!(b, "        let v{r} = wv[chunk_index(row{r}, c)];");
+        let _ = writeln!(b, "        let s{r} = chunk_scale(row{r}, c);");
+    }
+    for kk in 0..kv {
+        let _ = writeln!(b, "        {{");
+        let _ = writeln!(b, "            let xs = x_scale(c, {kk}u);");
+        for t in 0..nt {
+            let _ = writeln!(
+                b,
+                "            let x{t} = x[{t}u * x_row + xc + {kk}u] * xs;"
+            );
+        }
+        for r in 0..nr {
+            let _ = writeln!(b, "            let w{r} = weight4(v{r}, s{r}, {kk}u);");
+            for t in 0..nt {
+                let _ = writeln!(b, "            a{r}_{t} = a{r}_{t} + dot(w{r}, x{t});");
+            }
+        }
+        let _ = writeln!(b, "        }}");
+    }
+    let _ = writeln!(b, "    }}");
+    outputs(&mut b, k, nr, nt, &|sum, row| {
+        format!("row_finish({sum}, {row})")
+    });
+    b
+}
+
+const XYZW: [&str; 4] = ["x", "y", "z", "w"];
+
+/// The int8 path: per chunk (one 32-element block; two for q2tp) each row's weight words are
+/// unpacked once into int8 words `u{r}_{j}` in the order the activation layout expects, and
+/// per token row and block one `dot8` (8 `dot4I8Packed`) gives the exact integer dot product,
+/// corrected for the codec's level offset with the block's code sum and added as
+/// `f32(I) * (S * d)`.
+pub(crate) fn body_i8(k: &Matvec) -> String {
+    let (pair, nr, nt) = shape(k);
+    let codec = k.codec;
+    let mut b = String::new();
+    prelude(&mut b, pair, nr, nt);
+    let _ = writeln!(b, "    let nb = P.cols / 32u;");
+    if codec == Codec::Mxfp4 {
+        let _ = writeln!(
+            b,
+            "    for (var i = li; i < 256u; i = i + WG) {{ lut[i] = mx_pair(i); }}"
+        );
+        let _ = writeln!(b, "    workgroupBarrier();");
+    }
+    let tiered = matches!(codec, Codec::Q4tp | Codec::Q2tp);
+    if tiered {
+        for r in 0..nr {
+            let _ = writeln!(b, "    let ls{r} = f16x2(ww[P.second / 4u + row{r}]);");
+            let _ = writeln!(b, "    let cb{r} = P.third + row{r} * P.code_stride;");
+        }
+    }
+    let (chunks, blocks) = match codec {
+        Codec::Q2tp => ("P.cols / 64u", 2),
+        _ => ("nb", 1),
+    };
+    let _ = writeln!(b, "    for (var c = lane; c < {chunks}; c = c + LANES) {{");
+    // Weight words and block factors per row.
+    for r in 0..nr {
+        match codec {
+            Codec::Q8_2f => {
+                let _ = writeln!(
+                    b,
+                    "        let v{r}a = wv[row{r} * (P.cols / 16u) + 2u * c];"
+                );
+                let _ = writeln!(
+                    b,
+                    "        let v{r}b = wv[row{r} * (P.cols / 16u) + 2u * c + 1u];"
+                );
+                for j in 0..8 {
+                    let half = if j < 4 { "a" } else { "b" };
+                    let _ = writeln!(b, "        let u{r}_{j} = v{r}{half}.{};", XYZW[j % 4]);
+                }
+            }
+            Codec::Q4tp => {
+                let _ = writeln!(b, "        let v{r} = wv[row{r} * nb + c];");
+                for (kk, comp) in XYZW.iter().enumerate() {
+                    let _ = writeln!(
+                        b,
+                        "        let u{r}_{} = v{r}.{comp} & 0x0f0f0f0fu;",
+                        2 * kk
+                    );
+                    let _ = writeln!(
+                        b,
+                        "        let u{r}_{} = (v{r}.{comp} >> 4u) & 0x0f0f0f0fu;",
+                        2 * kk + 1
+                    );
+                }
+                let _ = writeln!(
+                    b,
+                    "        let s{r}_0 = exp2q(ls{r}.x + f32(scale_code(cb{r}, c, P.code_stride)) * ls{r}.y);"
+                );
+            }
+            Codec::Q2tp => {
+                let _ = writeln!(b, "        let v{r} = wv[row{r} * (P.cols / 64u) + c];");
+                for (kk, comp) in XYZW.iter().enumerate() {
+                    for j in 0..4 {
+                        let _ = writeln!(
+                            b,
+                            "        let u{r}_{} = (v{r}.{comp} >> {}u) & 0x03030303u;",
+                            4 * kk + j,
+                            2 * j
+                        );
+                    }
+                }
+                for j in 0..2 {
+                    let _ = writeln!(
+                        b,
+                        "        let c{r}_{j} = scale_code(cb{r}, 2u * c + {j}u, P.code_stride);"
+                    );
+                    // The zero rung is S = 0; levels 2c - 3 carry the factor 1/2.
+                    let _ = writeln!(
+                        b,
+                        "        let s{r}_{j} = select(exp2q(ls{r}.x + (f32(c{r}_{j}) - 1.0) * ls{r}.y) * 0.5, 0.0, c{r}_{j} == 0u);"
+                    );
+                }
+            }
+            Codec::Mxfp4 => {
+                let _ = writeln!(b, "        let v{r} = wv[row{r} * nb + c];");
+                for (kk, comp) in XYZW.iter().enumerate() {
+                    let _ = writeln!(
+                        b,
+                        "        let u{r}_{} = lut[v{r}.{comp} & 0xffu] | (lut[(v{r}.{comp} >> 8u) & 0xffu] << 16u);",
+                        2 * kk
+                    );
+                    let _ = writeln!(
+                        b,
+                        "        let u{r}_{} = lut[(v{r}.{comp} >> 16u) & 0xffu] | (lut[v{r}.{comp} >> 24u] << 16u);",
+                        2 * kk + 1
+                    );
+                }
+                let _ = writeln!(
+                    b,
+                    "        let s{r}_0 = e8m0_i8(byte_at(P.second + row{r} * nb + c)) * 0.5;"
+                );
+            }
+            Codec::F16 | Codec::Bf16 => unreachable!("float codecs have no int8 path"),
+        }
+    }
+    // Activation words per token row and block, then the products.
+    for t in 0..nt {
+        for j in 0..blocks {
+            let blk = if blocks == 2 {
+                format!("2u * c + {j}u")
+            } else {
+                "c".into()
+            };
+            let _ = writeln!(b, "        let xi{t}_{j} = {t}u * nb + {blk};");
+            let _ = writeln!(b, "        let xa{t}_{j} = xq[2u * xi{t}_{j}];");
+            let _ = writeln!(b, "        let xb{t}_{j} = xq[2u * xi{t}_{j} + 1u];");
+            let _ = writeln!(b, "        let xd{t}_{j} = xd[xi{t}_{j}];");
+            let _ = writeln!(b, "        let d{t}_{j} = bitcast<f32>(xd{t}_{j}.x);");
+        }
+    }
+    for r in 0..nr {
+        for t in 0..nt {
+            for j in 0..blocks {
+                let w0 = 8 * j;
+                let words: Vec<String> = (w0..w0 + 8).map(|w| format!("u{r}_{w}")).collect();
+                let dot = format!("dot8({}, xa{t}_{j}, xb{t}_{j})", words.join(", "));
+                let sum = format!("bitcast<i32>(xd{t}_{j}.y)");
+                let (int, factor) = match codec {
+                    Codec::Q8_2f => (dot, format!("d{t}_{j}")),
+                    Codec::Q4tp => (format!("{dot} - 8 * {sum}"), format!("s{r}_0 * d{t}_{j}")),
+                    Codec::Q2tp => (
+                        format!("2 * {dot} - 3 * {sum}"),
+                        format!("s{r}_{j} * d{t}_{j}"),
+                    ),
+                    _ => (dot, format!("s{r}_0 * d{t}_{j}")),
+                };
+                let _ = writeln!(b, "        a{r}_{t} = a{r}_{t} + f32({int}) * ({factor});");
+            }
+        }
+    }
+    let _ = writeln!(b, "    }}");
+    outputs(&mut b, k, nr, nt, &|sum, row| {
+        if codec == Codec::Q8_2f {
+            format!("{sum} * f16_at(P.second + 2u * {row})")
+        } else {
+            sum.to_string()
+        }
+    });
+    b
+}

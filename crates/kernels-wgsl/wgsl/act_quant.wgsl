@@ -1,0 +1,134 @@
+// Activations to int8 (docs/codecs.md, "int8 activations"): one lane per 32-element block of
+// one token row. The codes are computed from the f32 bits with integer arithmetic only (this
+// device's f32 division need not be correctly rounded), so they equal quant-codecs' act8
+// codes. Output per block: 8 words of codes in the layout `Q.mode` names (0 natural: word w =
+// elements 4w..4w+3; 1 pairs: word 2k+h = elements 8k+h, 8k+h+2, 8k+h+4, 8k+h+6, the order
+// q4tp's nibble unpacking produces; 2 quads: word 4k+j = elements 16k+j, +4, +8, +12, q2tp's
+// order), and (bits of d, sum of the codes).
+//
+// q8_2f's activations are multiplied by the matrix's f16 column scales first (`Q.col_scales`
+// is their byte offset in binding 1, or 0xffffffff for none).
+
+struct QParams {
+    cols: u32,
+    nt: u32,
+    mode: u32,
+    col_scales: u32,
+    wg_x: u32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+@group(0) @binding(0) var<storage, read> xin: array<f32>;
+@group(0) @binding(1) var<storage, read> ww: array<u32>;
+@group(0) @binding(2) var<uniform> Q: QParams;
+@group(0) @binding(3) var<storage, read_write> xq_out: array<u32>;
+@group(0) @binding(4) var<storage, read_write> xd_out: array<vec2<u32>>;
+
+override WG: u32 = 64u;
+
+fn byte_at(off: u32) -> u32 {
+    return (ww[off >> 2u] >> ((off & 3u) * 8u)) & 0xffu;
+}
+
+fn col_scale(i: u32) -> f32 {
+    let off = Q.col_scales + 2u * i;
+    return f16_bits(byte_at(off) | (byte_at(off + 1u) << 8u));
+}
+
+// (exponent, significand) of magnitude bits: subnormals take exponent 1, normals gain the
+// implicit bit.
+fn split_mag(v: u32) -> vec2<u32> {
+    let e = v >> 23u;
+    let m = v & 0x7fffffu;
+    if (e == 0u) {
+        return vec2<u32>(1u, m);
+    }
+    return vec2<u32>(e, m | 0x800000u);
+}
+
+// round_half_away(127 * |x| / amax) with x's sign, as a byte (two's complement).
+fn code(xb: u32, a: vec2<u32>) -> u32 {
+    let xs = split_mag(xb & 0x7fffffffu);
+    let k = min(a.x - min(xs.x, a.x), 31u);
+    let n = 127u * xs.y;
+    let q = n / a.y;
+    let r = n - q * a.y;
+    var mag = 0u;
+    if (k == 0u) {
+        mag = q + select(0u, 1u, 2u * r >= a.y);
+    } else {
+        mag = (q + (1u << (k - 1u))) >> k;
+    }
+    var c = i32(mag);
+    if ((xb >> 31u) != 0u) {
+        c = -c;
+    }
+    return u32(c) & 0xffu;
+}
+
+// Where element e (0..31) of a block goes: word * 4 + byte.
+fn slot(e: u32) -> u32 {
+    if (Q.mode == 1u) {
+        // pairs: element 8k + 2j + h -> word 2k + h, byte j
+        let k = e >> 3u;
+        let h = e & 1u;
+        let j = (e & 7u) >> 1u;
+        return (2u * k + h) * 4u + j;
+    }
+    if (Q.mode == 2u) {
+        // quads: element 16k + 4j + jj -> word 4k + jj, byte j
+        let k = e >> 4u;
+        let jj = e & 3u;
+        let j = (e & 15u) >> 2u;
+        return (4u * k + jj) * 4u + j;
+    }
+    return e;
+}
+
+@compute @workgroup_size(WG)
+fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let blocks = Q.cols / 32u;
+    let id = (wid.x + wid.y * Q.wg_x) * WG + li;
+    if (id >= blocks * Q.nt) {
+        return;
+    }
+    let t = id / blocks;
+    let b = id - t * blocks;
+    let base = t * Q.cols + b * 32u;
+    var xs: array<u32, 32>;
+    var amax = 0u;
+    for (var e = 0u; e < 32u; e = e + 1u) {
+        var v = xin[base + e];
+        if (Q.col_scales != 0xffffffffu) {
+            v = v * col_scale(b * 32u + e);
+        }
+        let bits = bitcast<u32>(v);
+        xs[e] = bits;
+        amax = max(amax, bits & 0x7fffffffu);
+    }
+    var words: array<u32, 8>;
+    for (var w = 0u; w < 8u; w = w + 1u) {
+        words[w] = 0u;
+    }
+    var sum = 0i;
+    var d = 0.0;
+    if (amax >= 0x7f800000u) {
+        d = bitcast<f32>(0x7fc00000u);
+    } else if (amax != 0u) {
+        let a = split_mag(amax);
+        for (var e = 0u; e < 32u; e = e + 1u) {
+            let c = code(xs[e], a);
+            sum = sum + (bitcast<i32>(c << 24u) >> 24u);
+            let s = slot(e);
+            words[s >> 2u] = words[s >> 2u] | (c << ((s & 3u) * 8u));
+        }
+        d = bitcast<f32>(amax) / 127.0;
+    }
+    let out = (t * blocks + b) * 8u;
+    for (var w = 0u; w < 8u; w = w + 1u) {
+        xq_out[out + w] = words[w];
+    }
+    xd_out[t * blocks + b] = vec2<u32>(bitcast<u32>(d), bitcast<u32>(sum));
+}
