@@ -49,6 +49,12 @@ pub struct BenchRecord {
     pub cache_resident: bool,
     /// `timestamps` (GPU timer queries) or `wall` (clock around submit and wait).
     pub timing: &'static str,
+    /// The activation path: `f32`, `hw-f16` (f16 through the hardware conversion) or `int8`
+    /// (activations quantised per 32-block; the quantiser is its own `act_quant` record, as a
+    /// forward shares one quantised input among the matrices that read it).
+    pub path: &'static str,
+    /// llama.cpp's figure for the nearest format on this device, where docs/perf.md has one.
+    pub llama_cpp: Option<String>,
 }
 
 /// A whole run: the device and its records.
@@ -109,7 +115,30 @@ fn record(
         pct_of_ceiling: 0.0,
         cache_resident: false,
         timing,
+        path: "f32",
+        llama_cpp: None,
     }
+}
+
+fn path_name(p: gpu_runtime::Path) -> &'static str {
+    match p {
+        gpu_runtime::Path::F32 => "f32",
+        gpu_runtime::Path::HwF16 => "hw-f16",
+        gpu_runtime::Path::Int8 => "int8",
+    }
+}
+
+/// llama.cpp's Vulkan mat-vec on the H200 (../shared/notes/machines.md §2, weights past the
+/// L2, % of its 4236 GB/s read ceiling), for the large T=1 rows.
+fn llama_cpp_h200(dtype: DType) -> Option<&'static str> {
+    Some(match dtype {
+        DType::F16 | DType::BF16 => "f16 100%",
+        DType::Q8_2f => "q8_0 57%",
+        DType::Q4tp => "q4_0 47%, q4_K 38%",
+        DType::Q2tp => "q2_K 37%",
+        DType::Mxfp4 => "mxfp4 31%",
+        _ => return None,
+    })
 }
 
 /// The size of the last-level cache assumed when marking rows: the CPU's from sysfs where it
@@ -219,6 +248,23 @@ fn gpu(
         ),
         &mut records,
     );
+    let h200 = ctx.info.name.contains("H200");
+    // The int8 path's quantiser at the activation widths of the shapes above.
+    for (cols, nt) in [(2560, 1), (2560, 8), (8192, 1), (8192, 8)] {
+        let probe = gpu_runtime::bench::act_quant(ctx, nt, cols, 1)?;
+        let t = gpu_runtime::bench::act_quant(ctx, nt, cols, reps_for(probe.seconds))?;
+        let mut r = record(
+            "act_quant",
+            "-".into(),
+            format!("{cols}"),
+            nt,
+            (nt * cols * 4) as u64,
+            t.seconds,
+            if t.timestamps { "timestamps" } else { "wall" },
+        );
+        r.path = "int8";
+        push(r, &mut records);
+    }
     let mut ring = StagingRing::new(ctx);
     for dtype in formats(opts, &GPU_FORMATS) {
         let mut last: Option<(usize, usize, GpuMatrix)> = None;
@@ -237,18 +283,30 @@ fn gpu(
                 ));
             }
             let Some((_, _, g)) = &last else { continue };
-            let plan = Plan::for_matrix(ctx, rows);
-            let probe = gpu_runtime::bench::matmat(ctx, g, nt, plan, 1)?;
-            // A call that alone outlasts --seconds is its own measurement.
-            let t = if probe.seconds >= opts.seconds {
-                probe
-            } else {
-                gpu_runtime::bench::matmat(ctx, g, nt, plan, reps_for(probe.seconds))?
-            };
-            let bytes = dtype.expected_nbytes(&[rows, cols])? as u64;
-            let timing = if t.timestamps { "timestamps" } else { "wall" };
-            push(
-                record(
+            let base = Plan::for_matrix(ctx, rows);
+            let codec = gpu_runtime::arena::kernel_codec(dtype);
+            let mut paths = vec![gpu_runtime::Path::F32];
+            if let Some(c) = codec {
+                let fast = Plan::fastest_path(ctx, c);
+                if fast != gpu_runtime::Path::F32 {
+                    paths.push(fast);
+                }
+            }
+            for path in paths {
+                let plan = base.with_path(path);
+                let run = |reps| {
+                    gpu_runtime::bench::matmat_path(ctx, g, nt, plan, Epilogue::None, reps, false)
+                };
+                let probe = run(1)?;
+                // A call that alone outlasts --seconds is its own measurement.
+                let (t, ran) = if probe.0.seconds >= opts.seconds {
+                    probe
+                } else {
+                    run(reps_for(probe.0.seconds))?
+                };
+                let bytes = dtype.expected_nbytes(&[rows, cols])? as u64;
+                let timing = if t.timestamps { "timestamps" } else { "wall" };
+                let mut r = record(
                     "matvec",
                     dtype.name().into(),
                     format!("{rows}x{cols}"),
@@ -256,9 +314,13 @@ fn gpu(
                     bytes,
                     t.seconds,
                     timing,
-                ),
-                &mut records,
-            );
+                );
+                r.path = path_name(ran);
+                if h200 && cols == 8192 && nt == 1 {
+                    r.llama_cpp = llama_cpp_h200(dtype).map(String::from);
+                }
+                push(r, &mut records);
+            }
         }
         drop(last.take());
         // One expert's fused gate/up at Qwen3.8-Flash-Next's decode shape: [2 x 640, 2560].
@@ -270,19 +332,23 @@ fn gpu(
             &MatRef::new(dtype, rows, cols, &p)?,
             ctx.max_binding(),
         )?;
-        let plan = Plan::for_matrix(ctx, rows);
-        let probe = gpu_runtime::bench::matmat_fused(ctx, &g, 1, plan, Epilogue::SiluGateUp, 1)?;
-        let t = gpu_runtime::bench::matmat_fused(
-            ctx,
-            &g,
-            1,
-            plan,
-            Epilogue::SiluGateUp,
-            reps_for(probe.seconds),
-        )?;
-        let timing = if t.timestamps { "timestamps" } else { "wall" };
-        push(
-            record(
+        let base = Plan::for_matrix(ctx, rows);
+        let mut paths = vec![gpu_runtime::Path::F32];
+        if let Some(c) = gpu_runtime::arena::kernel_codec(dtype) {
+            let fast = Plan::fastest_path(ctx, c);
+            if fast != gpu_runtime::Path::F32 {
+                paths.push(fast);
+            }
+        }
+        for path in paths {
+            let plan = base.with_path(path);
+            let run = |reps| {
+                gpu_runtime::bench::matmat_path(ctx, &g, 1, plan, Epilogue::SiluGateUp, reps, false)
+            };
+            let probe = run(1)?;
+            let (t, ran) = run(reps_for(probe.0.seconds))?;
+            let timing = if t.timestamps { "timestamps" } else { "wall" };
+            let mut r = record(
                 "gate_up_silu",
                 dtype.name().into(),
                 format!("{rows}x{cols}"),
@@ -290,9 +356,10 @@ fn gpu(
                 p.len() as u64,
                 t.seconds,
                 timing,
-            ),
-            &mut records,
-        );
+            );
+            r.path = path_name(ran);
+            push(r, &mut records);
+        }
     }
     Ok(finish("wgpu", ctx.describe(), records))
 }
@@ -391,15 +458,16 @@ impl BenchReport {
         writeln!(w, "device   {}", self.device)?;
         writeln!(
             w,
-            "{:<13} {:<7} {:<14} {:>2} {:>14} {:>12} {:>9} {:>7}  timing",
-            "test", "format", "shape", "T", "bytes", "us/call", "GB/s", "% ceil"
+            "{:<13} {:<7} {:<6} {:<14} {:>2} {:>14} {:>12} {:>9} {:>7}  {:<10} llama.cpp",
+            "test", "format", "path", "shape", "T", "bytes", "us/call", "GB/s", "% ceil", "timing"
         )?;
         for r in &self.records {
             writeln!(
                 w,
-                "{:<13} {:<7} {:<14} {:>2} {:>14} {:>12.2} {:>9.1} {:>7.1}{} {}",
+                "{:<13} {:<7} {:<6} {:<14} {:>2} {:>14} {:>12.2} {:>9.1} {:>7.1}{} {:<10} {}",
                 r.test,
                 r.format,
+                r.path,
                 r.shape,
                 r.rows_per_call,
                 r.bytes,
@@ -407,7 +475,8 @@ impl BenchReport {
                 r.gbps,
                 r.pct_of_ceiling,
                 if r.cache_resident { "*" } else { " " },
-                r.timing
+                r.timing,
+                r.llama_cpp.as_deref().unwrap_or("")
             )?;
         }
         if self.records.iter().any(|r| r.cache_resident) {

@@ -198,6 +198,21 @@ pub fn matmat_fused(
     epilogue: crate::Epilogue,
     reps: usize,
 ) -> Result<Timing, GpuError> {
+    matmat_path(ctx, m, nt, plan, epilogue, reps, true).map(|(t, _)| t)
+}
+
+/// [`matmat_fused`] on the plan's path, reporting the path that ran; on the int8 path,
+/// `with_quant` false times the matvec alone (its activations quantised once beforehand, as a
+/// forward shares one quantised input among several matrices).
+pub fn matmat_path(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    nt: usize,
+    plan: Plan,
+    epilogue: crate::Epilogue,
+    reps: usize,
+    with_quant: bool,
+) -> Result<(Timing, crate::Path), GpuError> {
     let x = ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("x"),
         size: (nt * m.cols * 4) as u64,
@@ -211,5 +226,33 @@ pub fn matmat_fused(
         mapped_at_creation: false,
     });
     let p = matvec::prepare_fused(ctx, m, &x, &y, nt, plan, epilogue)?;
-    time_pass(ctx, reps, &|pass| p.record(pass))
+    if with_quant {
+        return Ok((time_pass(ctx, reps, &|pass| p.record(pass))?, p.path));
+    }
+    // Quantise once (time_pass's warm-up runs the first recording), then the matvec alone.
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        p.record(&mut pass);
+    }
+    ctx.queue.submit([enc.finish()]);
+    Ok((time_pass(ctx, reps, &|pass| p.record_matvec(pass))?, p.path))
+}
+
+/// Time of quantising `nt` rows of `cols` activations to int8 (the int8 path's extra dispatch).
+pub fn act_quant(
+    ctx: &GpuContext,
+    nt: usize,
+    cols: usize,
+    reps: usize,
+) -> Result<Timing, GpuError> {
+    let x = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("x"),
+        size: (nt * cols * 4) as u64,
+        usage: wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    let acts = crate::ops::act8::ActBuffers::new(ctx, nt, cols, crate::ActLayout::Pairs)?;
+    let step = crate::ops::act8::prepare(ctx, &x, &acts, None)?;
+    time_pass(ctx, reps, &|pass| step.record(pass))
 }

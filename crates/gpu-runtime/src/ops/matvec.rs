@@ -401,7 +401,7 @@ pub fn prepare_fused(
             let acts = crate::ops::act8::ActBuffers::new(ctx, nt, m.cols, layout)?;
             let first = &m.parts[0];
             let col_scales =
-                (codec == Codec::Q8_2f).then(|| (&first.buffer, first.layout.third as u64));
+                (codec == Codec::Q8_2f).then_some((&first.buffer, first.layout.third as u64));
             steps.push(crate::ops::act8::prepare(ctx, x, &acts, col_scales)?);
             Some(acts)
         }
