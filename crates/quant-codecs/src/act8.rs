@@ -14,7 +14,10 @@ pub const ACT_BLOCK: usize = 32;
 /// is float order on magnitudes, with every NaN above infinity, so the block is non-finite
 /// exactly when the result is at least `0x7F80_0000`.
 pub fn amax_bits(x: &[f32]) -> u32 {
-    x.iter().map(|v| v.to_bits() & 0x7FFF_FFFF).max().unwrap_or(0)
+    x.iter()
+        .map(|v| v.to_bits() & 0x7FFF_FFFF)
+        .max()
+        .unwrap_or(0)
 }
 
 /// The code of one activation whose magnitude bits are at most `amax` (both from
@@ -31,7 +34,11 @@ pub fn code(x_bits: u32, amax: u32) -> i8 {
     let split = |v: u32| {
         let e = v >> 23;
         let m = v & 0x007F_FFFF;
-        if e == 0 { (1u32, m) } else { (e, m | 0x0080_0000) }
+        if e == 0 {
+            (1u32, m)
+        } else {
+            (e, m | 0x0080_0000)
+        }
     };
     let (ex, mx) = split(xa);
     let (ea, ma) = split(amax);
@@ -136,7 +143,9 @@ mod tests {
     #[test]
     fn ties_round_away_from_zero() {
         // amax 127: the codes are round(x), and x = n + 0.5 are exact ties.
-        let mut x = vec![127.0f32, -127.0, 2.5, -2.5, 0.5, -0.5, 1.5, 126.5, -0.0, 0.0];
+        let mut x = vec![
+            127.0f32, -127.0, 2.5, -2.5, 0.5, -0.5, 1.5, 126.5, -0.0, 0.0,
+        ];
         x.extend([1e-45f32, 3.0, 0.49999997, 0.5000001]);
         let mut q = vec![0i8; x.len()];
         quantize_block(&x, &mut q);
@@ -167,7 +176,10 @@ mod tests {
         assert_eq!((r.q.len(), r.d.len(), r.sums.len()), (70, 3, 3));
         for (b, xb) in x.chunks(ACT_BLOCK).enumerate() {
             check_block(xb);
-            let s: i32 = r.q[b * 32..(b * 32 + xb.len())].iter().map(|&v| i32::from(v)).sum();
+            let s: i32 = r.q[b * 32..(b * 32 + xb.len())]
+                .iter()
+                .map(|&v| i32::from(v))
+                .sum();
             assert_eq!(r.sums[b], s);
         }
         for (xh, x) in r.dequantize().iter().zip(&x) {
