@@ -351,7 +351,7 @@ fn rows_path<const NT: usize>(
         Path::Avx512 => unsafe { rows_avx512_portable::<NT>(m, a, order, r0, outs) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `run` picks Vnni only after confirming AVX-512 F/BW/VL and VNNI.
-        Path::Vnni => unsafe { rows_avx512_portable::<NT>(m, a, order, r0, outs) },
+        Path::Vnni => unsafe { crate::int8_512::rows::<NT>(m, a, r0, outs) },
     }
 }
 

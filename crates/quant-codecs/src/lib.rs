@@ -30,6 +30,8 @@ mod dtype;
 mod error;
 pub mod float;
 mod int8;
+#[cfg(target_arch = "x86_64")]
+mod int8_512;
 mod kernel;
 pub mod mxfp4;
 pub mod ops;
