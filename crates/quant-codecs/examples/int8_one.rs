@@ -7,13 +7,22 @@ use quant_codecs::{ActPath, DType, MatRef, synthetic_payload};
 fn main() {
     let a: Vec<String> = std::env::args().collect();
     let dtype = DType::from_name(&a[1]).expect("format");
-    let (rows, cols, nt): (usize, usize, usize) =
-        (a[2].parse().unwrap(), a[3].parse().unwrap(), a[4].parse().unwrap());
-    let path = if a[5] == "int8" { ActPath::Int8 } else { ActPath::F32 };
+    let (rows, cols, nt): (usize, usize, usize) = (
+        a[2].parse().unwrap(),
+        a[3].parse().unwrap(),
+        a[4].parse().unwrap(),
+    );
+    let path = if a[5] == "int8" {
+        ActPath::Int8
+    } else {
+        ActPath::F32
+    };
     let iters: usize = a[6].parse().unwrap();
     let p = synthetic_payload(dtype, rows, cols, 1).unwrap();
     let m = MatRef::new(dtype, rows, cols, &p).unwrap();
-    let xs: Vec<f32> = (0..nt * cols).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+    let xs: Vec<f32> = (0..nt * cols)
+        .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+        .collect();
     let mut ys = vec![0.0f32; nt * rows];
     m.matmat_path(path, &xs, &mut ys).unwrap();
     let t = Instant::now();
@@ -21,5 +30,9 @@ fn main() {
         m.matmat_path(path, &xs, &mut ys).unwrap();
     }
     let s = t.elapsed().as_secs_f64() / iters as f64;
-    println!("{dtype} {rows}x{cols} T={nt} {:?}: {:.2} GB/s", path, p.len() as f64 / s / 1e9);
+    println!(
+        "{dtype} {rows}x{cols} T={nt} {:?}: {:.2} GB/s",
+        path,
+        p.len() as f64 / s / 1e9
+    );
 }

@@ -44,8 +44,11 @@ pub(crate) const LANES8: usize = 16;
 pub(crate) enum Order {
     /// Element order (q8_2f: 64 code bytes are two blocks).
     Natural,
-    /// Per 4 blocks (64 code bytes of q4tp/mxfp4): the even elements of the 4 blocks, 16 each,
-    /// then the odd ones (low nibbles, then high nibbles).
+    /// Per 16 blocks (256 code bytes of q4tp/mxfp4), eight 64-byte vectors `2p + h`: in 4-byte
+    /// lane `4 (k % 4) + k / 4` of vector `2p + h`, block `k`'s elements `8p + 2i + h`,
+    /// `i` = 0..3 (code bytes `4p .. 4p + 4` of the block, low nibbles for `h = 0`): the
+    /// layout of the code bytes after an in-lane 4x4 transpose of 32-bit words, so one
+    /// dot-product lane collects one block.
     Pairs4,
     /// Per 8 blocks (64 code bytes of q2tp): bit pair `j` of every byte: element `4k + j` of
     /// block `g` at `64 j + 8 g + k`.
@@ -57,7 +60,13 @@ impl Order {
     pub(crate) const fn pos(self, b: usize, e: usize) -> usize {
         match self {
             Order::Natural => b * ACT_BLOCK + e,
-            Order::Pairs4 => (b / 4) * 128 + (e % 2) * 64 + (b % 4) * 16 + e / 2,
+            Order::Pairs4 => {
+                let k = b % 16;
+                (b / 16) * 512
+                    + (2 * (e / 8) + e % 2) * 64
+                    + 4 * (4 * (k % 4) + k / 4)
+                    + (e % 8) / 2
+            }
             Order::Quads8 => (b / 8) * 256 + (e % 4) * 64 + (b % 8) * 8 + e / 4,
         }
     }

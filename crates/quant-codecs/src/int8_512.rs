@@ -210,29 +210,48 @@ fn q8_2f_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f
     drive::<NT>(m, a, r0, outs, (1, 128), decode, dot);
 }
 
-/// The dot product of q4tp/mxfp4 codes: vectors `2j` (low nibbles) and `2j + 1` (high
-/// nibbles) cover blocks `4j .. 4j + 4` (`Order::Pairs4`).
+/// Chunk `c`'s 256 q4tp/mxfp4 code bytes as four vectors `o_p`: lane `4 (k % 4) + k / 4` of
+/// `o_p` holds bytes `4p .. 4p + 4` of block `k` (an in-lane 4x4 transpose of 32-bit words),
+/// matching `Order::Pairs4`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+fn pairs_words(plane: &[u8], c: usize) -> [__m512i; 4] {
+    let z: [__m512i; 4] = core::array::from_fn(|j| load64(plane, c * 256 + 64 * j));
+    let t0 = _mm512_unpacklo_epi32(z[0], z[1]);
+    let t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    let t2 = _mm512_unpacklo_epi32(z[2], z[3]);
+    let t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    [
+        _mm512_unpacklo_epi64(t0, t2),
+        _mm512_unpackhi_epi64(t0, t2),
+        _mm512_unpacklo_epi64(t1, t3),
+        _mm512_unpackhi_epi64(t1, t3),
+    ]
+}
+
+/// The dot product of q4tp/mxfp4 codes (`Order::Pairs4`): every lane collects one block, in
+/// two chains, then the lanes return to block order.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
 fn dot_pairs(w: &[__m512i; 8], q: *const i8) -> __m512i {
-    let z = _mm512_setzero_si512();
-    let n: [__m512i; 4] = core::array::from_fn(|j| {
-        // SAFETY: `q` holds one chunk, 512 bytes; these loads read 128j .. 128j + 128.
-        let (lo, hi) = unsafe { (q64(q, 128 * j), q64(q, 128 * j + 64)) };
-        _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(z, w[2 * j], lo), w[2 * j + 1], hi)
-    });
-    hadd(hadd(n[0], n[1]), hadd(n[2], n[3]))
+    let mut acc = [_mm512_setzero_si512(); 2];
+    for v in 0..8 {
+        // SAFETY: `q` holds one chunk, 512 bytes; this load reads 64v .. 64v + 64.
+        acc[v % 2] = _mm512_dpbusd_epi32(acc[v % 2], w[v], unsafe { q64(q, 64 * v) });
+    }
+    let back = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    _mm512_permutexvar_epi32(back, _mm512_add_epi32(acc[0], acc[1]))
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 fn q4tp_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f32]]) {
     let low = _mm512_set1_epi8(15);
     let decode = |row: &Row, c: usize| {
+        let o = pairs_words(row.plane, c);
         let mut w = [_mm512_setzero_si512(); 8];
-        for j in 0..4 {
-            let v = load64(row.plane, c * 256 + 64 * j);
-            w[2 * j] = _mm512_and_si512(v, low);
-            w[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), low);
+        for p in 0..4 {
+            w[2 * p] = _mm512_and_si512(o[p], low);
+            w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(o[p]), low);
         }
         (w, ladder_scales(row, c))
     };
@@ -246,12 +265,12 @@ fn mxfp4_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f
     // SAFETY: `lut` holds 16 bytes.
     let lut = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(lut.as_ptr().cast()) });
     let decode = |row: &Row, c: usize| {
+        let o = pairs_words(row.plane, c);
         let mut w = [_mm512_setzero_si512(); 8];
-        for j in 0..4 {
-            let v = load64(row.plane, c * 256 + 64 * j);
-            w[2 * j] = _mm512_shuffle_epi8(lut, _mm512_and_si512(v, low));
-            w[2 * j + 1] =
-                _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(v), low));
+        for p in 0..4 {
+            w[2 * p] = _mm512_shuffle_epi8(lut, _mm512_and_si512(o[p], low));
+            w[2 * p + 1] =
+                _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(o[p]), low));
         }
         // S = e8m0(k) / 2: k << 23, with 0 -> 2^-127 and 255 -> NaN, halved.
         let k = _mm512_cvtepu8_epi32(load16(row.scales, 16 * c));
