@@ -2,13 +2,15 @@
 //! memory read bandwidth measured in the same run (`read_ceiling`).
 //!
 //! `cargo bench -p quant-codecs --bench matvec`; `scripts/perf-table.py` turns criterion's
-//! estimates into the table in docs/perf.md.
+//! estimates into the table in docs/perf.md. `-- paths_` runs only the f32-vs-int8 activation
+//! path groups (`paths_<format>/<path>/<shape>_t<T>`); `examples/int8_bw.rs` prints the same
+//! cases as one table with the percentage of the read ceiling.
 
 use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use quant_codecs::{DType, MatRef};
+use quant_codecs::{ActPath, DType, MatRef};
 use rayon::prelude::*;
 
 fn read_ceiling(c: &mut Criterion) {
@@ -67,12 +69,47 @@ fn matvec(c: &mut Criterion) {
     }
 }
 
+/// Both activation paths (`ActPath::F32`, `ActPath::Int8`) for the quantised formats: the
+/// decode shapes and a matrix of about 1 GiB of weights (far beyond any L3), at T = 1 and 8.
+fn paths(c: &mut Criterion) {
+    for dtype in [DType::Q8_2f, DType::Q4tp, DType::Q2tp, DType::Mxfp4] {
+        let big_rows = match dtype {
+            DType::Q8_2f => 65536,
+            DType::Q2tp => 262144,
+            _ => 131072,
+        };
+        let mut g = c.benchmark_group(format!("paths_{dtype}"));
+        for (name, rows, cols) in [
+            ("2560x2560", 2560, 2560),
+            ("10240x2560", 10240, 2560),
+            ("1GiB", big_rows, 16384),
+        ] {
+            let p = quant_codecs::synthetic_payload(dtype, rows, cols, 1).unwrap();
+            let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+            g.throughput(Throughput::Bytes(p.len() as u64));
+            for nt in [1, 8] {
+                let xs: Vec<f32> = (0..nt * cols)
+                    .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+                    .collect();
+                let mut ys = vec![0.0f32; nt * rows];
+                for (pname, path) in [("f32", ActPath::F32), ("int8", ActPath::Int8)] {
+                    let id = BenchmarkId::new(pname, format!("{name}_t{nt}"));
+                    g.bench_function(id, |b| {
+                        b.iter(|| m.matmat_path(path, black_box(&xs), &mut ys).unwrap())
+                    });
+                }
+            }
+        }
+        g.finish();
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default()
         .sample_size(10)
         .warm_up_time(Duration::from_millis(500))
         .measurement_time(Duration::from_secs(2));
-    targets = read_ceiling, matvec
+    targets = read_ceiling, matvec, paths
 }
 criterion_main!(benches);

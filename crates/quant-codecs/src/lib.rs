@@ -29,6 +29,9 @@ pub mod act8;
 mod dtype;
 mod error;
 pub mod float;
+mod int8;
+#[cfg(target_arch = "x86_64")]
+mod int8_512;
 mod kernel;
 pub mod mxfp4;
 pub mod ops;
@@ -47,6 +50,7 @@ use rayon::prelude::*;
 pub use dtype::{DType, GROUP, Layout, split_matrix_shape};
 pub use error::CodecError;
 pub use float::round_bf16;
+pub use int8::ActPath;
 use kernel::Permute;
 pub use kernel::{Isa, MAX_BATCH};
 pub use stream::{RowEncoder, column_maxima};
@@ -152,6 +156,32 @@ impl<'a> MatRef<'a> {
                 kernel::run(isa, &mxfp4::Kernel { l, bytes }, rows, cols, nt, &xp, ys)
             }
         }
+        Ok(())
+    }
+
+    /// [`MatRef::matmat`] with a chosen activation path: [`ActPath::F32`] is exactly
+    /// `matmat`; [`ActPath::Int8`] quantises the activations to int8 once per call and runs
+    /// the integer kernels (docs/codecs.md, "CPU int8 kernels"). Float dtypes have no integer
+    /// codes: for them `Int8` is the f32 path.
+    pub fn matmat_path(&self, path: ActPath, xs: &[f32], ys: &mut [f32]) -> Result<(), CodecError> {
+        self.matmat_path_with(Isa::detect(), path, xs, ys)
+    }
+
+    /// [`MatRef::matmat_path`] compiled for a chosen instruction set (falls back to the
+    /// baseline when the CPU lacks it). Results are bit-identical for every `isa`, on either
+    /// path, and row `t` equals the single-row call on `xs[t]` bit for bit.
+    pub fn matmat_path_with(
+        &self,
+        isa: Isa,
+        path: ActPath,
+        xs: &[f32],
+        ys: &mut [f32],
+    ) -> Result<(), CodecError> {
+        if path == ActPath::F32 || !self.dtype().is_quantized() {
+            return self.matmat_with(isa, xs, ys);
+        }
+        let nt = self.batch_rows(xs, ys)?;
+        int8::run(isa, self.layout, self.bytes, nt, xs, ys);
         Ok(())
     }
 

@@ -1,0 +1,418 @@
+//! The int8-activation integer kernels (docs/codecs.md, "CPU int8 kernels"): activations are
+//! quantised once per call with [`crate::act8`], each 32-block's integer dot product
+//! `I_b = sum_i c_i q_i` is exact in i32, and the f32 part follows one fixed order on every
+//! instruction set:
+//!
+//! * per token row, 16 f32 accumulators; block `b` goes to accumulator `b % 16` by
+//!   `acc = fma(d_b * S_b, I_b as f32, acc)` (the factor `d_b * S_b` rounded once, `I_b` exact
+//!   in f32 since `|I_b| < 2^24`), blocks in increasing order;
+//! * the 16 accumulators are folded pairwise (`j + w` into `j` for `w` = 8, 4, 2, 1);
+//! * q8_2f multiplies the folded sum by the row scale last.
+//!
+//! The portable code here is the reference; `int8_512` computes the same thing with AVX-512
+//! VNNI, 16 blocks per vector, and the AVX2 path is the portable code compiled for AVX2.
+
+// Accumulator arrays are indexed by token row and block lane on purpose.
+#![allow(clippy::needless_range_loop)]
+
+use rayon::prelude::*;
+
+use crate::act8::{ACT_BLOCK, quantize_block};
+use crate::tiered::{scale_code, scale_table};
+use crate::{DType, Isa, Layout, mxfp4, q2tp, q4tp, q8_2f};
+
+/// How a matmat treats its activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActPath {
+    /// Exact f32 activations against weights decoded to f32 (the reference path; what
+    /// [`crate::MatRef::matvec`] and [`crate::MatRef::matmat`] do).
+    #[default]
+    F32,
+    /// Activations quantised to int8 per 32-block ([`crate::act8`]) and integer dot products
+    /// with the weight codes, scales applied once per block. Float dtypes (f32, f16, bf16) have
+    /// no integer codes and take the f32 path.
+    Int8,
+}
+
+/// Blocks per accumulator set (one AVX-512 vector of block sums).
+pub(crate) const LANES8: usize = 16;
+
+/// Where element `e` of block `b` lies in a token row's quantised activations: each format
+/// reads its packed codes straight into the byte lanes of its dot-product instructions, and
+/// the activations are permuted to match once per call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Order {
+    /// Element order (q8_2f: 64 code bytes are two blocks).
+    Natural,
+    /// Per 16 blocks (256 code bytes of q4tp/mxfp4), eight 64-byte vectors `2p + h`: in 4-byte
+    /// lane `4 (k % 4) + k / 4` of vector `2p + h`, block `k`'s elements `8p + 2i + h`,
+    /// `i` = 0..3 (code bytes `4p .. 4p + 4` of the block, low nibbles for `h = 0`): the
+    /// layout of the code bytes after an in-lane 4x4 transpose of 32-bit words, so one
+    /// dot-product lane collects one block.
+    Pairs4,
+    /// Per 8 blocks (64 code bytes of q2tp): bit pair `j` of every byte: element `4k + j` of
+    /// block `g` at `64 j + 8 g + k`.
+    Quads8,
+}
+
+impl Order {
+    #[inline(always)]
+    pub(crate) const fn pos(self, b: usize, e: usize) -> usize {
+        match self {
+            Order::Natural => b * ACT_BLOCK + e,
+            Order::Pairs4 => {
+                let k = b % 16;
+                (b / 16) * 512
+                    + (2 * (e / 8) + e % 2) * 64
+                    + 4 * (4 * (k % 4) + k / 4)
+                    + (e % 8) / 2
+            }
+            Order::Quads8 => (b / 8) * 256 + (e % 4) * 64 + (b % 8) * 8 + e / 4,
+        }
+    }
+
+    fn of(dtype: DType) -> Order {
+        match dtype {
+            DType::Q4tp | DType::Mxfp4 => Order::Pairs4,
+            DType::Q2tp => Order::Quads8,
+            _ => Order::Natural,
+        }
+    }
+}
+
+/// `nt` activation rows quantised, each padded to `nbp` blocks (a multiple of 16) with zero
+/// codes, zero scales and zero sums.
+pub(crate) struct Acts {
+    /// Real blocks per row.
+    pub nb: usize,
+    /// Padded blocks per row.
+    pub nbp: usize,
+    /// Codes, `nbp * 32` per row, in the format's [`Order`].
+    pub q: Vec<i8>,
+    /// Block scales `d`, `nbp` per row.
+    pub d: Vec<f32>,
+    /// Block code sums, `nbp` per row.
+    pub sums: Vec<i32>,
+}
+
+impl Acts {
+    /// Quantises `xs` (`nt` rows of `cols`), multiplied element-wise by `cs` first if given.
+    pub(crate) fn new(xs: &[f32], cols: usize, order: Order, cs: Option<&[f32]>) -> Acts {
+        let nt = xs.len() / cols;
+        let nb = cols.div_ceil(ACT_BLOCK);
+        let nbp = nb.div_ceil(LANES8) * LANES8;
+        let mut a = Acts {
+            nb,
+            nbp,
+            q: vec![0; nt * nbp * ACT_BLOCK],
+            d: vec![0.0; nt * nbp],
+            sums: vec![0; nt * nbp],
+        };
+        let per = nbp * ACT_BLOCK;
+        let work = |(t, ((q, d), s)): (usize, RowParts)| {
+            let x = &xs[t * cols..][..cols];
+            for b in 0..nb {
+                let len = (cols - b * ACT_BLOCK).min(ACT_BLOCK);
+                let mut buf = [0.0f32; ACT_BLOCK];
+                for e in 0..len {
+                    let i = b * ACT_BLOCK + e;
+                    buf[e] = match cs {
+                        Some(cs) => x[i] * cs[i],
+                        None => x[i],
+                    };
+                }
+                let mut qb = [0i8; ACT_BLOCK];
+                d[b] = quantize_block(&buf[..len], &mut qb[..len]);
+                s[b] = qb.iter().map(|&v| i32::from(v)).sum();
+                for e in 0..len {
+                    q[order.pos(b, e)] = qb[e];
+                }
+            }
+        };
+        let it =
+            a.q.chunks_mut(per)
+                .zip(a.d.chunks_mut(nbp))
+                .zip(a.sums.chunks_mut(nbp));
+        if nt > 1 && cols >= 2048 {
+            it.collect::<Vec<_>>()
+                .into_par_iter()
+                .enumerate()
+                .for_each(work);
+        } else {
+            it.enumerate().for_each(work);
+        }
+        a
+    }
+}
+
+/// One token row's quantised parts: codes, block scales, block sums.
+type RowParts<'a> = ((&'a mut [i8], &'a mut [f32]), &'a mut [i32]);
+
+/// One quantised matrix for the integer kernels.
+#[derive(Clone, Copy)]
+pub(crate) struct Mat<'a> {
+    pub l: Layout,
+    pub bytes: &'a [u8],
+}
+
+/// A row, ready for its blocks.
+pub(crate) struct Row<'a> {
+    /// q4tp: the scale ladder; q2tp: the ladder halved (`S = scale / 2`).
+    pub ladder: [f32; 32],
+    /// The row's code bytes.
+    pub plane: &'a [u8],
+    /// q4tp/q2tp: packed 5-bit scale codes; mxfp4: E8M0 bytes; q8_2f: empty.
+    pub scales: &'a [u8],
+    /// q8_2f: the row scale; otherwise 1.
+    pub rs: f32,
+}
+
+/// The signed value `2 * e2m1(n)` of each E2M1 code.
+pub(crate) const MX_INT: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+
+impl<'a> Mat<'a> {
+    #[inline(always)]
+    pub(crate) fn row(&self, r: usize) -> Row<'a> {
+        let (l, bytes) = (&self.l, self.bytes);
+        match l.dtype {
+            DType::Q4tp | DType::Q2tp => {
+                let (tier, bits) = if l.dtype == DType::Q4tp {
+                    (q4tp::TIER, 4)
+                } else {
+                    (q2tp::TIER, 2)
+                };
+                let (lo, step) = crate::tiered::row_params(l, bytes, r);
+                let mut ladder = scale_table(&tier, lo, step);
+                if l.dtype == DType::Q2tp {
+                    for s in &mut ladder {
+                        *s *= 0.5;
+                    }
+                }
+                let per_row = l.cols * bits / 8;
+                Row {
+                    ladder,
+                    plane: &bytes[r * per_row..][..per_row],
+                    scales: &bytes[l.third + r * l.code_stride..][..l.code_stride],
+                    rs: 1.0,
+                }
+            }
+            DType::Mxfp4 => {
+                let gpr = l.groups_per_row();
+                Row {
+                    ladder: [0.0; 32],
+                    plane: &bytes[r * l.cols / 2..][..l.cols / 2],
+                    scales: &bytes[l.second + r * gpr..][..gpr],
+                    rs: 1.0,
+                }
+            }
+            _ => Row {
+                ladder: [0.0; 32],
+                plane: &bytes[r * l.cols..][..l.cols],
+                scales: &[],
+                rs: q8_2f::row_scale(l, bytes, r),
+            },
+        }
+    }
+
+    /// Block `b`'s factor `S_b` and integer codes `c_i` in element order (zero past a short
+    /// q8_2f tail).
+    #[inline(always)]
+    fn block(&self, row: &Row, b: usize) -> (f32, [i32; 32]) {
+        let mut c = [0i32; 32];
+        match self.l.dtype {
+            DType::Q4tp => {
+                for (k, &v) in row.plane[b * 16..][..16].iter().enumerate() {
+                    c[2 * k] = i32::from(v & 15) - 8;
+                    c[2 * k + 1] = i32::from(v >> 4) - 8;
+                }
+                (row.ladder[scale_code(row.scales, b)], c)
+            }
+            DType::Q2tp => {
+                for (k, &v) in row.plane[b * 8..][..8].iter().enumerate() {
+                    for j in 0..4 {
+                        c[4 * k + j] = 2 * i32::from((v >> (2 * j)) & 3) - 3;
+                    }
+                }
+                (row.ladder[scale_code(row.scales, b)], c)
+            }
+            DType::Mxfp4 => {
+                for (k, &v) in row.plane[b * 16..][..16].iter().enumerate() {
+                    c[2 * k] = i32::from(MX_INT[usize::from(v & 15)]);
+                    c[2 * k + 1] = i32::from(MX_INT[usize::from(v >> 4)]);
+                }
+                (mxfp4::e8m0(row.scales[b]) * 0.5, c)
+            }
+            _ => {
+                let start = b * ACT_BLOCK;
+                let len = (self.l.cols - start).min(ACT_BLOCK);
+                for (c, &v) in c.iter_mut().zip(&row.plane[start..][..len]) {
+                    *c = i32::from(v as i8);
+                }
+                (1.0, c)
+            }
+        }
+    }
+
+    /// The reference row: `out[t] = dot(row r, acts t)` in the documented order.
+    #[inline(always)]
+    fn row_dot<const NT: usize>(&self, r: usize, a: &Acts, order: Order, out: &mut [f32]) {
+        let row = self.row(r);
+        let mut acc = [[0.0f32; LANES8]; NT];
+        let per = a.nbp * ACT_BLOCK;
+        for b in 0..a.nb {
+            let (s, c) = self.block(&row, b);
+            for t in 0..NT {
+                let q = &a.q[t * per..][..per];
+                let mut i = 0i32;
+                for e in 0..ACT_BLOCK {
+                    i += c[e] * i32::from(q[order.pos(b, e)]);
+                }
+                let f = a.d[t * a.nbp + b] * s;
+                let lane = &mut acc[t][b % LANES8];
+                *lane = f.mul_add(i as f32, *lane);
+            }
+        }
+        for t in 0..NT {
+            out[t] = fold16(&acc[t]) * row.rs;
+        }
+    }
+}
+
+/// The 16 block lanes folded pairwise: lane `j + w` into lane `j` for `w` = 8, 4, 2, 1.
+#[inline(always)]
+pub(crate) fn fold16(acc: &[f32; LANES8]) -> f32 {
+    let mut v = *acc;
+    let mut w = LANES8 / 2;
+    while w > 0 {
+        for j in 0..w {
+            v[j] += v[j + w];
+        }
+        w /= 2;
+    }
+    v[0]
+}
+
+/// Rows `r0 .. r0 + outs[0].len()`; `outs[t]` are token `t`'s outputs.
+#[inline(always)]
+fn rows_portable<const NT: usize>(
+    m: &Mat,
+    a: &Acts,
+    order: Order,
+    r0: usize,
+    outs: &mut [&mut [f32]],
+) {
+    let n = outs.first().map_or(0, |o| o.len());
+    let mut out = [0.0f32; NT];
+    for i in 0..n {
+        m.row_dot::<NT>(r0 + i, a, order, &mut out);
+        for t in 0..NT {
+            outs[t][i] = out[t];
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,bmi2")]
+fn rows_avx2<const NT: usize>(m: &Mat, a: &Acts, order: Order, r0: usize, outs: &mut [&mut [f32]]) {
+    rows_portable::<NT>(m, a, order, r0, outs)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c,bmi2")]
+fn rows_avx512_portable<const NT: usize>(
+    m: &Mat,
+    a: &Acts,
+    order: Order,
+    r0: usize,
+    outs: &mut [&mut [f32]],
+) {
+    rows_portable::<NT>(m, a, order, r0, outs)
+}
+
+/// The instruction set the rows run with; `Vnni` is `Isa::Avx512` on a CPU with AVX-512 VNNI
+/// (the hand-written kernels), plain `Avx512` without it runs the portable code.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    Portable,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+fn rows_path<const NT: usize>(
+    p: Path,
+    m: &Mat,
+    a: &Acts,
+    order: Order,
+    r0: usize,
+    outs: &mut [&mut [f32]],
+) {
+    match p {
+        Path::Portable => rows_portable::<NT>(m, a, order, r0, outs),
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `run` picks Avx2 only after `Isa::available` confirmed the features.
+        Path::Avx2 => unsafe { rows_avx2::<NT>(m, a, order, r0, outs) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `run` picks Avx512 only after `Isa::available` confirmed the features.
+        Path::Avx512 => unsafe { rows_avx512_portable::<NT>(m, a, order, r0, outs) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `run` picks Vnni only after confirming AVX-512 F/BW/VL and VNNI.
+        Path::Vnni => unsafe { crate::int8_512::rows::<NT>(m, a, r0, outs) },
+    }
+}
+
+fn run_nt<const NT: usize>(p: Path, m: &Mat, a: &Acts, order: Order, ys: &mut [f32]) {
+    let (rows, cols) = (m.l.rows, m.l.cols);
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = rows.div_ceil(threads * 8).clamp(8, 4096);
+    let nchunks = rows.div_ceil(chunk);
+    let mut tasks: Vec<Vec<&mut [f32]>> = (0..nchunks).map(|_| Vec::with_capacity(NT)).collect();
+    for y in ys.chunks_mut(rows).take(NT) {
+        for (task, part) in tasks.iter_mut().zip(y.chunks_mut(chunk)) {
+            task.push(part);
+        }
+    }
+    if nchunks == 1 || rows * cols * NT < 1 << 16 {
+        for (i, mut outs) in tasks.into_iter().enumerate() {
+            rows_path::<NT>(p, m, a, order, i * chunk, &mut outs);
+        }
+        return;
+    }
+    tasks
+        .into_par_iter()
+        .enumerate()
+        .for_each(|(i, mut outs)| rows_path::<NT>(p, m, a, order, i * chunk, &mut outs));
+}
+
+/// `ys[t * rows + r] = dot(row r, xs[t])` for a quantised dtype, `nt` rows. Callers have
+/// checked `1 <= nt <= MAX_BATCH` and the buffer lengths.
+pub(crate) fn run(isa: Isa, l: Layout, bytes: &[u8], nt: usize, xs: &[f32], ys: &mut [f32]) {
+    debug_assert!(l.dtype.is_quantized());
+    let order = Order::of(l.dtype);
+    let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(&l, bytes));
+    let a = Acts::new(xs, l.cols, order, cs.as_deref());
+    let m = Mat { l, bytes };
+    let isa = if isa.available() { isa } else { Isa::Baseline };
+    let p = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Path::Vnni,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => Path::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Path::Avx2,
+        _ => Path::Portable,
+    };
+    match nt {
+        1 => run_nt::<1>(p, &m, &a, order, ys),
+        2 => run_nt::<2>(p, &m, &a, order, ys),
+        3 => run_nt::<3>(p, &m, &a, order, ys),
+        4 => run_nt::<4>(p, &m, &a, order, ys),
+        5 => run_nt::<5>(p, &m, &a, order, ys),
+        6 => run_nt::<6>(p, &m, &a, order, ys),
+        7 => run_nt::<7>(p, &m, &a, order, ys),
+        _ => run_nt::<8>(p, &m, &a, order, ys),
+    }
+}

@@ -1,0 +1,331 @@
+//! The int8-activation kernels (`ActPath::Int8`, docs/codecs.md "CPU int8 kernels") against
+//! f64 witnesses: the exact product within the documented bound, the product on the quantised
+//! activations within the f32 accumulation bound alone (which catches a wrong weight code), and
+//! against each other (matmat rows vs single rows, every instruction set, bit for bit).
+
+use proptest::prelude::*;
+use quant_codecs::act8::{ACT_BLOCK, Act8Row};
+use quant_codecs::{ActPath, CodecError, DType, Isa, MAX_BATCH, MatRef, quantize};
+
+const U: f64 = 1.0 / (1u64 << 24) as f64;
+const QUANTISED: [DType; 4] = [DType::Q8_2f, DType::Q4tp, DType::Q2tp, DType::Mxfp4];
+
+fn cfg(cases: u32) -> ProptestConfig {
+    ProptestConfig {
+        cases,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+fn xorshift(seed: u64) -> impl FnMut() -> f64 {
+    let mut s = seed | 1;
+    move || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        (s >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Weights with a per-row magnitude, outlier columns, zero groups and spikes; `cols` from
+/// `blocks` (a multiple of 32, or any width when `any_width`), up to 40 blocks so rows span
+/// several 16-block chunks and end in partial ones.
+fn weights(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut next = xorshift(seed);
+    let row_mag: Vec<f64> = (0..rows).map(|_| 10f64.powf(next() * 4.0 - 3.0)).collect();
+    let col_mag: Vec<f64> = (0..cols)
+        .map(|_| if next() < 0.05 { 20.0 } else { 1.0 })
+        .collect();
+    let mut w = vec![0.0f32; rows * cols];
+    for r in 0..rows {
+        let zero_group = next() < 0.2;
+        for i in 0..cols {
+            let g = (next() + next() + next() - 1.5) * 2.0;
+            let spike = if next() < 0.01 { 30.0 } else { 1.0 };
+            let v = g * row_mag[r] * col_mag[i] * spike;
+            w[r * cols + i] = if zero_group && (32..64).contains(&i) {
+                0.0
+            } else {
+                v as f32
+            };
+        }
+    }
+    w
+}
+
+/// Activations with a spread of block magnitudes, some zero blocks.
+fn activations(n: usize, cols: usize, seed: u64) -> Vec<f32> {
+    let mut next = xorshift(seed ^ 0x5555);
+    let mut xs = vec![0.0f32; n];
+    for (i, x) in xs.iter_mut().enumerate() {
+        let block = (i % cols) / ACT_BLOCK;
+        let mag = 10f64.powf(((block * 7 + i / cols) % 5) as f64 - 2.0);
+        *x = ((next() - 0.5) * 4.0 * mag) as f32;
+        if (block + i / cols) % 11 == 5 {
+            *x = 0.0;
+        }
+    }
+    xs
+}
+
+fn f16_at(b: &[u8], o: usize) -> f64 {
+    f64::from(half::f16::from_bits(u16::from_le_bytes([b[o], b[o + 1]])).to_f32())
+}
+
+/// The matrix and activations in the coordinates the integer kernels work in: q8_2f's
+/// activations carry the column scales (`x_i * cs_i` in f32) and its weights are
+/// `code * row_scale`; the other formats' are the decoded weights and the activations as given.
+fn prepared(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    p: &[u8],
+    dq: &[f32],
+    x: &[f32],
+) -> (Vec<f64>, Vec<f32>) {
+    if dtype != DType::Q8_2f {
+        return (dq.iter().map(|&v| f64::from(v)).collect(), x.to_vec());
+    }
+    let cs_at = rows * cols + 2 * rows;
+    let xp = (0..cols)
+        .map(|i| x[i] * f16_at(p, cs_at + 2 * i) as f32)
+        .collect();
+    let wp = (0..rows * cols)
+        .map(|k| f64::from(p[k] as i8) * f16_at(p, rows * cols + 2 * (k / cols)))
+        .collect();
+    (wp, xp)
+}
+
+fn check(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    w: &[f32],
+    nt: usize,
+    seed: u64,
+) -> Result<(), TestCaseError> {
+    let p = quantize(dtype, rows, cols, w).unwrap();
+    let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+    let mut dq = vec![0.0f32; rows * cols];
+    m.dequantize(&mut dq).unwrap();
+    let xs = activations(nt * cols, cols, seed);
+    let mut ys = vec![f32::NAN; nt * rows];
+    m.matmat_path(ActPath::Int8, &xs, &mut ys).unwrap();
+    let nb = cols.div_ceil(ACT_BLOCK);
+    // f32 part: a block term's factor is rounded once, each of the 16 lanes takes up to
+    // ceil(nb / 16) fused multiply-adds, the fold adds 4 roundings, q8_2f's row scale one more;
+    // the kernels' `c_i * S_b` differs from the decoded weight by at most one rounding.
+    let k_f32 = (nb.div_ceil(16) + 8) as f64 * U * 1.01;
+    for t in 0..nt {
+        let x = &xs[t * cols..(t + 1) * cols];
+        // Every instruction set, and the single-row call, give the same bits.
+        for isa in [Isa::Baseline, Isa::Avx2, Isa::Avx512] {
+            let mut y1 = vec![f32::NAN; rows];
+            m.matmat_path_with(isa, ActPath::Int8, x, &mut y1).unwrap();
+            for r in 0..rows {
+                prop_assert_eq!(
+                    ys[t * rows + r].to_bits(),
+                    y1[r].to_bits(),
+                    "{} {:?} row {} of T={} != single row {} ({} vs {})",
+                    dtype,
+                    isa,
+                    t,
+                    nt,
+                    r,
+                    ys[t * rows + r],
+                    y1[r]
+                );
+            }
+        }
+        let (wp, xp) = prepared(dtype, rows, cols, &p, &dq, x);
+        let a = Act8Row::quantize(&xp);
+        for r in 0..rows {
+            let got = f64::from(ys[t * rows + r]);
+            let (mut wit_q, mut mag_q, mut exact, mut mag, mut qerr) = (0.0, 0.0, 0.0, 0.0, 0.0);
+            for b in 0..nb {
+                let d = f64::from(a.d[b]);
+                let (mut wabs, mut amax) = (0.0f64, 0.0f64);
+                for i in b * ACT_BLOCK..((b + 1) * ACT_BLOCK).min(cols) {
+                    let wv = wp[r * cols + i];
+                    let v = wv * d * f64::from(a.q[i]);
+                    wit_q += v;
+                    mag_q += v.abs();
+                    let e = f64::from(dq[r * cols + i]) * f64::from(x[i]);
+                    exact += e;
+                    mag += e.abs();
+                    wabs += wv.abs();
+                    amax = amax.max(f64::from(xp[i]).abs());
+                }
+                qerr += amax / 254.0 * wabs * (1.0 + 2f64.powi(-20));
+            }
+            let e_f32 = k_f32 * mag_q + 1e-37;
+            prop_assert!(
+                (got - wit_q).abs() <= e_f32,
+                "{} r{} t{}: int8 {} vs f64 on quantised activations {} (bound {})",
+                dtype,
+                r,
+                t,
+                got,
+                wit_q,
+                e_f32
+            );
+            // q8_2f's prepared coordinates differ from the decoded ones by three roundings.
+            let bound = qerr + e_f32 + 4.0 * U * mag;
+            prop_assert!(
+                (got - exact).abs() <= bound,
+                "{} r{} t{}: int8 {} vs exact {} (bound {})",
+                dtype,
+                r,
+                t,
+                got,
+                exact,
+                bound
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(cfg(48))]
+
+    #[test]
+    fn int8_kernels_within_bounds_and_bit_identical(
+        rows in 1usize..9, blocks in 1usize..41, nt in 1usize..=MAX_BATCH, seed in any::<u64>()
+    ) {
+        let cols = 32 * blocks;
+        let w = weights(rows, cols, seed);
+        for dtype in QUANTISED {
+            check(dtype, rows, cols, &w, nt, seed)?;
+        }
+    }
+
+    #[test]
+    fn int8_q8_2f_takes_any_width(
+        rows in 1usize..9, cols in 1usize..1300, nt in 1usize..=MAX_BATCH, seed in any::<u64>()
+    ) {
+        let w = weights(rows, cols, seed);
+        check(DType::Q8_2f, rows, cols, &w, nt, seed)?;
+    }
+}
+
+#[test]
+fn int8_on_a_matrix_big_enough_to_run_in_parallel() {
+    let (rows, cols) = (300, 1600);
+    let w = weights(rows, cols, 3);
+    for dtype in QUANTISED {
+        check(dtype, rows, cols, &w, 8, 99).unwrap();
+        check(dtype, rows, cols, &w, 1, 7).unwrap();
+    }
+}
+
+#[test]
+fn f32_path_is_matmat_and_float_dtypes_ignore_int8() {
+    let (rows, cols) = (5, 96);
+    let w = weights(rows, cols, 11);
+    let xs = activations(3 * cols, cols, 5);
+    for dtype in DType::ALL {
+        let p = quantize(dtype, rows, cols, &w).unwrap();
+        let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+        let mut want = vec![0.0f32; 3 * rows];
+        m.matmat(&xs, &mut want).unwrap();
+        let paths: &[ActPath] = if dtype.is_quantized() {
+            &[ActPath::F32]
+        } else {
+            &[ActPath::F32, ActPath::Int8]
+        };
+        for &path in paths {
+            let mut got = vec![f32::NAN; 3 * rows];
+            m.matmat_path(path, &xs, &mut got).unwrap();
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype} {path:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn int8_non_finite_activations_poison_their_rows_only() {
+    let (rows, cols) = (3, 64);
+    let w = weights(rows, cols, 2);
+    let mut xs = activations(2 * cols, cols, 1);
+    xs[cols + 40] = f32::INFINITY;
+    for dtype in QUANTISED {
+        let p = quantize(dtype, rows, cols, &w).unwrap();
+        let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+        let mut ys = vec![0.0f32; 2 * rows];
+        m.matmat_path(ActPath::Int8, &xs, &mut ys).unwrap();
+        assert!(ys[..rows].iter().all(|v| v.is_finite()), "{dtype}");
+        assert!(ys[rows..].iter().all(|v| v.is_nan()), "{dtype}");
+    }
+}
+
+#[test]
+fn int8_wrong_lengths_are_errors_not_panics() {
+    for dtype in DType::ALL {
+        let (rows, cols) = (3, 64);
+        let p = quant_codecs::synthetic_payload(dtype, rows, cols, 1).unwrap();
+        let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+        let x = vec![0.5f32; cols];
+        let mut y = vec![0.0f32; rows];
+        for isa in [Isa::Baseline, Isa::Avx2, Isa::Avx512] {
+            let run = |x: &[f32], y: &mut [f32]| m.matmat_path_with(isa, ActPath::Int8, x, y);
+            assert!(matches!(
+                run(&x[..cols - 1], &mut y),
+                Err(CodecError::TooManyRows { found: 0, .. })
+            ));
+            assert!(matches!(
+                run(&vec![0.5; cols + 1], &mut y),
+                Err(CodecError::BufferLength { what: "x", .. })
+            ));
+            assert!(matches!(
+                run(
+                    &vec![0.5; (MAX_BATCH + 1) * cols],
+                    &mut vec![0.0; (MAX_BATCH + 1) * rows]
+                ),
+                Err(CodecError::TooManyRows { .. })
+            ));
+            assert!(matches!(
+                run(&x, &mut vec![0.0; rows + 1]),
+                Err(CodecError::BufferLength { what: "y", .. })
+            ));
+            run(&x, &mut y).unwrap();
+        }
+    }
+}
+
+#[test]
+fn int8_arbitrary_payloads_never_panic() {
+    // Random bytes: any scale byte (NaN E8M0, huge ladders), any code.
+    for dtype in QUANTISED {
+        for (rows, cols) in [(1, 32), (5, 96), (17, 544)] {
+            let p = quant_codecs::synthetic_payload(dtype, rows, cols, 9).unwrap();
+            let mut noisy = p.clone();
+            let mut next = xorshift(77);
+            for b in noisy.iter_mut() {
+                *b = (next() * 256.0) as u8;
+            }
+            for bytes in [&p, &noisy] {
+                let m = MatRef::new(dtype, rows, cols, bytes).unwrap();
+                let xs = activations(2 * cols, cols, 4);
+                let mut want = vec![0.0f32; 2 * rows];
+                m.matmat_path_with(Isa::Baseline, ActPath::Int8, &xs, &mut want)
+                    .unwrap();
+                for isa in [Isa::Avx2, Isa::Avx512] {
+                    let mut got = vec![0.0f32; 2 * rows];
+                    m.matmat_path_with(isa, ActPath::Int8, &xs, &mut got)
+                        .unwrap();
+                    let same = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+                    assert!(same, "{dtype} {rows}x{cols} {isa:?}");
+                }
+            }
+        }
+    }
+}
