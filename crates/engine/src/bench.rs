@@ -8,7 +8,7 @@ use std::time::Instant;
 use gpu_runtime::ops::matvec::Plan;
 use gpu_runtime::staging::StagingRing;
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, GpuOptions, Selected};
-use quant_codecs::{DType, MatRef, synthetic_payload};
+use quant_codecs::{ActPath, DType, MatRef, synthetic_payload};
 use rayon::prelude::*;
 use serde::Serialize;
 
@@ -425,22 +425,34 @@ fn cpu(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&BenchRecord)) -> Ben
             let Ok(m) = MatRef::new(dtype, rows, cols, p) else {
                 continue;
             };
-            let xs = vec![0.5f32; nt * cols];
+            let xs: Vec<f32> = (0..nt * cols)
+                .map(|i| ((i % 17) as f32 - 8.0) / 8.0)
+                .collect();
             let mut ys = vec![0.0f32; nt * rows];
-            let s = time_cpu(opts.seconds, &mut || {
-                let _ = m.matmat(black_box(&xs), &mut ys);
-            });
-            let r = record(
-                "matvec",
-                dtype.name().into(),
-                format!("{rows}x{cols}"),
-                nt,
-                p.len() as u64,
-                s,
-                "wall",
-            );
-            progress(&r);
-            records.push(r);
+            let mut paths = vec![ActPath::F32];
+            if dtype.is_quantized() {
+                paths.push(ActPath::Int8);
+            }
+            for path in paths {
+                let s = time_cpu(opts.seconds, &mut || {
+                    let _ = m.matmat_path(path, black_box(&xs), &mut ys);
+                });
+                let mut r = record(
+                    "matvec",
+                    dtype.name().into(),
+                    format!("{rows}x{cols}"),
+                    nt,
+                    p.len() as u64,
+                    s,
+                    "wall",
+                );
+                r.path = match path {
+                    ActPath::F32 => "f32",
+                    ActPath::Int8 => "int8",
+                };
+                progress(&r);
+                records.push(r);
+            }
         }
     }
     let device = format!(

@@ -1,8 +1,9 @@
 //! The int8 activation path on the device: the quantiser's codes against quant-codecs' act8
 //! (exactly: the same integers), and the int8 matvec against f64 math on the quantised
-//! activations (only f32 rounding apart) and on the exact ones (within the documented
-//! quantisation bound), for every codec, 1..=8 token rows, both reductions and the fused
-//! epilogues. The hardware f16 variant runs where the adapter has the conversion.
+//! activations (only f32 rounding apart), the CPU's int8 kernel, and the exact activations
+//! (within the documented quantisation bound), for every codec, 1..=8 token rows, both
+//! reductions and the fused epilogues. The hardware f16 variant runs where the adapter has the
+//! conversion.
 
 mod common;
 
@@ -11,7 +12,7 @@ use gpu_runtime::ops::matvec::{POISON, Plan};
 use gpu_runtime::ops::{act8, matvec};
 use gpu_runtime::{ActLayout, Epilogue, Path, WeightArena};
 use quant_codecs::act8::{ACT_BLOCK, quantize_block};
-use quant_codecs::{DType, MatRef, quantize};
+use quant_codecs::{ActPath, DType, MatRef, quantize};
 
 const INT8_DTYPES: [DType; 4] = [DType::Q8_2f, DType::Q4tp, DType::Q2tp, DType::Mxfp4];
 
@@ -131,6 +132,9 @@ fn check_int8(dtype: DType, rows: usize, cols: usize, p: &[u8], xs: &[f32], got:
     let mut dq = vec![0.0f32; rows * cols];
     m.dequantize(&mut dq).unwrap();
     let blocks = cols / ACT_BLOCK;
+    // The CPU's int8 kernel: the same integer dot products, f32 sums in another order.
+    let mut cpu = vec![0.0f32; nt * rows];
+    m.matmat_path(ActPath::Int8, xs, &mut cpu).unwrap();
     for t in 0..nt {
         for r in 0..rows {
             let (mut want, mut mag) = (0.0f64, 0.0f64);
@@ -148,6 +152,11 @@ fn check_int8(dtype: DType, rows: usize, cols: usize, p: &[u8], xs: &[f32], got:
                 (f64::from(g) - want).abs() <= tol,
                 "{dtype} [{rows}x{cols}] row {r} t {t}: gpu {g} witness {want} (|err| {:e} > {tol:e})",
                 (f64::from(g) - want).abs()
+            );
+            let c = f64::from(cpu[t * rows + r]);
+            assert!(
+                (f64::from(g) - c).abs() <= 2.0 * tol,
+                "{dtype} row {r} t {t}: gpu {g} cpu int8 kernel {c}"
             );
             // Against the exact product: the documented quantisation bound. The kernel
             // quantised x' (q8_2f: x * col_scale, one f32 rounding) and multiplies w~ (q8_2f:
