@@ -69,12 +69,26 @@ impl ModelArg {
     }
 }
 
-/// CPU threads.
+/// How the CPU computes: threads and the activation path of the quantised projections.
 #[derive(Debug, Args)]
-pub struct ThreadsArg {
+pub struct ComputeArgs {
     /// CPU threads for the forward pass (default: every core).
     #[arg(short = 't', long, value_name = "N", value_parser = threads, allow_negative_numbers = true)]
     pub threads: Option<usize>,
+    /// Activations of the quantised projections: int8 (quantised per 32-block, integer dot
+    /// products, the faster path) or f32 (the exact reference path). Float matrices
+    /// always take f32.
+    #[arg(long, value_enum, default_value_t = Act::Int8)]
+    pub act: Act,
+}
+
+/// The activation path (`--act`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Act {
+    /// Exact f32 activations.
+    F32,
+    /// int8 activations per 32-element block.
+    Int8,
 }
 
 /// `cortiq logits`.
@@ -99,7 +113,7 @@ pub struct LogitsArgs {
     pub decode_from: Option<usize>,
     /// Threads.
     #[command(flatten)]
-    pub threads: ThreadsArg,
+    pub compute: ComputeArgs,
 }
 
 /// `cortiq convert`.
@@ -264,7 +278,7 @@ pub struct RunArgs {
     pub sampling: SamplingArgs,
     /// Threads.
     #[command(flatten)]
-    pub threads: ThreadsArg,
+    pub compute: ComputeArgs,
 }
 
 /// `cortiq chat`.
@@ -281,7 +295,7 @@ pub struct ChatArgs {
     pub sampling: SamplingArgs,
     /// Threads.
     #[command(flatten)]
-    pub threads: ThreadsArg,
+    pub compute: ComputeArgs,
 }
 
 /// `cortiq perplexity`.
@@ -315,7 +329,7 @@ pub struct PerplexityArgs {
     pub json: bool,
     /// Threads.
     #[command(flatten)]
-    pub threads: ThreadsArg,
+    pub compute: ComputeArgs,
 }
 
 impl PerplexityArgs {

@@ -62,8 +62,13 @@ fn quiet_mesa() -> Option<std::path::PathBuf> {
     Some(dir)
 }
 
-/// Sizes rayon's global pool (`-t`); the default is every core.
-fn set_threads(args: &cli::ThreadsArg) -> anyhow::Result<()> {
+/// Sizes rayon's global pool (`-t`; the default is every core) and sets the projections'
+/// activation path (`--act`).
+fn set_compute(args: &cli::ComputeArgs) -> anyhow::Result<()> {
+    quant_codecs::ops::set_act_path(match args.act {
+        cli::Act::F32 => quant_codecs::ActPath::F32,
+        cli::Act::Int8 => quant_codecs::ActPath::Int8,
+    });
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n)
@@ -326,7 +331,7 @@ fn run_logits(args: LogitsArgs) -> anyhow::Result<ExitCode> {
         tokens: args.tokens,
         decode_from: args.decode_from,
     };
-    set_threads(&args.threads)?;
+    set_compute(&args.compute)?;
     let l = match args.model.path() {
         Some(p) => engine::logits::logits(p, &opts)?,
         None => engine::logits::logits_cmf(&engine::embedded_model()?, &opts)?,
@@ -422,7 +427,7 @@ fn rate(n: usize, s: f64) -> f64 {
 fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
     use engine::generate::{Event, Finish, GenerateOptions};
 
-    set_threads(&args.threads)?;
+    set_compute(&args.compute)?;
     let runner = open_runner(args.model.path())?;
     let text = match (&args.prompt, &args.file) {
         (Some(p), _) => p.clone(),
@@ -516,7 +521,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
 fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
     use std::io::{BufRead, IsTerminal};
 
-    set_threads(&args.threads)?;
+    set_compute(&args.compute)?;
     let runner = open_runner(args.model.path())?;
     let settings = sampling(&args.sampling, runner.generation_defaults());
     let mut chat = engine::chat::Chat::new(&runner, args.system.as_deref(), settings)?;
@@ -608,7 +613,7 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
 }
 
 fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
-    set_threads(&args.threads)?;
+    set_compute(&args.compute)?;
     let (model, file) = args.resolve().map_err(anyhow::Error::msg)?;
     let runner = open_runner(model.as_deref())?;
     let text = engine::files::read_text(&file, engine::files::MAX_TEXT_BYTES)?;

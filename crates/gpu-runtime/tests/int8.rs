@@ -66,7 +66,14 @@ fn device_codes_equal_the_cpu_codes_in_every_layout() {
             let sum: i32 = q.iter().map(|&v| i32::from(v)).sum();
             assert_eq!(scales[b][1] as i32, sum, "{layout:?} block {b} sum");
             let gd = f32::from_bits(scales[b][0]);
-            if d.is_nan() || d == 0.0 {
+            if d.is_subnormal() {
+                // A device that flushes subnormals (the H200 does) may give 0 here; the codes,
+                // checked above, are what must agree.
+                assert!(
+                    gd == 0.0 || (gd - d).abs() <= 4.0 * f32::from_bits(1),
+                    "block {b}"
+                );
+            } else if d.is_nan() || d == 0.0 {
                 assert!(
                     gd.is_nan() == d.is_nan() && (d.is_nan() || gd == 0.0),
                     "block {b}"

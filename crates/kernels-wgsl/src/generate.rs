@@ -206,7 +206,7 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
                 }
                 let _ = writeln!(
                     b,
-                    "        let s{r}_0 = exp2q(ls{r}.x + f32(scale_code(cb{r}, c, P.code_stride)) * ls{r}.y);"
+                    "        let s{r}_0 = exp2q(ls{r}.x + f32(scale_code(cb{r}, c)) * ls{r}.y);"
                 );
             }
             Codec::Q2tp => {
@@ -221,11 +221,13 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
                         );
                     }
                 }
+                // Both groups' codes are the 10 bits at bit 10c: one (rarely two) word loads.
+                let _ = writeln!(
+                    b,
+                    "        let cw{r} = bits_at(cb{r} + ((10u * c) >> 3u)) >> ((10u * c) & 7u);"
+                );
                 for j in 0..2 {
-                    let _ = writeln!(
-                        b,
-                        "        let c{r}_{j} = scale_code(cb{r}, 2u * c + {j}u, P.code_stride);"
-                    );
+                    let _ = writeln!(b, "        let c{r}_{j} = (cw{r} >> {}u) & 31u;", 5 * j);
                     // The zero rung is S = 0; levels 2c - 3 carry the factor 1/2.
                     let _ = writeln!(
                         b,
@@ -255,40 +257,41 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
             Codec::F16 | Codec::Bf16 => unreachable!("float codecs have no int8 path"),
         }
     }
-    // Activation words per token row and block, then the products.
+    // Per token row: its activation words, then every row's products (one token's words live
+    // at a time, which keeps T = 8 within the register file).
     for t in 0..nt {
+        let _ = writeln!(b, "        {{");
         for j in 0..blocks {
             let blk = if blocks == 2 {
                 format!("2u * c + {j}u")
             } else {
                 "c".into()
             };
-            let _ = writeln!(b, "        let xi{t}_{j} = {t}u * nb + {blk};");
-            let _ = writeln!(b, "        let xa{t}_{j} = xq[2u * xi{t}_{j}];");
-            let _ = writeln!(b, "        let xb{t}_{j} = xq[2u * xi{t}_{j} + 1u];");
-            let _ = writeln!(b, "        let xd{t}_{j} = xd[xi{t}_{j}];");
-            let _ = writeln!(b, "        let d{t}_{j} = bitcast<f32>(xd{t}_{j}.x);");
+            let _ = writeln!(b, "            let xi{j} = {t}u * nb + {blk};");
+            let _ = writeln!(b, "            let xa{j} = xq[2u * xi{j}];");
+            let _ = writeln!(b, "            let xb{j} = xq[2u * xi{j} + 1u];");
+            let _ = writeln!(b, "            let xd{j} = xd[xi{j}];");
+            let _ = writeln!(b, "            let d{j} = bitcast<f32>(xd{j}.x);");
         }
-    }
-    for r in 0..nr {
-        for t in 0..nt {
+        for r in 0..nr {
             for j in 0..blocks {
                 let w0 = 8 * j;
                 let words: Vec<String> = (w0..w0 + 8).map(|w| format!("u{r}_{w}")).collect();
-                let dot = format!("dot8({}, xa{t}_{j}, xb{t}_{j})", words.join(", "));
-                let sum = format!("bitcast<i32>(xd{t}_{j}.y)");
+                let dot = format!("dot8({}, xa{j}, xb{j})", words.join(", "));
+                let sum = format!("bitcast<i32>(xd{j}.y)");
                 let (int, factor) = match codec {
-                    Codec::Q8_2f => (dot, format!("d{t}_{j}")),
-                    Codec::Q4tp => (format!("{dot} - 8 * {sum}"), format!("s{r}_0 * d{t}_{j}")),
-                    Codec::Q2tp => (
-                        format!("2 * {dot} - 3 * {sum}"),
-                        format!("s{r}_{j} * d{t}_{j}"),
-                    ),
-                    _ => (dot, format!("s{r}_0 * d{t}_{j}")),
+                    Codec::Q8_2f => (dot, format!("d{j}")),
+                    Codec::Q4tp => (format!("{dot} - 8 * {sum}"), format!("s{r}_0 * d{j}")),
+                    Codec::Q2tp => (format!("2 * {dot} - 3 * {sum}"), format!("s{r}_{j} * d{j}")),
+                    _ => (dot, format!("s{r}_0 * d{j}")),
                 };
-                let _ = writeln!(b, "        a{r}_{t} = a{r}_{t} + f32({int}) * ({factor});");
+                let _ = writeln!(
+                    b,
+                    "            a{r}_{t} = a{r}_{t} + f32({int}) * ({factor});"
+                );
             }
         }
+        let _ = writeln!(b, "        }}");
     }
     let _ = writeln!(b, "    }}");
     outputs(&mut b, k, nr, nt, &|sum, row| {

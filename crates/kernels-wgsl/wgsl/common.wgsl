@@ -25,13 +25,20 @@ fn f16_at(off: u32) -> f32 {
     return f16_bits(half_bits_at(off));
 }
 
-// A q4tp/q2tp group's 5-bit scale code: bit 5g of the row's code bytes starting at byte `base`.
-fn scale_code(base: u32, g: u32, code_stride: u32) -> u32 {
-    let bit = 5u * g;
-    let b = bit >> 3u;
-    var v = byte_at(base + b);
-    if (b + 1u < code_stride) {
-        v = v | (byte_at(base + b + 1u) << 8u);
+// At least 16 valid bits of the payload from byte `off` on (lowest first): one word load, two
+// when `off` is a word's last byte. A read past the end of the binding is clamped by the
+// runtime, and only ever supplies bits a caller masks away (a code never spans past its row).
+fn bits_at(off: u32) -> u32 {
+    let sh = (off & 3u) * 8u;
+    var v = ww[off >> 2u] >> sh;
+    if (sh > 16u) {
+        v = v | (ww[(off >> 2u) + 1u] << (32u - sh));
     }
-    return (v >> (bit & 7u)) & 31u;
+    return v;
+}
+
+// A q4tp/q2tp group's 5-bit scale code: bit 5g of the row's code bytes starting at byte `base`.
+fn scale_code(base: u32, g: u32) -> u32 {
+    let bit = 5u * g;
+    return (bits_at(base + (bit >> 3u)) >> (bit & 7u)) & 31u;
 }

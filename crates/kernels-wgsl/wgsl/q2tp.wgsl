@@ -11,7 +11,7 @@ fn chunk_index(row: u32, c: u32) -> u32 {
 }
 
 fn group_scale(row: u32, g: u32, ls: vec2<f32>) -> f32 {
-    let code = scale_code(P.third + row * P.code_stride, g, P.code_stride);
+    let code = scale_code(P.third + row * P.code_stride, g);
     return select(exp2q(ls.x + f32(code - 1u) * ls.y), 0.0, code == 0u);
 }
 

@@ -12,7 +12,7 @@ fn chunk_index(row: u32, c: u32) -> u32 {
 
 fn chunk_scale(row: u32, c: u32) -> vec2<f32> {
     let ls = f16x2(ww[P.second / 4u + row]);
-    let code = scale_code(P.third + row * P.code_stride, c, P.code_stride);
+    let code = scale_code(P.third + row * P.code_stride, c);
     return vec2<f32>(exp2q(ls.x + f32(code) * ls.y));
 }
 

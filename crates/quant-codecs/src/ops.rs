@@ -1,12 +1,39 @@
-//! CPU math the model crates share: batched projections through [`MatRef::matmat`], the scalar
-//! activations (`sigmoid`, `silu`, torch's `softplus`) and top-k selection. Everything is f32,
-//! computed the way the PyTorch references compute it, so the model crates' CPU forwards stay
-//! bit-identical to what they were when each carried its own copy.
+//! CPU math the model crates share: batched projections through [`MatRef::matmat_path`] on the
+//! process's activation path, the scalar activations (`sigmoid`, `silu`, torch's `softplus`) and
+//! top-k selection. Everything else is f32, computed the way the PyTorch references compute it.
+//!
+//! The activation path is a process-wide setting, like the thread pool: a front end chooses it
+//! once ([`set_act_path`]; cortiq's `--act`), and it is [`ActPath::F32`] unless set, so library
+//! users and the parity tests get the exact path.
 
-use crate::{MAX_BATCH, MatRef};
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use crate::{ActPath, MAX_BATCH, MatRef};
+
+static ACT_PATH: AtomicU8 = AtomicU8::new(0);
+
+/// Sets the activation path every later [`linear`] takes (quantised matrices only: float
+/// matrices always take the f32 path).
+pub fn set_act_path(path: ActPath) {
+    ACT_PATH.store(
+        match path {
+            ActPath::F32 => 0,
+            ActPath::Int8 => 1,
+        },
+        Ordering::Relaxed,
+    );
+}
+
+/// The activation path [`linear`] takes.
+pub fn act_path() -> ActPath {
+    match ACT_PATH.load(Ordering::Relaxed) {
+        0 => ActPath::F32,
+        _ => ActPath::Int8,
+    }
+}
 
 /// `y = x W^T` for `t` rows: `x` is `[t, cols]`, the result `[t, rows]`. Rows go through
-/// [`MatRef::matmat`] in chunks of up to [`MAX_BATCH`].
+/// [`MatRef::matmat_path`] on [`act_path`] in chunks of up to [`MAX_BATCH`].
 ///
 /// # Panics
 /// If `x.len() != t * w.cols()` (a caller's shape bug: the model crates check every matrix's
@@ -15,11 +42,13 @@ pub fn linear(w: &MatRef<'_>, x: &[f32], t: usize) -> Vec<f32> {
     let (rows, cols) = (w.rows(), w.cols());
     debug_assert_eq!(x.len(), t * cols);
     let mut y = vec![0f32; t * rows];
+    let path = act_path();
     for (xs, ys) in x
         .chunks(MAX_BATCH * cols)
         .zip(y.chunks_mut(MAX_BATCH * rows))
     {
-        w.matmat(xs, ys).expect("shapes checked at bind time");
+        w.matmat_path(path, xs, ys)
+            .expect("shapes checked at bind time");
     }
     y
 }
