@@ -75,10 +75,10 @@ pub struct ComputeArgs {
     /// CPU threads for the forward pass (default: every core).
     #[arg(short = 't', long, value_name = "N", value_parser = threads, allow_negative_numbers = true)]
     pub threads: Option<usize>,
-    /// Activations of the quantised projections: int8 (quantised per 32-block, integer dot
-    /// products, the faster path) or f32 (the exact reference path). Float matrices
-    /// always take f32.
-    #[arg(long, value_enum, default_value_t = Act::Int8)]
+    /// Activations of the quantised projections: auto (int8 for q4tp, q2tp and mxfp4, f32 for
+    /// q8_2f: the faster path of each), int8 (quantised per 32-block, integer dot products) or
+    /// f32 (the exact reference path). Float matrices always take f32.
+    #[arg(long, value_enum, default_value_t = Act::Auto)]
     pub act: Act,
 }
 
@@ -89,6 +89,8 @@ pub enum Act {
     F32,
     /// int8 activations per 32-element block.
     Int8,
+    /// The faster of the two per format.
+    Auto,
 }
 
 /// `cortiq logits`.

@@ -65,9 +65,10 @@ fn quiet_mesa() -> Option<std::path::PathBuf> {
 /// Sizes rayon's global pool (`-t`; the default is every core) and sets the projections'
 /// activation path (`--act`).
 fn set_compute(args: &cli::ComputeArgs) -> anyhow::Result<()> {
-    quant_codecs::ops::set_act_path(match args.act {
-        cli::Act::F32 => quant_codecs::ActPath::F32,
-        cli::Act::Int8 => quant_codecs::ActPath::Int8,
+    quant_codecs::ops::set_act_choice(match args.act {
+        cli::Act::F32 => quant_codecs::ops::ActChoice::F32,
+        cli::Act::Int8 => quant_codecs::ops::ActChoice::Int8,
+        cli::Act::Auto => quant_codecs::ops::ActChoice::Auto,
     });
     if let Some(n) = args.threads {
         rayon::ThreadPoolBuilder::new()

@@ -258,38 +258,59 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
         }
     }
     // Per token row: its activation words, then every row's products (one token's words live
-    // at a time, which keeps T = 8 within the register file).
-    for t in 0..nt {
-        let _ = writeln!(b, "        {{");
+    // at a time, which keeps T = 8 within the register file). q8_2f, whose weights need no
+    // unpacking, measured faster at T = 8 with every token's loads issued first (H200: 170 us
+    // against 246 us on the 358 MB matrix), so it emits all loads, then all products.
+    let token_major = codec != Codec::Q8_2f;
+    let loads = |b: &mut String, t: u32| {
         for j in 0..blocks {
             let blk = if blocks == 2 {
                 format!("2u * c + {j}u")
             } else {
                 "c".into()
             };
-            let _ = writeln!(b, "            let xi{j} = {t}u * nb + {blk};");
-            let _ = writeln!(b, "            let xa{j} = xq[2u * xi{j}];");
-            let _ = writeln!(b, "            let xb{j} = xq[2u * xi{j} + 1u];");
-            let _ = writeln!(b, "            let xd{j} = xd[xi{j}];");
-            let _ = writeln!(b, "            let d{j} = bitcast<f32>(xd{j}.x);");
+            let _ = writeln!(b, "            let xi{t}_{j} = {t}u * nb + {blk};");
+            let _ = writeln!(b, "            let xa{t}_{j} = xq[2u * xi{t}_{j}];");
+            let _ = writeln!(b, "            let xb{t}_{j} = xq[2u * xi{t}_{j} + 1u];");
+            let _ = writeln!(b, "            let xd{t}_{j} = xd[xi{t}_{j}];");
+            let _ = writeln!(b, "            let d{t}_{j} = bitcast<f32>(xd{t}_{j}.x);");
         }
+    };
+    let products = |b: &mut String, t: u32| {
         for r in 0..nr {
             for j in 0..blocks {
                 let w0 = 8 * j;
                 let words: Vec<String> = (w0..w0 + 8).map(|w| format!("u{r}_{w}")).collect();
-                let dot = format!("dot8({}, xa{j}, xb{j})", words.join(", "));
-                let sum = format!("bitcast<i32>(xd{j}.y)");
+                let dot = format!("dot8({}, xa{t}_{j}, xb{t}_{j})", words.join(", "));
+                let sum = format!("bitcast<i32>(xd{t}_{j}.y)");
+                let d = format!("d{t}_{j}");
                 let (int, factor) = match codec {
-                    Codec::Q8_2f => (dot, format!("d{j}")),
-                    Codec::Q4tp => (format!("{dot} - 8 * {sum}"), format!("s{r}_0 * d{j}")),
-                    Codec::Q2tp => (format!("2 * {dot} - 3 * {sum}"), format!("s{r}_{j} * d{j}")),
-                    _ => (dot, format!("s{r}_0 * d{j}")),
+                    Codec::Q8_2f => (dot, d),
+                    Codec::Q4tp => (format!("{dot} - 8 * {sum}"), format!("s{r}_0 * {d}")),
+                    Codec::Q2tp => (format!("2 * {dot} - 3 * {sum}"), format!("s{r}_{j} * {d}")),
+                    _ => (dot, format!("s{r}_0 * {d}")),
                 };
                 let _ = writeln!(
                     b,
                     "            a{r}_{t} = a{r}_{t} + f32({int}) * ({factor});"
                 );
             }
+        }
+    };
+    if token_major {
+        for t in 0..nt {
+            let _ = writeln!(b, "        {{");
+            loads(&mut b, t);
+            products(&mut b, t);
+            let _ = writeln!(b, "        }}");
+        }
+    } else {
+        let _ = writeln!(b, "        {{");
+        for t in 0..nt {
+            loads(&mut b, t);
+        }
+        for t in 0..nt {
+            products(&mut b, t);
         }
         let _ = writeln!(b, "        }}");
     }

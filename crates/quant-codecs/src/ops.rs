@@ -3,37 +3,56 @@
 //! top-k selection. Everything else is f32, computed the way the PyTorch references compute it.
 //!
 //! The activation path is a process-wide setting, like the thread pool: a front end chooses it
-//! once ([`set_act_path`]; cortiq's `--act`), and it is [`ActPath::F32`] unless set, so library
-//! users and the parity tests get the exact path.
+//! once ([`set_act_choice`]; cortiq's `--act`), and it is [`ActChoice::F32`] unless set, so
+//! library users and the parity tests get the exact path.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
-use crate::{ActPath, MAX_BATCH, MatRef};
+use crate::{ActPath, DType, MAX_BATCH, MatRef};
 
-static ACT_PATH: AtomicU8 = AtomicU8::new(0);
+static ACT_CHOICE: AtomicU8 = AtomicU8::new(0);
 
-/// Sets the activation path every later [`linear`] takes (quantised matrices only: float
-/// matrices always take the f32 path).
-pub fn set_act_path(path: ActPath) {
-    ACT_PATH.store(
-        match path {
-            ActPath::F32 => 0,
-            ActPath::Int8 => 1,
-        },
-        Ordering::Relaxed,
-    );
+/// Which activation path the projections take, per matrix dtype.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ActChoice {
+    /// Exact f32 activations everywhere (the reference; the library's default).
+    #[default]
+    F32,
+    /// int8 activations for every quantised matrix.
+    Int8,
+    /// int8 where it is faster: q4tp, q2tp and mxfp4, whose f32 kernels decode each weight to
+    /// f32 and are compute-bound; f32 for q8_2f, whose f32 kernel already reads near the
+    /// bandwidth ceiling and whose int8 calls cost more than they save at decode sizes
+    /// (docs/perf.md, the model-level CPU benches).
+    Auto,
 }
 
-/// The activation path [`linear`] takes.
-pub fn act_path() -> ActPath {
-    match ACT_PATH.load(Ordering::Relaxed) {
-        0 => ActPath::F32,
-        _ => ActPath::Int8,
+/// Sets the activation path every later [`linear`] takes (float matrices always take f32).
+pub fn set_act_choice(choice: ActChoice) {
+    ACT_CHOICE.store(choice as u8, Ordering::Relaxed);
+}
+
+/// The current setting.
+pub fn act_choice() -> ActChoice {
+    match ACT_CHOICE.load(Ordering::Relaxed) {
+        0 => ActChoice::F32,
+        1 => ActChoice::Int8,
+        _ => ActChoice::Auto,
+    }
+}
+
+/// The path [`linear`] takes for a matrix of `dtype`.
+pub fn act_path(dtype: DType) -> ActPath {
+    match act_choice() {
+        ActChoice::F32 => ActPath::F32,
+        ActChoice::Int8 => ActPath::Int8,
+        ActChoice::Auto if dtype == DType::Q8_2f => ActPath::F32,
+        ActChoice::Auto => ActPath::Int8,
     }
 }
 
 /// `y = x W^T` for `t` rows: `x` is `[t, cols]`, the result `[t, rows]`. Rows go through
-/// [`MatRef::matmat_path`] on [`act_path`] in chunks of up to [`MAX_BATCH`].
+/// [`MatRef::matmat_path`] on [`act_path`] of its dtype, in chunks of up to [`MAX_BATCH`].
 ///
 /// # Panics
 /// If `x.len() != t * w.cols()` (a caller's shape bug: the model crates check every matrix's
@@ -42,7 +61,7 @@ pub fn linear(w: &MatRef<'_>, x: &[f32], t: usize) -> Vec<f32> {
     let (rows, cols) = (w.rows(), w.cols());
     debug_assert_eq!(x.len(), t * cols);
     let mut y = vec![0f32; t * rows];
-    let path = act_path();
+    let path = act_path(w.dtype());
     for (xs, ys) in x
         .chunks(MAX_BATCH * cols)
         .zip(y.chunks_mut(MAX_BATCH * rows))

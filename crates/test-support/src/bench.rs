@@ -147,7 +147,7 @@ pub fn report<M: CausalLm>(
 }
 
 /// The bench arguments `[DTYPE [EXPERTS [PROMPT]]]` with their defaults; sets the activation
-/// path from `CORTIQ_ACT` (`f32`, the default, or `int8`).
+/// path from `CORTIQ_ACT` (`f32`, the default, `int8` or `auto`).
 pub fn args(default_experts: usize, default_prompt: usize) -> (DType, usize, usize) {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let dtype = args
@@ -160,12 +160,14 @@ pub fn args(default_experts: usize, default_prompt: usize) -> (DType, usize, usi
         .get(2)
         .map_or(default_prompt, |s| s.parse().expect("prompt"));
     // CORTIQ_ACT=int8 runs the projections on int8 activations (the f32 path otherwise).
+    use quant_codecs::ops::ActChoice;
     let act = match std::env::var("CORTIQ_ACT").as_deref() {
-        Ok("int8") => quant_codecs::ActPath::Int8,
-        Ok("f32") | Err(_) => quant_codecs::ActPath::F32,
-        Ok(other) => panic!("CORTIQ_ACT={other}: expected f32 or int8"),
+        Ok("int8") => ActChoice::Int8,
+        Ok("auto") => ActChoice::Auto,
+        Ok("f32") | Err(_) => ActChoice::F32,
+        Ok(other) => panic!("CORTIQ_ACT={other}: expected f32, int8 or auto"),
     };
-    quant_codecs::ops::set_act_path(act);
+    quant_codecs::ops::set_act_choice(act);
     eprintln!("activation path: {act:?}");
     (dtype, experts, prompt)
 }
