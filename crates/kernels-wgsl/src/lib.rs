@@ -349,8 +349,9 @@ impl Matvec {
 /// The activation quantiser's entry point (module [`act_quant_source`]): bindings 0 f32
 /// activations `[nt, cols]`, 1 the weight payload as words (q8_2f's column scales), 2 `QParams`
 /// (8 u32: cols, nt, mode = [`ActLayout`] as u32, col_scales byte offset or 0xffffffff, wg_x),
-/// 3 the codes (8 words per block), 4 per block `(bits of d, code sum)`. Override `WG`; one
-/// lane per block.
+/// 3 the codes (8 words per block), 4 per block `(bits of d, code sum)`. One workgroup of 32
+/// lanes per block (workgroup `x + y * wg_x` quantises block `x + y * wg_x` of the `[nt,
+/// cols / 32]` blocks).
 pub const ACT_QUANT_ENTRY: &str = "act_quant";
 
 /// The activation quantiser module.
@@ -434,7 +435,7 @@ pub fn registry() -> Vec<ModuleSpec> {
         source: Cow::Owned(act_quant_source()),
         entries: &[ACT_QUANT_ENTRY],
         needs: Caps::MINIMAL,
-        specializations: vec![Specialization(vec![("WG".into(), 64.0)])],
+        specializations: vec![Specialization(vec![])],
     });
     out.push(ModuleSpec {
         name: "read_bw".into(),

@@ -1,5 +1,6 @@
-// Activations to int8 (docs/codecs.md, "int8 activations"): one lane per 32-element block of
-// one token row. The codes are computed from the f32 bits with integer arithmetic only (this
+// Activations to int8 (docs/codecs.md, "int8 activations"): one workgroup of 32 lanes per
+// 32-element block of one token row, a lane per element (the block's amax, code words and code
+// sum gathered with workgroup atomics: a block costs three barriers, not a serial loop). The codes are computed from the f32 bits with integer arithmetic only (this
 // device's f32 division need not be correctly rounded), so they equal quant-codecs' act8
 // codes. Output per block: 8 words of codes in the layout `Q.mode` names (0 natural: word w =
 // elements 4w..4w+3; 1 pairs: word 2k+h = elements 8k+h, 8k+h+2, 8k+h+4, 8k+h+6, the order
@@ -26,7 +27,9 @@ struct QParams {
 @group(0) @binding(3) var<storage, read_write> xq_out: array<u32>;
 @group(0) @binding(4) var<storage, read_write> xd_out: array<vec2<u32>>;
 
-override WG: u32 = 64u;
+var<workgroup> w_amax: atomic<u32>;
+var<workgroup> w_sum: atomic<i32>;
+var<workgroup> w_words: array<atomic<u32>, 8>;
 
 fn byte_at(off: u32) -> u32 {
     return (ww[off >> 2u] >> ((off & 3u) * 8u)) & 0xffu;
@@ -87,48 +90,51 @@ fn slot(e: u32) -> u32 {
     return e;
 }
 
-@compute @workgroup_size(WG)
-fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+@compute @workgroup_size(32)
+fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) e: u32) {
     let blocks = Q.cols / 32u;
-    let id = (wid.x + wid.y * Q.wg_x) * WG + li;
-    if (id >= blocks * Q.nt) {
-        return;
+    let id = wid.x + wid.y * Q.wg_x;
+    // Uniform per workgroup, so every barrier below is reached by all lanes or none.
+    let valid = id < blocks * Q.nt;
+    if (e == 0u) {
+        atomicStore(&w_amax, 0u);
+        atomicStore(&w_sum, 0i);
     }
-    let t = id / blocks;
+    if (e < 8u) {
+        atomicStore(&w_words[e], 0u);
+    }
+    workgroupBarrier();
+    let t = id / max(blocks, 1u);
     let b = id - t * blocks;
-    let base = t * Q.cols + b * 32u;
-    var xs: array<u32, 32>;
-    var amax = 0u;
-    for (var e = 0u; e < 32u; e = e + 1u) {
-        var v = xin[base + e];
+    var bits = 0u;
+    if (valid) {
+        var v = xin[t * Q.cols + b * 32u + e];
         if (Q.col_scales != 0xffffffffu) {
             v = v * col_scale(b * 32u + e);
         }
-        let bits = bitcast<u32>(v);
-        xs[e] = bits;
-        amax = max(amax, bits & 0x7fffffffu);
+        bits = bitcast<u32>(v);
+        atomicMax(&w_amax, bits & 0x7fffffffu);
     }
-    var words: array<u32, 8>;
-    for (var w = 0u; w < 8u; w = w + 1u) {
-        words[w] = 0u;
+    workgroupBarrier();
+    let amax = atomicLoad(&w_amax);
+    var c = 0u;
+    if (valid && amax != 0u && amax < 0x7f800000u) {
+        c = code(bits, split_mag(amax));
     }
-    var sum = 0i;
-    var d = 0.0;
-    if (amax >= 0x7f800000u) {
-        d = bitcast<f32>(0x7fc00000u);
-    } else if (amax != 0u) {
-        let a = split_mag(amax);
-        for (var e = 0u; e < 32u; e = e + 1u) {
-            let c = code(xs[e], a);
-            sum = sum + (bitcast<i32>(c << 24u) >> 24u);
-            let s = slot(e);
-            words[s >> 2u] = words[s >> 2u] | (c << ((s & 3u) * 8u));
+    let s = slot(e);
+    atomicOr(&w_words[s >> 2u], c << ((s & 3u) * 8u));
+    atomicAdd(&w_sum, bitcast<i32>(c << 24u) >> 24u);
+    workgroupBarrier();
+    if (valid && e < 8u) {
+        xq_out[id * 8u + e] = atomicLoad(&w_words[e]);
+    }
+    if (valid && e == 0u) {
+        var d = 0.0;
+        if (amax >= 0x7f800000u) {
+            d = bitcast<f32>(0x7fc00000u);
+        } else if (amax != 0u) {
+            d = bitcast<f32>(amax) / 127.0;
         }
-        d = bitcast<f32>(amax) / 127.0;
+        xd_out[id] = vec2<u32>(bitcast<u32>(d), bitcast<u32>(atomicLoad(&w_sum)));
     }
-    let out = (t * blocks + b) * 8u;
-    for (var w = 0u; w < 8u; w = w + 1u) {
-        xq_out[out + w] = words[w];
-    }
-    xd_out[t * blocks + b] = vec2<u32>(bitcast<u32>(d), bitcast<u32>(sum));
 }

@@ -10,9 +10,6 @@ use wgpu::util::DeviceExt;
 use crate::ops::matvec::{Step, bind_layout, entry, storage_entry, uniform_entry};
 use crate::{GpuContext, GpuError};
 
-/// Lanes per workgroup of the quantiser (one lane per 32-activation block).
-const WG: u32 = 64;
-
 /// The device buffers of `nt` quantised activation rows of `cols` values: 8 code words per
 /// block in `layout`'s order, and per block `(bits of d, code sum)`.
 pub struct ActBuffers {
@@ -85,7 +82,7 @@ fn pipeline(ctx: &GpuContext) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
         "act_quant",
         &kernels_wgsl::act_quant_source,
         kernels_wgsl::ACT_QUANT_ENTRY,
-        &[("WG", WG as f64)],
+        &[],
         Some(pl),
     )
 }
@@ -108,8 +105,8 @@ pub fn prepare(
         });
     }
     let pipe = pipeline(ctx)?;
-    let lanes = acts.nt * acts.cols / 32;
-    let n = lanes.div_ceil(WG as usize);
+    // One workgroup per block.
+    let n = acts.nt * acts.cols / 32;
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let wg_x = n.min(max_dim);
     let wg_y = n.div_ceil(wg_x);
