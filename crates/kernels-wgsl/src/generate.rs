@@ -258,9 +258,10 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
         }
     }
     // Per token row: its activation words, then every row's products (one token's words live
-    // at a time, which keeps T = 8 within the register file). q8_2f, whose weights need no
-    // unpacking, measured faster at T = 8 with every token's loads issued first (H200: 170 us
-    // against 246 us on the 358 MB matrix), so it emits all loads, then all products.
+    // at a time, which keeps T = 8 within the register file: q2tp's T = 8 went from 2408 to
+    // 1541 us on the H200). q8_2f, whose weights need no unpacking, emits all loads, then all
+    // products; its T = 8 time moved between 170 and 246 us across builds with either order,
+    // so the driver's register allocation, not this order, decides it (docs/perf.md).
     let token_major = codec != Codec::Q8_2f;
     let loads = |b: &mut String, t: u32| {
         for j in 0..blocks {
