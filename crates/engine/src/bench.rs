@@ -120,6 +120,19 @@ fn record(
     }
 }
 
+/// The paths a GPU row is measured on: f32, and the device's fastest for `dtype` where that is
+/// another.
+fn gpu_paths(ctx: &GpuContext, dtype: DType) -> Vec<gpu_runtime::Path> {
+    let mut paths = vec![gpu_runtime::Path::F32];
+    if let Some(c) = gpu_runtime::arena::kernel_codec(dtype) {
+        let fast = Plan::fastest_path(ctx, c);
+        if fast != gpu_runtime::Path::F32 {
+            paths.push(fast);
+        }
+    }
+    paths
+}
+
 fn path_name(p: gpu_runtime::Path) -> &'static str {
     match p {
         gpu_runtime::Path::F32 => "f32",
@@ -284,15 +297,7 @@ fn gpu(
             }
             let Some((_, _, g)) = &last else { continue };
             let base = Plan::for_matrix(ctx, rows);
-            let codec = gpu_runtime::arena::kernel_codec(dtype);
-            let mut paths = vec![gpu_runtime::Path::F32];
-            if let Some(c) = codec {
-                let fast = Plan::fastest_path(ctx, c);
-                if fast != gpu_runtime::Path::F32 {
-                    paths.push(fast);
-                }
-            }
-            for path in paths {
+            for path in gpu_paths(ctx, dtype) {
                 let plan = base.with_path(path);
                 let run = |reps| {
                     gpu_runtime::bench::matmat_path(ctx, g, nt, plan, Epilogue::None, reps, false)
@@ -333,14 +338,7 @@ fn gpu(
             ctx.max_binding(),
         )?;
         let base = Plan::for_matrix(ctx, rows);
-        let mut paths = vec![gpu_runtime::Path::F32];
-        if let Some(c) = gpu_runtime::arena::kernel_codec(dtype) {
-            let fast = Plan::fastest_path(ctx, c);
-            if fast != gpu_runtime::Path::F32 {
-                paths.push(fast);
-            }
-        }
-        for path in paths {
+        for path in gpu_paths(ctx, dtype) {
             let plan = base.with_path(path);
             let run = |reps| {
                 gpu_runtime::bench::matmat_path(ctx, &g, 1, plan, Epilogue::SiluGateUp, reps, false)
