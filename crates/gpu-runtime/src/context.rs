@@ -172,6 +172,8 @@ pub struct GpuContext {
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) act_quant_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pub(crate) op_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pub(crate) op_dummies: std::sync::OnceLock<Vec<wgpu::Buffer>>,
     /// Errors no scope caught (logged; the last few kept for `doctor`).
     pub uncaptured: Arc<Mutex<Vec<String>>>,
 }
@@ -312,6 +314,8 @@ impl GpuContext {
             matvec_layout: std::sync::OnceLock::new(),
             i8_layout: std::sync::OnceLock::new(),
             act_quant_layout: std::sync::OnceLock::new(),
+            op_layout: std::sync::OnceLock::new(),
+            op_dummies: std::sync::OnceLock::new(),
             uncaptured,
         };
         tracing::info!("{}", ctx.describe());

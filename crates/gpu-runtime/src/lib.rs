@@ -45,6 +45,14 @@ impl GpuContext {
         self.i8_layout.get_or_init(|| ops::matvec::i8_layout(self))
     }
 
+    pub(crate) fn op_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.op_layout.get_or_init(|| ops::graph::op_layout(self))
+    }
+
+    pub(crate) fn op_dummies(&self) -> &[wgpu::Buffer] {
+        self.op_dummies.get_or_init(|| ops::graph::op_dummies(self))
+    }
+
     pub(crate) fn act_quant_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         self.act_quant_layout
             .get_or_init(|| ops::act8::layout(self))

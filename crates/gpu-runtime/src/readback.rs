@@ -27,6 +27,16 @@ pub fn read_f32(
         });
     enc.copy_buffer_to_buffer(src, offset, &stage, 0, bytes);
     ctx.queue.submit([enc.finish()]);
+    read_mapped(ctx, &stage, count)
+}
+
+/// Maps `stage` (a `MAP_READ` buffer the submitted work has filled), copies `count` f32 out,
+/// unmaps it: the readback of a preallocated buffer.
+pub fn read_mapped(
+    ctx: &GpuContext,
+    stage: &wgpu::Buffer,
+    count: usize,
+) -> Result<Vec<f32>, GpuError> {
     let result: Arc<Mutex<Option<Result<(), wgpu::BufferAsyncError>>>> = Arc::new(Mutex::new(None));
     let r = result.clone();
     stage.map_async(wgpu::MapMode::Read, .., move |res| *r.lock() = Some(res));

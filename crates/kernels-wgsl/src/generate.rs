@@ -254,7 +254,9 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
                     "        let s{r}_0 = e8m0_i8(byte_at(P.second + row{r} * nb + c)) * 0.5;"
                 );
             }
-            Codec::F16 | Codec::Bf16 => unreachable!("float codecs have no int8 path"),
+            Codec::F32 | Codec::F16 | Codec::Bf16 => {
+                unreachable!("float codecs have no int8 path")
+            }
         }
     }
     // Per token row: its activation words, then every row's products (one token's words live

@@ -29,6 +29,7 @@ mod src {
     pub const REDUCE_SG: &str = include_str!("../wgsl/reduce_sg.wgsl");
     pub const REDUCE_SMEM: &str = include_str!("../wgsl/reduce_smem.wgsl");
     pub const READ_BW: &str = include_str!("../wgsl/read_bw.wgsl");
+    pub const F32: &str = include_str!("../wgsl/f32.wgsl");
     pub const F16: &str = include_str!("../wgsl/f16.wgsl");
     pub const F16_HW: &str = include_str!("../wgsl/f16_hw.wgsl");
     pub const BF16: &str = include_str!("../wgsl/bf16.wgsl");
@@ -38,10 +39,12 @@ mod src {
     pub const MXFP4: &str = include_str!("../wgsl/mxfp4.wgsl");
 }
 
-/// A weight format the GPU kernels read (quant-codecs' dtypes, f32 excepted: matrices are
-/// stored at most in 16 bits on the device).
+/// A weight format the GPU kernels read (quant-codecs' dtypes; f32 for exact-weight parity
+/// runs).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Codec {
+    /// IEEE binary32.
+    F32,
     /// IEEE binary16.
     F16,
     /// bfloat16.
@@ -58,7 +61,8 @@ pub enum Codec {
 
 impl Codec {
     /// Every codec.
-    pub const ALL: [Codec; 6] = [
+    pub const ALL: [Codec; 7] = [
+        Codec::F32,
         Codec::F16,
         Codec::Bf16,
         Codec::Q8_2f,
@@ -70,6 +74,7 @@ impl Codec {
     /// The dtype name quant-codecs uses.
     pub const fn name(self) -> &'static str {
         match self {
+            Codec::F32 => "f32",
             Codec::F16 => "f16",
             Codec::Bf16 => "bf16",
             Codec::Q8_2f => "q8_2f",
@@ -87,6 +92,7 @@ impl Codec {
     /// Columns must be a multiple of this for the kernel: a row is whole 16-byte chunks.
     pub const fn col_multiple(self) -> usize {
         match self {
+            Codec::F32 => 4,
             Codec::F16 | Codec::Bf16 => 8,
             Codec::Q8_2f => 16,
             Codec::Q4tp | Codec::Mxfp4 => 32,
@@ -97,6 +103,7 @@ impl Codec {
     /// Activation vec4s per 16-byte weight chunk (the codec's `CHUNK_VEC4`).
     pub const fn chunk_vec4(self) -> u32 {
         match self {
+            Codec::F32 => 1,
             Codec::F16 | Codec::Bf16 => 2,
             Codec::Q8_2f => 4,
             Codec::Q4tp | Codec::Mxfp4 => 8,
@@ -108,7 +115,7 @@ impl Codec {
     /// unpacking's element order); `None` for the float codecs, which have no int8 path.
     pub const fn act_layout(self) -> Option<ActLayout> {
         match self {
-            Codec::F16 | Codec::Bf16 => None,
+            Codec::F32 | Codec::F16 | Codec::Bf16 => None,
             Codec::Q8_2f | Codec::Mxfp4 => Some(ActLayout::Natural),
             Codec::Q4tp => Some(ActLayout::Pairs),
             Codec::Q2tp => Some(ActLayout::Quads),
@@ -117,6 +124,7 @@ impl Codec {
 
     fn source(self) -> &'static str {
         match self {
+            Codec::F32 => src::F32,
             Codec::F16 => src::F16,
             Codec::Bf16 => src::BF16,
             Codec::Q8_2f => src::Q8_2F,
@@ -364,6 +372,9 @@ pub fn act_quant_source() -> String {
 /// `tiny` (one lane, one word: the launch-overhead floor). Override constant `WG`.
 pub const READ_BW: &str = src::READ_BW;
 
+pub mod ops;
+pub use ops::{FRAME_WORDS, OP_STORAGE, OP_WG, Op};
+
 /// One shader module of the registry.
 #[derive(Debug, Clone)]
 pub struct ModuleSpec {
@@ -437,6 +448,15 @@ pub fn registry() -> Vec<ModuleSpec> {
         needs: Caps::MINIMAL,
         specializations: vec![Specialization(vec![])],
     });
+    for &op in Op::ALL {
+        out.push(ModuleSpec {
+            name: format!("op_{}", op.name()),
+            source: Cow::Owned(op.source()),
+            entries: &[Op::ENTRY],
+            needs: Caps::MINIMAL,
+            specializations: vec![Specialization(vec![])],
+        });
+    }
     out.push(ModuleSpec {
         name: "read_bw".into(),
         source: Cow::Borrowed(READ_BW),

@@ -69,8 +69,12 @@ fn registry_names_are_systematic_and_unique() {
     assert!(names.contains(&"matvec_mxfp4_sg_t1_r1".to_string()));
     assert!(names.contains(&"matvec_q2tp_smem_t8_r4".to_string()));
     // f32 for every codec, the hardware f16 variant, int8 for the four quantised codecs; then
-    // the activation quantiser and the bandwidth probes.
-    assert_eq!(registry().len(), 2 * (Codec::ALL.len() + 1 + 4) * 8 * 6 + 2);
+    // the activation quantiser, the op kernels and the bandwidth probes.
+    assert_eq!(
+        registry().len(),
+        2 * (Codec::ALL.len() + 1 + 4) * 8 * 6 + 2 + kernels_wgsl::Op::ALL.len()
+    );
+    assert!(names.contains(&"op_gdn_recur".to_string()));
     assert!(names.contains(&"matvec_q2tp_i8_sg_t8_r4".to_string()));
     assert!(names.contains(&"matvec_f16_hw_smem_t1_r1".to_string()));
     assert!(!names.iter().any(|n| n.starts_with("matvec_bf16_i8")));

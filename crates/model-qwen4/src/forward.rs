@@ -23,6 +23,19 @@ pub enum ForwardError {
     /// The sequence state was made for a different model.
     #[error("the sequence state does not belong to this model (layer {0} differs)")]
     StateMismatch(usize),
+    /// The sequence would outgrow the context the device state was allocated for.
+    #[error(
+        "the sequence needs {needed} tokens of context, the device state holds {ctx} (raise --ctx)"
+    )]
+    Context {
+        /// Tokens the sequence would hold.
+        needed: usize,
+        /// The context allocated.
+        ctx: usize,
+    },
+    /// The device failed (lost, out of memory, a kernel rejected).
+    #[error("GPU: {0}")]
+    Gpu(#[from] gpu_runtime::GpuError),
 }
 
 /// Called with every named intermediate: `(name, layer index, data [t, width])`, with the
@@ -50,6 +63,13 @@ impl<'a> Model<'a> {
             weights,
             rope,
         }
+    }
+}
+
+impl Model<'_> {
+    /// The RoPE frequencies.
+    pub(crate) fn rope(&self) -> &Rope {
+        &self.rope
     }
 }
 

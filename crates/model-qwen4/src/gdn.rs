@@ -6,8 +6,14 @@
 //! `q /= sqrt(dk)`; `S *= exp(g)`; `delta = beta (v - S^T k)`; `S += k delta^T`; `o = S^T q`.
 //! Prefill runs the recurrence token by token (the reference's chunked form is the same math).
 
+use std::sync::Arc;
+
 use crate::config::{GateAct, Qwen4ExpTextConfig};
+use crate::device::{Device, Enc};
 use crate::weights::GdnWeights;
+use gpu_runtime::ops::graph::storage;
+use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
+use kernels_wgsl::Op;
 use quant_codecs::ops::{linear, sigmoid, silu, softplus};
 use rayon::prelude::*;
 
@@ -137,4 +143,114 @@ pub fn forward_cpu(
         }
     }
     linear(&w.out, &o, t)
+}
+
+/// One GDN layer's weights on the device.
+pub struct GdnGpu {
+    in_qkv: Arc<GpuMatrix>,
+    in_z: Arc<GpuMatrix>,
+    in_b: Arc<GpuMatrix>,
+    in_a: Arc<GpuMatrix>,
+    conv: wgpu::Buffer,
+    /// `a_log [Hv] | dt_bias [Hv] | norm [dv]`.
+    vecs: wgpu::Buffer,
+    out: Arc<GpuMatrix>,
+}
+
+impl GdnGpu {
+    /// Uploads the layer's weights.
+    pub fn upload(dev: &Device, w: &GdnWeights<'_>) -> Result<GdnGpu, GpuError> {
+        let mut vecs = w.a_log.to_vec();
+        vecs.extend_from_slice(&w.dt_bias);
+        vecs.extend_from_slice(&w.norm);
+        Ok(GdnGpu {
+            in_qkv: dev.mat(&w.in_qkv)?,
+            in_z: dev.mat(&w.in_z)?,
+            in_b: dev.mat(&w.in_b)?,
+            in_a: dev.mat(&w.in_a)?,
+            conv: dev.vec(w.conv.name(), &w.conv),
+            vecs: dev.vec("gdn vectors", &vecs),
+            out: dev.mat(&w.out)?,
+        })
+    }
+}
+
+/// A GDN layer's sequence state on the device: the conv ring `[K-1, C]` and the recurrent
+/// state `[Hv, dk, dv]`, both zero at the start (as the CPU state's empty vectors).
+pub struct GdnDeviceState {
+    /// Conv ring.
+    pub conv: wgpu::Buffer,
+    /// Recurrent state.
+    pub s: wgpu::Buffer,
+}
+
+impl GdnDeviceState {
+    /// Zeroed state for `c`.
+    pub fn new(ctx: &gpu_runtime::GpuContext, c: &Qwen4ExpTextConfig) -> GdnDeviceState {
+        let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+        let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+        let cdim = 2 * hk * dk + hv * dv;
+        GdnDeviceState {
+            conv: storage(ctx, "gdn conv state", (c.linear_conv_kernel_dim - 1) * cdim),
+            s: storage(ctx, "gdn state", hv * dk * dv),
+        }
+    }
+}
+
+/// Whether the device kernels take this geometry (their workgroup arrays are fixed).
+pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
+    if c.linear_key_head_dim > 256 {
+        return Err(format!(
+            "linear_key_head_dim {} > 256 (the device recurrence keeps q and k in workgroup memory)",
+            c.linear_key_head_dim
+        ));
+    }
+    if c.linear_conv_kernel_dim - 1 + quant_codecs::MAX_BATCH > 48 {
+        return Err(format!(
+            "linear_conv_kernel_dim {} too long for the device conv",
+            c.linear_conv_kernel_dim
+        ));
+    }
+    Ok(())
+}
+
+/// Encodes the layer on block inputs `e.s.u` `[nt, D]` into `e.s.y`.
+pub fn encode(
+    e: &mut Enc<'_>,
+    w: &GdnGpu,
+    c: &Qwen4ExpTextConfig,
+    st: &GdnDeviceState,
+    nt: usize,
+) -> Result<(), GpuError> {
+    let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+    let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+    let key_dim = hk * dk;
+    let cdim = 2 * key_dim + hv * dv;
+    let s = e.s;
+    let [qkv, z, b, a, conv, o, ..] = &s.w;
+    e.matvec(&w.in_qkv, &s.u, qkv, nt, Epilogue::None)?;
+    e.matvec(&w.in_z, &s.u, z, nt, Epilogue::None)?;
+    e.matvec(&w.in_b, &s.u, b, nt, Epilogue::None)?;
+    e.matvec(&w.in_a, &s.u, a, nt, Epilogue::None)?;
+    let p = [nt as u32, cdim as u32, c.linear_conv_kernel_dim as u32];
+    e.op_lanes(Op::GdnConv, &p, &[qkv, &w.conv, &st.conv, conv], cdim)?;
+    let gate_silu = u32::from(c.gate_act() == GateAct::Silu);
+    let p = [
+        nt as u32,
+        hk as u32,
+        hv as u32,
+        dk as u32,
+        dv as u32,
+        cdim as u32,
+        key_dim as u32,
+        gate_silu,
+        (c.rms_norm_eps as f32).to_bits(),
+    ];
+    e.op(
+        Op::GdnRecur,
+        &p,
+        &[conv, z, b, a, &st.s, &w.vecs, o],
+        (hv as u32, 1),
+    )?;
+    e.matvec(&w.out, o, &s.y, nt, Epilogue::None)
 }

@@ -4,8 +4,13 @@
 //! `Xn = RMSNorm_grouped(X) (1+w)`; `g = sigmoid(W_up silu(W_down Xn / H))`;
 //! `u = mean_k g_k Xn_k`; `inj = 2 sigmoid(W_inject Xn / H)`; after the block `X_k += inj_k y`.
 
+use std::sync::Arc;
+
+use crate::device::{Device, Enc};
 use crate::ops::rms_norm_1p;
 use crate::weights::HcWeights;
+use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
+use kernels_wgsl::Op;
 use quant_codecs::ops::{linear, sigmoid, silu};
 
 /// Output of one HC site over `t` tokens.
@@ -59,4 +64,64 @@ pub fn inject(x: &mut [f32], y: &[f32], inj: &[f32], t: usize, h: usize, d: usiz
             }
         }
     }
+}
+
+/// One HC site's weights on the device.
+pub struct HcGpu {
+    norm: (wgpu::Buffer, usize),
+    down: Arc<GpuMatrix>,
+    up: Arc<GpuMatrix>,
+    inject: Option<Arc<GpuMatrix>>,
+}
+
+impl HcGpu {
+    /// Uploads the site's weights.
+    pub fn upload(dev: &Device, w: &HcWeights<'_>) -> Result<HcGpu, GpuError> {
+        Ok(HcGpu {
+            norm: (dev.vec(w.norm.name(), &w.norm), w.norm.len()),
+            down: dev.mat(&w.down)?,
+            up: dev.mat(&w.up)?,
+            inject: w.inject.as_ref().map(|m| dev.mat(m)).transpose()?,
+        })
+    }
+}
+
+/// Encodes the site over `nt` rows of the streams `x` `[nt, H*D]`: the block input into
+/// `e.s.u`, the injection weights (when the site has them) into `e.s.inj`.
+pub fn encode(
+    e: &mut Enc<'_>,
+    w: &HcGpu,
+    x: &wgpu::Buffer,
+    nt: usize,
+    h: usize,
+    d: usize,
+    eps: f32,
+) -> Result<(), GpuError> {
+    let s = e.s;
+    e.rms_norm(x, &w.norm, &s.xn, nt * h, d, eps)?;
+    e.matvec(&w.down, &s.xn, &s.low, nt, Epilogue::None)?;
+    let hf = (h as f32).to_bits();
+    e.map(0, hf, &s.low, &s.g, &s.low_act, nt * w.down.rows)?;
+    e.matvec(&w.up, &s.low_act, &s.g, nt, Epilogue::None)?;
+    let p = [(nt * d) as u32, h as u32, d as u32];
+    e.op_lanes(Op::HcCombine, &p, &[&s.g, &s.xn, &s.u], nt * d)?;
+    if let Some(inj) = &w.inject {
+        e.matvec(inj, &s.xn, &s.inj_raw, nt, Epilogue::None)?;
+        e.map(1, hf, &s.inj_raw, &s.g, &s.inj, nt * h)?;
+    }
+    Ok(())
+}
+
+/// `X_k += inj_k * y` on the device for `nt` rows (the injection weights in `e.s.inj`).
+pub fn encode_inject(
+    e: &mut Enc<'_>,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    nt: usize,
+    h: usize,
+    d: usize,
+) -> Result<(), GpuError> {
+    let p = [(nt * h * d) as u32, h as u32, d as u32];
+    let inj = &e.s.inj;
+    e.op_lanes(Op::HcInject, &p, &[x, inj, y], nt * h * d)
 }

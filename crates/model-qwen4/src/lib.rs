@@ -28,6 +28,8 @@
 #![deny(missing_docs)]
 
 pub mod config;
+pub mod device;
+pub mod gpu;
 
 pub use config::{ConfigError, GateAct, HiddenAct, LayerType, Qwen4ExpTextConfig, RopeType};
 pub mod forward;
@@ -41,6 +43,7 @@ pub mod state;
 pub mod weights;
 
 pub use forward::{ForwardError, Model, Trace};
+pub use gpu::{GpuModel, GpuState, Head, Unplaced};
 pub use model_core::{BindError, CausalLm, InputError};
 pub use state::SeqState;
 pub use weights::{WeightError, Weights};

@@ -3,8 +3,13 @@
 //! routed-expert executor; plus the shared SwiGLU expert scaled by
 //! `sigmoid(shared_expert_gate . u)`. This module owns only the routing.
 
+use std::sync::Arc;
+
 use crate::config::Qwen4ExpTextConfig;
+use crate::device::{Device, Enc};
 use crate::weights::MoeWeights;
+use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
+use kernels_wgsl::Op;
 use model_core::experts::{Activation, Routes, dense_swiglu};
 use quant_codecs::ops::{linear, sigmoid, top_k};
 
@@ -50,4 +55,80 @@ pub fn forward_cpu(w: &MoeWeights<'_>, c: &Qwen4ExpTextConfig, u: &[f32], t: usi
         }
     }
     y
+}
+
+/// One MoE layer's weights on the device.
+pub struct MoeGpu {
+    router: Arc<GpuMatrix>,
+    experts: Vec<(Arc<GpuMatrix>, Arc<GpuMatrix>)>,
+    sh_gate: Arc<GpuMatrix>,
+    sh_up: Arc<GpuMatrix>,
+    sh_down: Arc<GpuMatrix>,
+    sh_scale: wgpu::Buffer,
+}
+
+impl MoeGpu {
+    /// Uploads the layer's weights.
+    pub fn upload(dev: &Device, w: &MoeWeights<'_>) -> Result<MoeGpu, GpuError> {
+        let experts = w
+            .routed
+            .experts
+            .iter()
+            .map(|x| Ok((dev.mat(&x.gate_up)?, dev.mat(&x.down)?)))
+            .collect::<Result<_, GpuError>>()?;
+        Ok(MoeGpu {
+            router: dev.mat(&w.router)?,
+            experts,
+            sh_gate: dev.mat(&w.sh_gate)?,
+            sh_up: dev.mat(&w.sh_up)?,
+            sh_down: dev.mat(&w.sh_down)?,
+            sh_scale: dev.vec(w.sh_scale.name(), &w.sh_scale),
+        })
+    }
+}
+
+/// Encodes the block on `e.s.u` `[nt, D]` into `out` `[nt, D]`: router, softmax and top-k on
+/// the device, then every expert over the frame's rows, added with its routing weight (zero
+/// for the rows that did not choose it) in expert order, as the CPU executor adds them; then
+/// the gated shared expert.
+pub fn encode(
+    e: &mut Enc<'_>,
+    w: &MoeGpu,
+    c: &Qwen4ExpTextConfig,
+    out: &wgpu::Buffer,
+    nt: usize,
+) -> Result<(), GpuError> {
+    let (d, ne) = (c.hidden_size, c.num_experts);
+    let s = e.s;
+    let [rl, pr, rw, ids, hm, eo, sg, su] = &s.w;
+    e.matvec(&w.router, &s.u, rl, nt, Epilogue::None)?;
+    let p = [
+        ne as u32,
+        c.num_experts_per_tok as u32,
+        u32::from(c.norm_topk_prob),
+    ];
+    e.op(Op::Route, &p, &[rl, pr, rw, ids], (nt as u32, 1))?;
+    for (x, (gate_up, down)) in w.experts.iter().enumerate() {
+        e.matvec(gate_up, &s.u, hm, nt, Epilogue::SiluGateUp)?;
+        e.matvec(down, hm, eo, nt, Epilogue::None)?;
+        let p = [
+            (nt * d) as u32,
+            d as u32,
+            ne as u32,
+            x as u32,
+            u32::from(x == 0),
+        ];
+        e.op_lanes(Op::ExpertAdd, &p, &[out, rw, eo], nt * d)?;
+    }
+    e.matvec(&w.sh_gate, &s.u, sg, nt, Epilogue::None)?;
+    e.matvec(&w.sh_up, &s.u, su, nt, Epilogue::None)?;
+    let is = w.sh_gate.rows;
+    e.map(2, 0, sg, su, hm, nt * is)?;
+    e.matvec(&w.sh_down, hm, eo, nt, Epilogue::None)?;
+    e.op(
+        Op::SharedAdd,
+        &[d as u32],
+        &[out, &s.u, &w.sh_scale, eo],
+        (nt as u32, 1),
+    )
 }

@@ -14,9 +14,14 @@
 //! `G_k = sigmoid(a_k) V`; `C = silu(dilated_causal_conv(norm_conv(G)))` (dilation `ngram_size`);
 //! the streams get `X += G + C`.
 
+use std::sync::Arc;
+
 use crate::config::Qwen4ExpTextConfig;
+use crate::device::{Device, Enc};
 use crate::ops::rms_norm_1p;
 use crate::weights::PleWeights;
+use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
+use kernels_wgsl::Op;
 use quant_codecs::ops::{linear, sigmoid, silu};
 
 const GAMMA: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -160,17 +165,7 @@ pub fn forward_cpu(
     let (h, d) = (c.hc_count, c.hidden_size);
     let hd = h * d;
     let eps = c.rms_norm_eps as f32;
-    let nh = c.ngram_heads();
-    let pdim = c.ple_embed_dim();
-    let head_dim = pdim / nh;
-    let mut e = vec![0f32; t * pdim];
-    for (i, &r) in rows.iter().enumerate() {
-        let r = r as usize;
-        let shard = &w.shards[r / w.shard_rows];
-        shard
-            .dequantize_row(r % w.shard_rows, &mut e[i * head_dim..(i + 1) * head_dim])
-            .expect("row within shard");
-    }
+    let e = gather(w, c, rows, t);
     let mut key = linear(&w.key, &e, t);
     rms_norm_1p(&mut key, &w.norm_key, d, eps);
     let value = linear(&w.value, &e, t);
@@ -221,4 +216,90 @@ fn sign(v: f32) -> f32 {
     } else {
         0.0
     }
+}
+
+/// One PLE layer's weights on the device (the n-gram table stays on the host: its rows are
+/// gathered there and only they go up).
+pub struct PleGpu {
+    key: Arc<GpuMatrix>,
+    value: Arc<GpuMatrix>,
+    norm_key: (wgpu::Buffer, usize),
+    norm_query: (wgpu::Buffer, usize),
+    norm_conv: (wgpu::Buffer, usize),
+    conv: wgpu::Buffer,
+}
+
+impl PleGpu {
+    /// Uploads the layer's weights.
+    pub fn upload(dev: &Device, w: &PleWeights<'_>) -> Result<PleGpu, GpuError> {
+        let v = |x: &model_core::bind::Vector| (dev.vec(x.name(), x), x.len());
+        Ok(PleGpu {
+            key: dev.mat(&w.key)?,
+            value: dev.mat(&w.value)?,
+            norm_key: v(&w.norm_key),
+            norm_query: v(&w.norm_query),
+            norm_conv: v(&w.norm_conv),
+            conv: dev.vec(w.conv.name(), &w.conv),
+        })
+    }
+}
+
+/// The gathered n-gram rows `[t, ple_embed_dim]` of `t` tokens whose table rows are `rows`
+/// (host side: the table is memory-mapped).
+pub fn gather(w: &PleWeights<'_>, c: &Qwen4ExpTextConfig, rows: &[u64], t: usize) -> Vec<f32> {
+    let nh = c.ngram_heads();
+    let pdim = c.ple_embed_dim();
+    let head_dim = pdim / nh;
+    let mut e = vec![0f32; t * pdim];
+    for (i, &r) in rows.iter().enumerate() {
+        let r = r as usize;
+        w.shards[r / w.shard_rows]
+            .dequantize_row(r % w.shard_rows, &mut e[i * head_dim..(i + 1) * head_dim])
+            .expect("row within shard");
+    }
+    e
+}
+
+/// Whether the device kernels take this geometry.
+pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
+    if (c.ple_conv_kernel_size - 1) * c.ngram_size + quant_codecs::MAX_BATCH > 64 {
+        return Err("PLE conv history too long for the device conv".into());
+    }
+    Ok(())
+}
+
+/// Encodes PLE on the streams `x` `[nt, H*D]` in place, from the gathered rows `e_in`
+/// `[nt, ple_embed_dim]`; `hist` is the layer's conv history on the device.
+pub fn encode(
+    e: &mut Enc<'_>,
+    w: &PleGpu,
+    c: &Qwen4ExpTextConfig,
+    x: &wgpu::Buffer,
+    e_in: &wgpu::Buffer,
+    hist: &wgpu::Buffer,
+    nt: usize,
+) -> Result<(), GpuError> {
+    let (h, d) = (c.hc_count, c.hidden_size);
+    let eps = c.rms_norm_eps as f32;
+    let s = e.s;
+    let [key, keyn, val, qn, g, gn, ..] = &s.w;
+    e.matvec(&w.key, e_in, key, nt, Epilogue::None)?;
+    let key_groups = nt * w.key.rows / d;
+    e.rms_norm(key, &w.norm_key, keyn, key_groups, d, eps)?;
+    e.matvec(&w.value, e_in, val, nt, Epilogue::None)?;
+    e.rms_norm(x, &w.norm_query, qn, nt * h, d, eps)?;
+    e.op(
+        Op::PleGate,
+        &[h as u32, d as u32],
+        &[keyn, qn, val, g],
+        (h as u32, nt as u32),
+    )?;
+    e.rms_norm(g, &w.norm_conv, gn, nt * h, d, eps)?;
+    let p = [
+        nt as u32,
+        (h * d) as u32,
+        c.ple_conv_kernel_size as u32,
+        c.ngram_size as u32,
+    ];
+    e.op_lanes(Op::PleConv, &p, &[gn, &w.conv, hist, x, g], h * d)
 }

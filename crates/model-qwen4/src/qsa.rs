@@ -11,9 +11,15 @@
 //! `budget / ratio` blocks (ties: lower block first) plus the incomplete tail are attended.
 //! Below the budget every token is selected, i.e. dense attention.
 
+use std::sync::Arc;
+
 use crate::config::Qwen4ExpTextConfig;
+use crate::device::{Device, Enc};
 use crate::ops::{Rope, rms_norm_1p, rope};
 use crate::weights::AttnWeights;
+use gpu_runtime::ops::graph::storage;
+use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix};
+use kernels_wgsl::Op;
 use quant_codecs::ops::{linear, sigmoid, top_k};
 use rayon::prelude::*;
 
@@ -168,4 +174,292 @@ pub fn forward_cpu(
         *a *= sigmoid(*g);
     }
     linear(&w.o, &o, t)
+}
+
+/// One attention layer's weights on the device.
+pub struct AttnGpu {
+    q: Arc<GpuMatrix>,
+    k: Arc<GpuMatrix>,
+    v: Arc<GpuMatrix>,
+    o: Arc<GpuMatrix>,
+    idx_qk: Arc<GpuMatrix>,
+    q_norm: wgpu::Buffer,
+    k_norm: wgpu::Buffer,
+    idx_q_norm: wgpu::Buffer,
+    idx_k_norm: wgpu::Buffer,
+}
+
+impl AttnGpu {
+    /// Uploads the layer's weights.
+    pub fn upload(dev: &Device, w: &AttnWeights<'_>) -> Result<AttnGpu, GpuError> {
+        Ok(AttnGpu {
+            q: dev.mat(&w.q)?,
+            k: dev.mat(&w.k)?,
+            v: dev.mat(&w.v)?,
+            o: dev.mat(&w.o)?,
+            idx_qk: dev.mat(&w.idx_qk)?,
+            q_norm: dev.vec(w.q_norm.name(), &w.q_norm),
+            k_norm: dev.vec(w.k_norm.name(), &w.k_norm),
+            idx_q_norm: dev.vec(w.idx_q_norm.name(), &w.idx_q_norm),
+            idx_k_norm: dev.vec(w.idx_k_norm.name(), &w.idx_k_norm),
+        })
+    }
+}
+
+/// The RoPE tables on the device: `cos`, `sin` `[ctx, rotary_dim / 2]`, computed on the host
+/// by [`Rope::at`] (the CPU forward's values: a GPU `cos` of a large angle is not accurate).
+pub struct RopeGpu {
+    /// Cosines.
+    pub cos: wgpu::Buffer,
+    /// Sines.
+    pub sin: wgpu::Buffer,
+    /// `rotary_dim / 2`.
+    pub half: usize,
+}
+
+impl RopeGpu {
+    /// Tables for positions `0..ctx_len`.
+    pub fn new(dev: &Device, rp: &Rope, rot: usize, ctx_len: usize) -> RopeGpu {
+        let half = rot / 2;
+        let (mut cos, mut sin) = (Vec::with_capacity(ctx_len * half), Vec::new());
+        for p in 0..ctx_len {
+            let (c, s) = rp.at(p);
+            cos.extend_from_slice(&c);
+            sin.extend_from_slice(&s);
+        }
+        RopeGpu {
+            cos: dev.vec("rope cos", &cos),
+            sin: dev.vec("rope sin", &sin),
+            half,
+        }
+    }
+}
+
+/// An attention layer's cache on the device, preallocated for the context: rotated keys and
+/// values `[ctx, Hkv*hd]`, raw indexer keys `[ctx, d_I]`, block keys `[ctx/ratio + 1, d_I]`.
+pub struct AttnDeviceState {
+    /// Keys.
+    pub k: wgpu::Buffer,
+    /// Values.
+    pub v: wgpu::Buffer,
+    /// Raw indexer keys.
+    pub raw: wgpu::Buffer,
+    /// Block keys.
+    pub block_keys: wgpu::Buffer,
+}
+
+impl AttnDeviceState {
+    /// Empty caches for `c` and `ctx_len` tokens.
+    pub fn new(ctx: &GpuContext, c: &Qwen4ExpTextConfig, ctx_len: usize) -> AttnDeviceState {
+        let kvd = c.num_key_value_heads * c.head_dim;
+        let q = c.qsa().expect("validated");
+        AttnDeviceState {
+            k: storage(ctx, "k cache", ctx_len * kvd),
+            v: storage(ctx, "v cache", ctx_len * kvd),
+            raw: storage(ctx, "indexer keys", ctx_len * q.head_dim),
+            block_keys: storage(ctx, "block keys", (ctx_len / q.ratio + 1) * q.head_dim),
+        }
+    }
+}
+
+/// Whether the device kernels take this geometry.
+pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
+    let q = c.qsa().ok_or("no QSA indexer config")?;
+    if c.head_dim > 512 || q.head_dim > 512 {
+        return Err(format!(
+            "head_dim {} / indexer_head_dim {} > 512 (a head is staged in workgroup memory)",
+            c.head_dim, q.head_dim
+        ));
+    }
+    if c.rotary_dim() > q.head_dim.min(c.head_dim) {
+        return Err("rotary_dim wider than a head".into());
+    }
+    Ok(())
+}
+
+/// Encodes the layer on block inputs `e.s.u` `[nt, D]` at positions `past..past+nt` (the frame
+/// uniform) into `e.s.y`, appending to the caches.
+#[allow(clippy::too_many_arguments)]
+pub fn encode(
+    e: &mut Enc<'_>,
+    w: &AttnGpu,
+    c: &Qwen4ExpTextConfig,
+    rope_t: &RopeGpu,
+    st: &AttnDeviceState,
+    nt: usize,
+    ctx_len: usize,
+) -> Result<(), GpuError> {
+    let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+    let qsa = c.qsa().expect("validated");
+    let (ni, di) = (qsa.n_heads, qsa.head_dim);
+    let eps = (c.rms_norm_eps as f32).to_bits();
+    let kvd = hkv * hd;
+    let half = rope_t.half as u32;
+    let s = e.s;
+    let [qg, k, v, qki, q, gate, qi, ao] = &s.w;
+    e.matvec(&w.q, &s.u, qg, nt, Epilogue::None)?;
+    e.matvec(&w.k, &s.u, k, nt, Epilogue::None)?;
+    e.matvec(&w.v, &s.u, v, nt, Epilogue::None)?;
+    e.matvec(&w.idx_qk, &s.u, qki, nt, Epilogue::None)?;
+    let (cs, sn) = (&rope_t.cos, &rope_t.sin);
+    // One head of one row per workgroup: where it is read, where it goes, what is applied.
+    struct Prep<'b> {
+        src: &'b wgpu::Buffer,
+        src_stride: usize,
+        src_off: usize,
+        head_stride: usize,
+        dim: usize,
+        dst: &'b wgpu::Buffer,
+        dst_stride: usize,
+        at_past: u32,
+        norm: Option<&'b wgpu::Buffer>,
+        rope: bool,
+        heads: usize,
+    }
+    let qk_row = (ni + 1) * di;
+    let preps = [
+        // q: norm + RoPE; the gate: a copy.
+        Prep {
+            src: qg,
+            src_stride: 2 * hq * hd,
+            src_off: 0,
+            head_stride: 2 * hd,
+            dim: hd,
+            dst: q,
+            dst_stride: hq * hd,
+            at_past: 0,
+            norm: Some(&w.q_norm),
+            rope: true,
+            heads: hq,
+        },
+        Prep {
+            src: qg,
+            src_stride: 2 * hq * hd,
+            src_off: hd,
+            head_stride: 2 * hd,
+            dim: hd,
+            dst: gate,
+            dst_stride: hq * hd,
+            at_past: 0,
+            norm: None,
+            rope: false,
+            heads: hq,
+        },
+        // k (norm + RoPE) and v into the cache rows past..past+nt.
+        Prep {
+            src: k,
+            src_stride: kvd,
+            src_off: 0,
+            head_stride: hd,
+            dim: hd,
+            dst: &st.k,
+            dst_stride: kvd,
+            at_past: 1,
+            norm: Some(&w.k_norm),
+            rope: true,
+            heads: hkv,
+        },
+        Prep {
+            src: v,
+            src_stride: kvd,
+            src_off: 0,
+            head_stride: hd,
+            dim: hd,
+            dst: &st.v,
+            dst_stride: kvd,
+            at_past: 1,
+            norm: None,
+            rope: false,
+            heads: hkv,
+        },
+        // Indexer queries (norm + RoPE); raw indexer keys into their cache.
+        Prep {
+            src: qki,
+            src_stride: qk_row,
+            src_off: 0,
+            head_stride: di,
+            dim: di,
+            dst: qi,
+            dst_stride: ni * di,
+            at_past: 0,
+            norm: Some(&w.idx_q_norm),
+            rope: true,
+            heads: ni,
+        },
+        Prep {
+            src: qki,
+            src_stride: qk_row,
+            src_off: ni * di,
+            head_stride: 0,
+            dim: di,
+            dst: &st.raw,
+            dst_stride: di,
+            at_past: 1,
+            norm: None,
+            rope: false,
+            heads: 1,
+        },
+    ];
+    for pr in preps {
+        let p = [
+            pr.src_stride as u32,
+            pr.src_off as u32,
+            pr.head_stride as u32,
+            pr.dim as u32,
+            pr.dst_stride as u32,
+            0,
+            pr.at_past,
+            u32::from(pr.norm.is_some()),
+            if pr.rope { half } else { 0 },
+            eps,
+        ];
+        let wbuf = pr.norm.unwrap_or(&s.g);
+        e.op(
+            Op::HeadPrep,
+            &p,
+            &[pr.src, wbuf, pr.dst, cs, sn],
+            (pr.heads as u32, nt as u32),
+        )?;
+    }
+    let p = [qsa.ratio as u32, di as u32, half, eps];
+    let new_blocks = (nt / qsa.ratio + 1) as u32;
+    e.op(
+        Op::BlockKeys,
+        &p,
+        &[&st.raw, &w.idx_k_norm, &st.block_keys, cs, sn],
+        (new_blocks, 1),
+    )?;
+    let max_blocks = ctx_len / qsa.ratio + 1;
+    let topk = qsa.block_topk() as u32;
+    let p = [
+        qsa.ratio as u32,
+        ni as u32,
+        di as u32,
+        topk,
+        max_blocks as u32,
+    ];
+    e.op(
+        Op::QsaSelect,
+        &p,
+        &[qi, &st.block_keys, &s.scores, &s.sel],
+        (nt as u32, 1),
+    )?;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let p = [
+        hq as u32,
+        hkv as u32,
+        hd as u32,
+        qsa.ratio as u32,
+        topk,
+        max_blocks as u32,
+        ctx_len as u32,
+        scale.to_bits(),
+    ];
+    e.op(
+        Op::Attend,
+        &p,
+        &[q, &st.k, &st.v, &s.sel, &s.attn_logits, gate, ao],
+        (hq as u32, nt as u32),
+    )?;
+    e.matvec(&w.o, ao, &s.y, nt, Epilogue::None)
 }

@@ -319,6 +319,11 @@ impl Prepared {
         }
     }
 
+    /// The steps, in order (what a [`crate::ops::graph::Graph`] keeps).
+    pub fn into_steps(self) -> Vec<Step> {
+        self.steps
+    }
+
     /// Dispatches per recording.
     pub fn dispatches(&self) -> usize {
         self.steps.iter().map(|s| s.groups.len()).sum()

@@ -2,4 +2,5 @@
 //! chain many without a round trip) and has a convenience form that uploads, runs and reads back.
 
 pub mod act8;
+pub mod graph;
 pub mod matvec;

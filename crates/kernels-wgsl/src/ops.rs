@@ -1,0 +1,94 @@
+//! The op kernels: the small steps of a model forward between the matvecs (norms, the
+//! hyper-connection mixes, the Gated DeltaNet conv and recurrence, attention with the QSA
+//! block choice, MoE routing, PLE, greedy argmax). Each is one WGSL module (the shared prelude
+//! and its file) with entry [`Op::ENTRY`] and the one bind group layout of the prelude: binding
+//! 0 the op's parameters ([`Op::PARAM_WORDS`] words), binding 1 the frame's per-token values
+//! ([`FRAME_WORDS`] words), bindings 2..=9 storage buffers.
+
+const PRELUDE: &str = include_str!("../wgsl/ops/prelude.wgsl");
+
+/// Words of the frame uniform: `past` (tokens before the frame), `nb_lo`, `nb_hi` (complete
+/// indexer blocks before and after it), padding.
+pub const FRAME_WORDS: usize = 4;
+
+/// Lanes per workgroup of every op.
+pub const OP_WG: u32 = 128;
+
+/// Storage bindings every op's layout has (2..=9).
+pub const OP_STORAGE: u32 = 8;
+
+macro_rules! ops {
+    ($($(#[$doc:meta])* $v:ident => $file:literal,)*) => {
+        /// An op kernel.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum Op {
+            $($(#[$doc])* $v,)*
+        }
+
+        impl Op {
+            /// Every op.
+            pub const ALL: &'static [Op] = &[$(Op::$v,)*];
+
+            /// The module's name (its file under `wgsl/ops/`).
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(Op::$v => $file,)*
+                }
+            }
+
+            fn body(self) -> &'static str {
+                match self {
+                    $(Op::$v => include_str!(concat!("../wgsl/ops/", $file, ".wgsl")),)*
+                }
+            }
+        }
+    };
+}
+
+ops! {
+    /// Grouped (1+w) RMSNorm.
+    RmsNorm => "rms_norm",
+    /// Elementwise activations.
+    Map => "map",
+    /// The hyper-connection read-out.
+    HcCombine => "hc_combine",
+    /// The hyper-connection injection.
+    HcInject => "hc_inject",
+    /// GDN causal conv.
+    GdnConv => "gdn_conv",
+    /// GDN gated delta rule + gated norm.
+    GdnRecur => "gdn_recur",
+    /// Per-head norm / RoPE / copy into a cache.
+    HeadPrep => "head_prep",
+    /// QSA block keys.
+    BlockKeys => "block_keys",
+    /// QSA block scoring and top-k.
+    QsaSelect => "qsa_select",
+    /// Sparse attention over the KV cache.
+    Attend => "attend",
+    /// MoE softmax + top-k.
+    Route => "route",
+    /// One routed expert's weighted add.
+    ExpertAdd => "expert_add",
+    /// The gated shared expert's add.
+    SharedAdd => "shared_add",
+    /// PLE's gate.
+    PleGate => "ple_gate",
+    /// PLE's dilated conv and stream update.
+    PleConv => "ple_conv",
+    /// Greedy argmax.
+    Argmax => "argmax",
+}
+
+impl Op {
+    /// The entry point of every op module.
+    pub const ENTRY: &'static str = "main";
+
+    /// Words of the parameter uniform.
+    pub const PARAM_WORDS: usize = 16;
+
+    /// The full WGSL source.
+    pub fn source(self) -> String {
+        format!("{PRELUDE}\n{}", self.body())
+    }
+}

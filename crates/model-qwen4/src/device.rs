@@ -1,0 +1,240 @@
+//! What every block's device encoding shares: the [`Device`] (context, the weight arena the
+//! model's matrices live in, the activation path per dtype), the frame's scratch buffers
+//! ([`Scratch`], sized for 8 token rows) and [`Enc`], the graph a frame is recorded into.
+
+use std::sync::Arc;
+
+use gpu_runtime::ops::graph::{self, Graph, lanes_grid};
+use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, Path, WeightArena};
+use kernels_wgsl::Op;
+use model_core::bind::Mat;
+use quant_codecs::{ActPath, DType, MAX_BATCH};
+
+use crate::config::{LayerType, Qwen4ExpTextConfig};
+
+/// The device a model lives on, and its resident weights.
+pub struct Device {
+    /// The context.
+    pub ctx: Arc<GpuContext>,
+    arena: WeightArena,
+    uid: u64,
+}
+
+impl Device {
+    /// A device with an empty arena under the context's VRAM budget; `uid` keys this model's
+    /// matrices.
+    pub fn new(ctx: Arc<GpuContext>, uid: u64) -> Device {
+        let arena = WeightArena::new(&ctx);
+        Device { ctx, arena, uid }
+    }
+
+    /// Uploads (once) and pins a matrix.
+    pub fn mat(&self, m: &Mat<'_>) -> Result<Arc<GpuMatrix>, GpuError> {
+        let g = self.arena.get_or_upload(&self.ctx, self.uid, m.name(), m)?;
+        self.arena.pin(self.uid, m.name(), true);
+        Ok(g)
+    }
+
+    /// A small f32 vector (norm weights, conv kernels) as a storage buffer.
+    pub fn vec(&self, label: &str, v: &[f32]) -> wgpu::Buffer {
+        graph::upload_f32(&self.ctx, label, v)
+    }
+
+    /// Device bytes the weights hold.
+    pub fn resident_bytes(&self) -> u64 {
+        self.arena.resident_bytes()
+    }
+
+    /// The activation path of a matrix of `dtype`: what the CPU forward would use
+    /// (`quant_codecs::ops::act_path`), the hardware f16 conversion for f16 where the device
+    /// has it (exact either way).
+    pub fn path(&self, dtype: DType) -> Path {
+        match quant_codecs::ops::act_path(dtype) {
+            ActPath::Int8 => Path::Int8,
+            ActPath::F32 if dtype == DType::F16 && self.ctx.caps.f16_in_f32 => Path::HwF16,
+            ActPath::F32 => Path::F32,
+        }
+    }
+}
+
+/// The intermediates of one frame (up to 8 token rows), shared by every layer: the blocks run
+/// one after another, so one set serves the whole forward.
+pub struct Scratch {
+    /// The H residual streams `[nt, H*D]` (the frame's input is written here).
+    pub x: wgpu::Buffer,
+    /// The last row of the streams `[H*D]` (the head's input when only it is needed).
+    pub x_last: wgpu::Buffer,
+    /// Normalised streams `[nt, H*D]`.
+    pub xn: wgpu::Buffer,
+    /// HC down projection `[nt, R]`.
+    pub low: wgpu::Buffer,
+    /// The same after its activation.
+    pub low_act: wgpu::Buffer,
+    /// HC gates `[nt, H*D]`.
+    pub g: wgpu::Buffer,
+    /// A block's input `[nt, D]`.
+    pub u: wgpu::Buffer,
+    /// HC injection projection `[nt, H]`.
+    pub inj_raw: wgpu::Buffer,
+    /// HC injection weights `[nt, H]`.
+    pub inj: wgpu::Buffer,
+    /// A block's output `[nt, D]`.
+    pub y: wgpu::Buffer,
+    /// Per-block work buffers, each big enough for the widest use (named by the block that
+    /// owns the layout it holds at a time).
+    pub w: [wgpu::Buffer; 8],
+    /// QSA block scores `[nt, max_blocks]`.
+    pub scores: wgpu::Buffer,
+    /// QSA block choices `[nt, max_blocks]`.
+    pub sel: wgpu::Buffer,
+    /// Attention logits `[nt, Hq, ctx]`.
+    pub attn_logits: wgpu::Buffer,
+    /// Logits `[nt, vocab]`.
+    pub logits: wgpu::Buffer,
+    /// The greedy token.
+    pub token: wgpu::Buffer,
+}
+
+impl Scratch {
+    /// Buffers for `c` and a context of `ctx_len` tokens.
+    pub fn new(gpu: &GpuContext, c: &Qwen4ExpTextConfig, ctx_len: usize) -> Scratch {
+        let nt = MAX_BATCH;
+        let (h, d) = (c.hc_count, c.hidden_size);
+        let buf = |label: &str, n: usize| graph::storage(gpu, label, n);
+        // The widest per-row width any block's work buffer holds.
+        let mut widest = vec![d * h, c.num_experts, c.moe_intermediate_size, d];
+        widest.push(c.shared_expert_intermediate_size);
+        widest.push(c.ple_embed_dim());
+        let has_attn =
+            (0..c.num_hidden_layers).any(|il| c.layer_type(il) == LayerType::IndexedAttention);
+        let has_gdn =
+            (0..c.num_hidden_layers).any(|il| c.layer_type(il) == LayerType::LinearAttention);
+        if has_gdn {
+            let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+            let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+            widest.push(2 * hk * dk + hv * dv);
+        }
+        let mut max_blocks = 1;
+        let mut hq = 1;
+        if has_attn {
+            let (hq_, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+            hq = hq_;
+            widest.push(2 * hq * hd);
+            widest.push(hkv * hd);
+            if let Some(q) = c.qsa() {
+                widest.push((q.n_heads + 1) * q.head_dim);
+                max_blocks = ctx_len / q.ratio + 1;
+            }
+        }
+        let wide = widest.into_iter().max().unwrap_or(d) * nt;
+        Scratch {
+            x: buf("x", nt * h * d),
+            x_last: buf("x_last", h * d),
+            xn: buf("xn", nt * h * d),
+            low: buf("low", nt * c.hc_lowrank),
+            low_act: buf("low_act", nt * c.hc_lowrank),
+            g: buf("hc_g", nt * h * d),
+            u: buf("u", nt * d),
+            inj_raw: buf("inj_raw", nt * h),
+            inj: buf("inj", nt * h),
+            y: buf("y", nt * d),
+            w: std::array::from_fn(|i| buf(&format!("work{i}"), wide)),
+            scores: buf("scores", nt * max_blocks),
+            sel: buf("sel", nt * max_blocks),
+            attn_logits: buf("attn_logits", nt * hq * ctx_len),
+            logits: buf("logits", nt * c.vocab_size),
+            token: buf("token", 4),
+        }
+    }
+}
+
+/// A frame being recorded: the graph, the device, the scratch, the frame uniform, the rows.
+pub struct Enc<'a> {
+    /// The graph.
+    pub g: &'a mut Graph,
+    /// The device.
+    pub dev: &'a Device,
+    /// The scratch buffers.
+    pub s: &'a Scratch,
+    /// The frame uniform.
+    pub frame: &'a wgpu::Buffer,
+    /// Token rows.
+    pub nt: usize,
+    /// Whether the intermediates are tapped for a trace.
+    pub traced: bool,
+}
+
+impl Enc<'_> {
+    /// `y = W x` over `nt` rows on the dtype's path.
+    pub fn matvec(
+        &mut self,
+        m: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        nt: usize,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let path = self.dev.path(m.dtype);
+        self.g.matvec(&self.dev.ctx, m, x, y, nt, path, epilogue)
+    }
+
+    /// An op kernel over `grid` workgroups.
+    pub fn op(
+        &mut self,
+        op: Op,
+        params: &[u32],
+        bufs: &[&wgpu::Buffer],
+        grid: (u32, u32),
+    ) -> Result<(), GpuError> {
+        self.g.op(&self.dev.ctx, op, params, self.frame, bufs, grid)
+    }
+
+    /// An elementwise op over `n` lanes (its params end with the grid's x width).
+    pub fn op_lanes(
+        &mut self,
+        op: Op,
+        params: &[u32],
+        bufs: &[&wgpu::Buffer],
+        n: usize,
+    ) -> Result<(), GpuError> {
+        let grid = lanes_grid(&self.dev.ctx, n);
+        let mut p = params.to_vec();
+        p.push(grid.0);
+        self.op(op, &p, bufs, grid)
+    }
+
+    /// `map` mode `mode` over `n` values.
+    pub fn map(
+        &mut self,
+        mode: u32,
+        a: u32,
+        x: &wgpu::Buffer,
+        x2: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        n: usize,
+    ) -> Result<(), GpuError> {
+        self.op_lanes(Op::Map, &[n as u32, mode, a], &[x, x2, y], n)
+    }
+
+    /// (1+w) RMSNorm of `groups` groups of `group` values of `x` into `y`; `w` is the weight
+    /// and its length (applied periodically).
+    pub fn rms_norm(
+        &mut self,
+        x: &wgpu::Buffer,
+        (w, w_len): &(wgpu::Buffer, usize),
+        y: &wgpu::Buffer,
+        groups: usize,
+        group: usize,
+        eps: f32,
+    ) -> Result<(), GpuError> {
+        let p = [groups as u32, group as u32, *w_len as u32, eps.to_bits()];
+        self.op(Op::RmsNorm, &p, &[x, w, y], (groups as u32, 1))
+    }
+
+    /// Taps `rows * width` floats of `buf` as `name` of `layer` when tracing.
+    pub fn tap(&mut self, name: &'static str, layer: usize, buf: &wgpu::Buffer, n: usize) {
+        if self.traced {
+            self.g.tap(name, layer, buf, 0, n);
+        }
+    }
+}

@@ -1,0 +1,666 @@
+//! The device-resident forward ([`GpuModel`]): every weight but the embedding and n-gram
+//! tables uploaded once, the sequence state ([`GpuState`]) preallocated on the device for the
+//! context, and each frame of up to 8 token rows recorded once per (rows, head) into a
+//! [`Graph`] that is replayed for every later frame of that shape in one submission: no buffer
+//! or bind group is created in the steady-state decode loop, the per-position values go up in
+//! one 16-byte uniform, the host writes only the frame's embedding rows and gathered n-gram
+//! rows, and reads back only the logits row(s) or the greedy token.
+//!
+//! The embedding rows are gathered on the host from the memory-mapped file, as the PLE rows
+//! are (the host needs every token for the n-gram hashes anyway): the table then costs no VRAM.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use gpu_runtime::ops::graph::{self, Graph, Tap};
+use gpu_runtime::{Epilogue, GpuContext, GpuError, readback};
+use model_core::trace::{
+    ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
+    PLE_STREAMS,
+};
+use model_core::{CausalLm, Trace, check_tokens};
+use quant_codecs::MAX_BATCH;
+
+use crate::config::LayerType;
+use crate::device::{Device, Enc, Scratch};
+use crate::forward::{ForwardError, Model};
+use crate::gdn::{GdnDeviceState, GdnGpu};
+use crate::hc::HcGpu;
+use crate::moe::MoeGpu;
+use crate::ple::PleGpu;
+use crate::qsa::{AttnDeviceState, AttnGpu, RopeGpu};
+use crate::weights::MixerWeights;
+use crate::{gdn, hc, moe, ple, qsa};
+
+static NEXT_UID: AtomicU64 = AtomicU64::new(1 << 40);
+
+enum MixerGpu {
+    Gdn(GdnGpu),
+    Attn(AttnGpu),
+}
+
+struct LayerGpu {
+    ple: Option<PleGpu>,
+    attn_hc: HcGpu,
+    mixer: MixerGpu,
+    mlp_hc: HcGpu,
+    moe: MoeGpu,
+}
+
+/// What a frame computes after the layers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Head {
+    /// Nothing (a prefill frame before the last).
+    None,
+    /// The logits of every row.
+    All,
+    /// The logits of the last row.
+    Last,
+    /// The greedy token of the last row (its logits stay on the device).
+    Argmax,
+}
+
+/// A model whose weights live on the device, with the CPU model it was uploaded from (the
+/// embedding and n-gram tables are read from that one's mapped file).
+pub struct GpuModel<'a> {
+    /// The CPU model.
+    pub model: Model<'a>,
+    dev: Device,
+    layers: Vec<LayerGpu>,
+    final_mixer: HcGpu,
+    lm_head: Arc<gpu_runtime::GpuMatrix>,
+    rope: Option<RopeGpu>,
+    scratch: Scratch,
+    ctx_len: usize,
+    uid: u64,
+    traced: AtomicBool,
+}
+
+/// A model that could not go to the device, handed back with the reason.
+pub struct Unplaced<'a> {
+    /// The CPU model.
+    pub model: Model<'a>,
+    /// Why.
+    pub error: GpuError,
+}
+
+impl std::fmt::Debug for Unplaced<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Unplaced({})", self.error)
+    }
+}
+
+/// Why a geometry is refused by the device kernels, or anything else at upload.
+fn unsupported(what: String) -> GpuError {
+    GpuError::UnsupportedFusion {
+        epilogue: "qwen4_exp device forward",
+        reason: what,
+    }
+}
+
+impl<'a> GpuModel<'a> {
+    /// Uploads `model` to `ctx` for sequences of up to `ctx_len` tokens; on any failure (a
+    /// geometry the kernels do not take, the VRAM budget, a pipeline the driver rejects) the
+    /// CPU model comes back with the error.
+    pub fn new(
+        model: Model<'a>,
+        ctx: Arc<GpuContext>,
+        ctx_len: usize,
+    ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
+        match Self::upload(&model, ctx, ctx_len) {
+            Ok(parts) => Ok(GpuModel::assemble(model, parts)),
+            Err(error) => Err(Box::new(Unplaced { model, error })),
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn upload(
+        model: &Model<'_>,
+        ctx: Arc<GpuContext>,
+        ctx_len: usize,
+    ) -> Result<
+        (
+            Device,
+            Vec<LayerGpu>,
+            HcGpu,
+            Arc<gpu_runtime::GpuMatrix>,
+            Option<RopeGpu>,
+            Scratch,
+            usize,
+            u64,
+        ),
+        GpuError,
+    > {
+        let c = &model.config;
+        let w = &model.weights;
+        if ctx_len == 0 {
+            return Err(unsupported("a context of 0 tokens".into()));
+        }
+        let has_attn =
+            (0..c.num_hidden_layers).any(|il| c.layer_type(il) == LayerType::IndexedAttention);
+        gdn::device_limits(c).map_err(unsupported)?;
+        ple::device_limits(c).map_err(unsupported)?;
+        if has_attn {
+            qsa::device_limits(c).map_err(unsupported)?;
+        }
+        if c.num_experts_per_tok > 64 {
+            return Err(unsupported("more than 64 experts per token".into()));
+        }
+        let uid = NEXT_UID.fetch_add(1, Ordering::Relaxed);
+        let dev = Device::new(ctx, uid);
+        let mut layers = Vec::with_capacity(w.layers.len());
+        for lw in &w.layers {
+            layers.push(LayerGpu {
+                ple: lw
+                    .ple
+                    .as_ref()
+                    .map(|p| PleGpu::upload(&dev, p))
+                    .transpose()?,
+                attn_hc: HcGpu::upload(&dev, &lw.attn_hc)?,
+                mixer: match &lw.mixer {
+                    MixerWeights::Gdn(g) => MixerGpu::Gdn(GdnGpu::upload(&dev, g)?),
+                    MixerWeights::Attn(a) => MixerGpu::Attn(AttnGpu::upload(&dev, a)?),
+                },
+                mlp_hc: HcGpu::upload(&dev, &lw.mlp_hc)?,
+                moe: MoeGpu::upload(&dev, &lw.moe)?,
+            });
+        }
+        let final_mixer = HcGpu::upload(&dev, &w.final_mixer)?;
+        let lm_head = dev.mat(&w.lm_head)?;
+        let rope = has_attn.then(|| RopeGpu::new(&dev, model.rope(), c.rotary_dim(), ctx_len));
+        let scratch = Scratch::new(&dev.ctx, c, ctx_len);
+        Ok((
+            dev,
+            layers,
+            final_mixer,
+            lm_head,
+            rope,
+            scratch,
+            ctx_len,
+            uid,
+        ))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn assemble(
+        model: Model<'a>,
+        (dev, layers, final_mixer, lm_head, rope, scratch, ctx_len, uid): (
+            Device,
+            Vec<LayerGpu>,
+            HcGpu,
+            Arc<gpu_runtime::GpuMatrix>,
+            Option<RopeGpu>,
+            Scratch,
+            usize,
+            u64,
+        ),
+    ) -> GpuModel<'a> {
+        GpuModel {
+            model,
+            dev,
+            layers,
+            final_mixer,
+            lm_head,
+            rope,
+            scratch,
+            ctx_len,
+            uid,
+            traced: AtomicBool::new(false),
+        }
+    }
+
+    /// The context.
+    pub fn ctx(&self) -> &Arc<GpuContext> {
+        &self.dev.ctx
+    }
+
+    /// The longest sequence a state holds.
+    pub fn ctx_len(&self) -> usize {
+        self.ctx_len
+    }
+
+    /// Device bytes of the weights.
+    pub fn resident_bytes(&self) -> u64 {
+        self.dev.resident_bytes()
+    }
+
+    /// Whether later forwards report their intermediates to the trace (each tap ends the
+    /// compute pass and copies out: for the block-by-block comparison, not for speed).
+    pub fn set_tracing(&self, on: bool) {
+        self.traced.store(on, Ordering::Relaxed);
+    }
+
+    fn build(&self, st: &GpuState, nt: usize, head: Head, traced: bool) -> Result<Graph, GpuError> {
+        let c = &self.model.config;
+        let (h, d) = (c.hc_count, c.hidden_size);
+        let eps = c.rms_norm_eps as f32;
+        let mut g = Graph::new();
+        let s = &self.scratch;
+        let mut e = Enc {
+            g: &mut g,
+            dev: &self.dev,
+            s,
+            frame: &st.frame,
+            nt,
+            traced,
+        };
+        for (il, lw) in self.layers.iter().enumerate() {
+            if let Some(pw) = &lw.ple {
+                let (e_in, hist) = st.ple[il].as_ref().expect("state made for this model");
+                ple::encode(&mut e, pw, c, &s.x, e_in, hist, nt)?;
+                e.tap(PLE_STREAMS, il, &s.x, nt * h * d);
+            }
+            hc::encode(&mut e, &lw.attn_hc, &s.x, nt, h, d, eps)?;
+            e.tap(ATTN_INPUT, il, &s.u, nt * d);
+            match (&lw.mixer, &st.layers[il]) {
+                (MixerGpu::Gdn(gw), LayerDeviceState::Gdn(gs)) => {
+                    gdn::encode(&mut e, gw, c, gs, nt)?
+                }
+                (MixerGpu::Attn(aw), LayerDeviceState::Attn(as_)) => qsa::encode(
+                    &mut e,
+                    aw,
+                    c,
+                    self.rope
+                        .as_ref()
+                        .expect("attention layers have RoPE tables"),
+                    as_,
+                    nt,
+                    self.ctx_len,
+                )?,
+                _ => unreachable!("state checked against the model"),
+            }
+            e.tap(ATTN_OUT, il, &s.y, nt * d);
+            hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
+            e.tap(ATTN_STREAMS, il, &s.x, nt * h * d);
+            hc::encode(&mut e, &lw.mlp_hc, &s.x, nt, h, d, eps)?;
+            e.tap(MLP_INPUT, il, &s.u, nt * d);
+            moe::encode(&mut e, &lw.moe, c, &s.y, nt)?;
+            e.tap(MOE_OUT, il, &s.y, nt * d);
+            hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
+            e.tap(LAYER_OUT, il, &s.x, nt * h * d);
+        }
+        let nl = c.num_hidden_layers;
+        let v = c.vocab_size;
+        let rows = match head {
+            Head::None => return Ok(g),
+            Head::All => {
+                hc::encode(&mut e, &self.final_mixer, &s.x, nt, h, d, eps)?;
+                nt
+            }
+            Head::Last | Head::Argmax => {
+                let off = ((nt - 1) * h * d) as u32;
+                e.map(3, off, &s.x, &s.g, &s.x_last, h * d)?;
+                hc::encode(&mut e, &self.final_mixer, &s.x_last, 1, h, d, eps)?;
+                1
+            }
+        };
+        e.tap(HEAD_OUT, nl, &s.u, rows * d);
+        e.matvec(&self.lm_head, &s.u, &s.logits, rows, Epilogue::None)?;
+        e.tap(LOGITS, nl, &s.logits, rows * v);
+        if head == Head::Argmax {
+            let p = [v as u32, 0];
+            e.op(kernels_wgsl::Op::Argmax, &p, &[&s.logits, &s.token], (1, 1))?;
+        }
+        Ok(g)
+    }
+
+    /// A new empty sequence state on the device.
+    pub fn new_device_state(&self) -> GpuState {
+        GpuState::new(self)
+    }
+
+    /// Feeds `tokens` (one frame, at most 8) and returns what `head` asks for: logits rows, or
+    /// the greedy token as the single value of the vector (bit-cast in `token`).
+    fn frame(
+        &self,
+        tokens: &[u32],
+        st: &mut GpuState,
+        head: Head,
+        taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
+    ) -> Result<FrameOut, ForwardError> {
+        let c = &self.model.config;
+        let w = &self.model.weights;
+        let ctx = &self.dev.ctx;
+        let nt = tokens.len();
+        let (h, d) = (c.hc_count, c.hidden_size);
+        // The frame's input: each token's embedding row, repeated into the H streams.
+        let mut xs = vec![0f32; nt * h * d];
+        for (r, &id) in tokens.iter().enumerate() {
+            let row = &mut xs[r * h * d..r * h * d + d];
+            w.embed
+                .dequantize_row(id as usize, row)
+                .expect("id checked");
+            for k in 1..h {
+                xs.copy_within(r * h * d..r * h * d + d, r * h * d + k * d);
+            }
+        }
+        ctx.queue
+            .write_buffer(&self.scratch.x, 0, bytemuck::cast_slice(&xs));
+        let mut history = st.ngram_ctx.clone();
+        history.extend(tokens.iter().map(|&id| id as i64));
+        for (il, lw) in w.layers.iter().enumerate() {
+            if let (Some(pw), Some((e_in, _))) = (&lw.ple, &st.ple[il]) {
+                let rows = ple::ngram_rows(
+                    &pw.hash,
+                    &history,
+                    nt,
+                    c.ngram_size,
+                    c.heads_per_ngram,
+                    c.eos_id().expect("validated"),
+                );
+                let e = ple::gather(pw, c, &rows, nt);
+                ctx.queue.write_buffer(e_in, 0, bytemuck::cast_slice(&e));
+            }
+        }
+        let past = st.pos;
+        let ratio = c.qsa().map_or(1, |q| q.ratio);
+        graph::write_frame(
+            ctx,
+            &st.frame,
+            past as u32,
+            (past / ratio) as u32,
+            ((past + nt) / ratio) as u32,
+        );
+        let traced = taps.is_some();
+        let key = (nt, head, traced);
+        if !st.graphs.contains_key(&key) {
+            let g = self.build(st, nt, head, traced)?;
+            st.graphs.insert(key, g);
+        }
+        let g = &st.graphs[&key];
+        let mut enc = ctx
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("frame"),
+            });
+        g.record(ctx, &mut enc, taps);
+        let v = c.vocab_size;
+        let read = match head {
+            Head::None => 0,
+            Head::All => nt * v,
+            Head::Last => v,
+            Head::Argmax => 1,
+        };
+        if read > 0 {
+            let src = if head == Head::Argmax {
+                &self.scratch.token
+            } else {
+                &self.scratch.logits
+            };
+            enc.copy_buffer_to_buffer(src, 0, &st.stage, 0, (read * 4) as u64);
+        }
+        ctx.queue.submit([enc.finish()]);
+        let keep = c.ngram_size.saturating_sub(1);
+        st.ngram_ctx = history[history.len() - keep..].to_vec();
+        st.pos += nt;
+        if read == 0 {
+            ctx.wait();
+            return Ok(FrameOut::Nothing);
+        }
+        let out = readback::read_mapped(ctx, &st.stage, read)?;
+        Ok(if head == Head::Argmax {
+            FrameOut::Token(out[0].to_bits())
+        } else {
+            FrameOut::Logits(out)
+        })
+    }
+
+    fn check(&self, tokens: &[u32], st: &GpuState) -> Result<(), ForwardError> {
+        check_tokens(tokens, self.model.config.vocab_size)?;
+        if st.model != self.uid {
+            return Err(ForwardError::StateMismatch(0));
+        }
+        if st.pos + tokens.len() > self.ctx_len {
+            return Err(ForwardError::Context {
+                needed: st.pos + tokens.len(),
+                ctx: self.ctx_len,
+            });
+        }
+        Ok(())
+    }
+
+    /// Feeds `tokens` and returns the greedy next token, chosen on the device (only its id
+    /// is read back).
+    pub fn forward_greedy(&self, tokens: &[u32], st: &mut GpuState) -> Result<u32, ForwardError> {
+        self.check(tokens, st)?;
+        let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
+        let mut token = 0;
+        for (i, f) in frames.iter().enumerate() {
+            let head = if i + 1 == frames.len() {
+                Head::Argmax
+            } else {
+                Head::None
+            };
+            if let FrameOut::Token(t) = self.frame(f, st, head, None)? {
+                token = t;
+            }
+        }
+        Ok(token)
+    }
+}
+
+enum FrameOut {
+    Nothing,
+    Logits(Vec<f32>),
+    Token(u32),
+}
+
+/// A layer's cache on the device.
+pub enum LayerDeviceState {
+    /// GDN conv ring + recurrent state.
+    Gdn(GdnDeviceState),
+    /// KV + indexer caches.
+    Attn(AttnDeviceState),
+}
+
+/// A sequence on the device: the caches preallocated for the model's context, the host's
+/// position and n-gram context, the frame uniform and readback buffer, and the frame graphs
+/// recorded against these buffers. `Clone` copies the device buffers (a snapshot);
+/// [`GpuState::restore`] copies a snapshot back into this state's own buffers, so its recorded
+/// graphs stay valid.
+pub struct GpuState {
+    ctx: Arc<GpuContext>,
+    model: u64,
+    /// Tokens seen so far.
+    pub pos: usize,
+    ngram_ctx: Vec<i64>,
+    layers: Vec<LayerDeviceState>,
+    /// Per layer: the gathered n-gram rows `[8, ple_embed_dim]` and the conv history.
+    ple: Vec<Option<(wgpu::Buffer, wgpu::Buffer)>>,
+    frame: wgpu::Buffer,
+    stage: wgpu::Buffer,
+    graphs: HashMap<(usize, Head, bool), Graph>,
+}
+
+impl std::fmt::Debug for GpuState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuState").field("pos", &self.pos).finish()
+    }
+}
+
+impl GpuState {
+    fn new(m: &GpuModel<'_>) -> GpuState {
+        let c = &m.model.config;
+        let ctx = &m.dev.ctx;
+        let layers = (0..c.num_hidden_layers)
+            .map(|il| match c.layer_type(il) {
+                LayerType::LinearAttention => LayerDeviceState::Gdn(GdnDeviceState::new(ctx, c)),
+                LayerType::IndexedAttention => {
+                    LayerDeviceState::Attn(AttnDeviceState::new(ctx, c, m.ctx_len))
+                }
+            })
+            .collect();
+        let hd = c.hc_count * c.hidden_size;
+        let ple = m
+            .model
+            .weights
+            .layers
+            .iter()
+            .map(|lw| {
+                lw.ple.as_ref().map(|_| {
+                    (
+                        graph::storage(ctx, "ple rows", MAX_BATCH * c.ple_embed_dim()),
+                        graph::storage(
+                            ctx,
+                            "ple conv history",
+                            (c.ple_conv_kernel_size - 1) * c.ngram_size * hd,
+                        ),
+                    )
+                })
+            })
+            .collect();
+        let eos = c.eos_id().unwrap_or(0);
+        GpuState {
+            ctx: ctx.clone(),
+            model: m.uid,
+            pos: 0,
+            ngram_ctx: vec![eos; c.ngram_size.saturating_sub(1)],
+            layers,
+            ple,
+            frame: graph::frame_buffer(ctx),
+            stage: ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("logits readback"),
+                size: (MAX_BATCH * c.vocab_size * 4) as u64,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            graphs: HashMap::new(),
+        }
+    }
+
+    /// The buffers that make up the sequence, in a fixed order (what a snapshot copies).
+    fn buffers(&self) -> Vec<&wgpu::Buffer> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            match l {
+                LayerDeviceState::Gdn(g) => out.extend([&g.conv, &g.s]),
+                LayerDeviceState::Attn(a) => out.extend([&a.k, &a.v, &a.raw, &a.block_keys]),
+            }
+        }
+        for (_, hist) in self.ple.iter().flatten() {
+            out.push(hist);
+        }
+        out
+    }
+
+    /// Copies `snap` (a snapshot of a sequence of the same model) into this state's buffers.
+    pub fn restore(&mut self, snap: &GpuState) -> Result<(), ForwardError> {
+        if snap.model != self.model {
+            return Err(ForwardError::StateMismatch(0));
+        }
+        let mut enc = self
+            .ctx
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("restore"),
+            });
+        for (dst, src) in self.buffers().into_iter().zip(snap.buffers()) {
+            enc.copy_buffer_to_buffer(src, 0, dst, 0, src.size());
+        }
+        self.ctx.queue.submit([enc.finish()]);
+        self.pos = snap.pos;
+        self.ngram_ctx = snap.ngram_ctx.clone();
+        Ok(())
+    }
+}
+
+impl Clone for GpuState {
+    fn clone(&self) -> GpuState {
+        let ctx = &self.ctx;
+        let dup = |b: &wgpu::Buffer| {
+            ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("state snapshot"),
+                size: b.size(),
+                usage: b.usage(),
+                mapped_at_creation: false,
+            })
+        };
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerDeviceState::Gdn(g) => LayerDeviceState::Gdn(GdnDeviceState {
+                    conv: dup(&g.conv),
+                    s: dup(&g.s),
+                }),
+                LayerDeviceState::Attn(a) => LayerDeviceState::Attn(AttnDeviceState {
+                    k: dup(&a.k),
+                    v: dup(&a.v),
+                    raw: dup(&a.raw),
+                    block_keys: dup(&a.block_keys),
+                }),
+            })
+            .collect();
+        let ple = self
+            .ple
+            .iter()
+            .map(|p| p.as_ref().map(|(e, h)| (dup(e), dup(h))))
+            .collect();
+        let mut out = GpuState {
+            ctx: ctx.clone(),
+            model: self.model,
+            pos: 0,
+            ngram_ctx: Vec::new(),
+            layers,
+            ple,
+            frame: graph::frame_buffer(ctx),
+            stage: dup(&self.stage),
+            graphs: HashMap::new(),
+        };
+        out.restore(self).expect("same model");
+        out
+    }
+}
+
+impl CausalLm for GpuModel<'_> {
+    type State = GpuState;
+    type Error = ForwardError;
+
+    fn vocab_size(&self) -> usize {
+        self.model.config.vocab_size
+    }
+
+    fn new_state(&self) -> GpuState {
+        GpuState::new(self)
+    }
+
+    fn run(
+        &self,
+        tokens: &[u32],
+        st: &mut GpuState,
+        trace: &mut Trace<'_>,
+        last_only: bool,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.check(tokens, st)?;
+        let traced = self.traced.load(Ordering::Relaxed);
+        let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
+        let mut logits = Vec::new();
+        // Per tap position: (name, layer, rows so far).
+        let mut traces: Vec<(&'static str, usize, Vec<f32>)> = Vec::new();
+        for (i, f) in frames.iter().enumerate() {
+            let last = i + 1 == frames.len();
+            let head = match (last_only, last) {
+                (false, _) => Head::All,
+                (true, true) => Head::Last,
+                (true, false) => Head::None,
+            };
+            let mut taps = Vec::new();
+            let out = self.frame(f, st, head, traced.then_some(&mut taps))?;
+            if let FrameOut::Logits(l) = out {
+                logits.extend(l);
+            }
+            for (j, (tap, buf)) in taps.into_iter().enumerate() {
+                let data = readback::read_mapped(&self.dev.ctx, &buf, tap.count)?;
+                match traces.get_mut(j) {
+                    Some(t) if t.0 == tap.name && t.1 == tap.layer => t.2.extend(data),
+                    _ => traces.push((tap.name, tap.layer, data)),
+                }
+            }
+        }
+        for (name, layer, data) in &traces {
+            trace(name, *layer, data);
+        }
+        Ok(logits)
+    }
+}

@@ -1,0 +1,226 @@
+//! The device-resident forward against two independent witnesses: transformers' f32 logits
+//! (the shared harness, exactly as the CPU forward is held to them: prefill, cached decode,
+//! greedy, every split, chunked prefill, snapshot/restore, `forward_last`, bad tokens), and the
+//! CPU forward block by block over every named intermediate of the trace. Runs on lavapipe in
+//! CI (`CORTIQ_REQUIRE_GPU=1` turns a missing adapter into a failure).
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use cmf_format::Cmf;
+use common::{CASES, TOL};
+use gpu_runtime::{GpuContext, GpuOptions};
+use model_qwen4::{CausalLm, ForwardError, GpuModel, Model, Weights};
+use test_support::Profile;
+use test_support::harness as h;
+
+/// Enough for every fixture prompt and its continuation.
+const CTX: usize = 160;
+
+fn ctx() -> Arc<GpuContext> {
+    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
+    CTX.get_or_init(|| {
+        let opts = GpuOptions {
+            pipeline_cache_dir: None,
+            ..GpuOptions::default()
+        };
+        match GpuContext::new(&opts) {
+            Ok(c) => {
+                eprintln!("adapter: {}", c.describe());
+                Some(Arc::new(c))
+            }
+            Err(e) => {
+                eprintln!("no GPU adapter: {e}");
+                None
+            }
+        }
+    })
+    .clone()
+    .expect("a GPU adapter (lavapipe in CI): these tests have nothing to run without one")
+}
+
+fn cpu(cmf: &Cmf) -> Model<'_> {
+    let (config, weights) = Weights::bind(cmf).unwrap();
+    Model::new(config, weights)
+}
+
+fn bind(cmf: &Cmf) -> GpuModel<'_> {
+    GpuModel::new(cpu(cmf), ctx(), CTX).unwrap_or_else(|u| panic!("upload: {}", u.error))
+}
+
+fn each(mut f: impl FnMut(&str, &Cmf) -> Vec<String>) -> Vec<String> {
+    let mut failures = Vec::new();
+    for case in CASES {
+        h::with_converted(case, Profile::F32, |cmf| failures.extend(f(case, cmf)));
+    }
+    failures
+}
+
+// The shared harness's checks (every prefill split excepted: it builds a state per split, and
+// the device forward's frames of 8 are covered by chunked prefill and the 13-token prefills).
+
+#[test]
+fn f32_prefill_matches_transformers() {
+    h::assert_none(&each(|case, cmf| h::prefill_parity(case, &bind(cmf), TOL)));
+}
+
+#[test]
+fn f32_cached_decode_and_greedy_match_transformers() {
+    h::assert_none(&each(|case, cmf| {
+        h::decode_and_greedy_parity(case, &bind(cmf), TOL)
+    }));
+}
+
+/// Restore by buffer copy == never having run the rolled-back tokens.
+#[test]
+fn snapshot_restore_forgets_the_extra_tokens() {
+    let failures = h::with_converted("qwen4_exp_a", Profile::F32, |cmf| {
+        h::snapshot_restore_parity("qwen4_exp_a", &bind(cmf), 1, 20, &[1, 2, 3, 503, 7], TOL)
+    });
+    h::assert_none(&failures);
+}
+
+#[test]
+fn chunked_prefill_matches_one_shot() {
+    h::assert_none(&each(|case, cmf| {
+        h::chunked_prefill_parity(case, &bind(cmf), 7, TOL)
+    }));
+}
+
+#[test]
+fn forward_last_is_the_last_row_of_forward() {
+    h::assert_none(&each(|case, cmf| {
+        h::forward_last_is_last_row(case, &bind(cmf))
+    }));
+}
+
+#[test]
+fn bad_tokens_are_errors() {
+    let failures = h::with_converted("qwen4_exp_a", Profile::F32, |cmf| {
+        h::bad_tokens_are_refused(&bind(cmf))
+    });
+    h::assert_none(&failures);
+}
+
+/// Every named intermediate of the GPU forward against the CPU forward's, for a prefill of two
+/// frames (13 tokens: 8 + 5) and three decoded tokens: within `2e-5 x max|value|` of that
+/// intermediate (f32 sums in another order: tree reductions, fused multiply-adds).
+#[test]
+fn every_block_matches_the_cpu_forward() {
+    let mut failures = Vec::new();
+    for case in CASES {
+        test_support::harness::with_converted(case, test_support::Profile::F32, |cmf| {
+            let c = cpu(cmf);
+            let g = bind(cmf);
+            g.set_tracing(true);
+            let ids = test_support::ids(case, 0);
+            let steps: [&[u32]; 4] = [&ids[..13], &ids[13..14], &ids[14..15], &ids[15..16]];
+            let (mut sc, mut sg) = (c.new_state(), g.new_state());
+            let mut names = 0;
+            for (si, step) in steps.iter().enumerate() {
+                let mut want: Vec<(String, usize, Vec<f32>)> = Vec::new();
+                c.forward_traced(step, &mut sc, &mut |n, l, d| {
+                    want.push((n.to_string(), l, d.to_vec()))
+                })
+                .unwrap();
+                let mut got: Vec<(String, usize, Vec<f32>)> = Vec::new();
+                g.forward_traced(step, &mut sg, &mut |n, l, d| {
+                    got.push((n.to_string(), l, d.to_vec()))
+                })
+                .unwrap();
+                let wn: Vec<_> = want.iter().map(|w| (&w.0, w.1)).collect();
+                let gn: Vec<_> = got.iter().map(|w| (&w.0, w.1)).collect();
+                if wn != gn {
+                    failures.push(format!("{case} step {si}: trace names {gn:?} != {wn:?}"));
+                    continue;
+                }
+                for (w, gv) in want.iter().zip(&got) {
+                    names += 1;
+                    let scale = test_support::max_abs(&w.2).max(1e-3);
+                    let err = test_support::max_abs_diff(&w.2, &gv.2);
+                    if w.2.len() != gv.2.len() || err > 2e-5 * scale {
+                        failures.push(format!(
+                            "{case} step {si} {} layer {}: max|diff| {err:.3e} (scale {scale:.3e}, len {} vs {})",
+                            w.0, w.1, gv.2.len(), w.2.len()
+                        ));
+                    }
+                }
+            }
+            eprintln!("{case}: {names} intermediates compared");
+        });
+    }
+    test_support::harness::assert_none(&failures);
+}
+
+/// The token chosen on the device is the argmax of the CPU's logits, step after step.
+#[test]
+fn device_greedy_matches_the_cpu() {
+    test_support::harness::with_converted("qwen4_exp_b", test_support::Profile::F32, |cmf| {
+        let c = cpu(cmf);
+        let g = bind(cmf);
+        let ids = test_support::ids("qwen4_exp_b", 0);
+        let (mut sc, mut sg) = (c.new_state(), g.new_state());
+        let mut want = test_support::argmax(&c.forward_last(&ids[..11], &mut sc).unwrap()) as u32;
+        let mut got = g.forward_greedy(&ids[..11], &mut sg).unwrap();
+        for _ in 0..12 {
+            assert_eq!(got, want);
+            want = test_support::argmax(&c.forward_last(&[want], &mut sc).unwrap()) as u32;
+            got = g.forward_greedy(&[got], &mut sg).unwrap();
+        }
+    });
+}
+
+/// Past the allocated context, a state from another model: typed errors, nothing run.
+#[test]
+fn context_overflow_and_foreign_states_are_refused() {
+    test_support::harness::with_converted("qwen4_exp_a", test_support::Profile::F32, |cmf| {
+        let g = bind(cmf);
+        let other = bind(cmf);
+        let mut st = g.new_state();
+        let long = vec![1u32; CTX + 1];
+        match g.forward(&long, &mut st) {
+            Err(ForwardError::Context { needed, ctx }) => {
+                assert_eq!((needed, ctx), (CTX + 1, CTX))
+            }
+            r => panic!("expected a context error, got {:?}", r.map(|v| v.len())),
+        }
+        assert_eq!(st.pos, 0, "a refused forward must not advance the state");
+        let mut foreign = other.new_state();
+        assert!(matches!(
+            g.forward(&[1, 2], &mut foreign),
+            Err(ForwardError::StateMismatch(_))
+        ));
+    });
+}
+
+/// `GpuState::restore` copies a snapshot back into the state's own buffers (its recorded
+/// frames stay valid): the continuation equals the one-shot prefill's logits, as if the
+/// rolled-back tokens had never run.
+#[test]
+fn restore_in_place_forgets_the_extra_tokens() {
+    let failures = h::with_converted("qwen4_exp_c", Profile::F32, |cmf| {
+        let g = bind(cmf);
+        let ids = test_support::ids("qwen4_exp_c", 0);
+        let k = 11;
+        let want = g.forward_prefill(&ids).unwrap();
+        let mut st = g.new_state();
+        g.forward(&ids[..k], &mut st).unwrap();
+        let snap = st.clone();
+        g.forward(&[5, 9, 200, 3, 3, 3, 1, 2, 4], &mut st).unwrap();
+        st.restore(&snap).unwrap();
+        assert_eq!(st.pos, k);
+        let got = g.forward(&ids[k..], &mut st).unwrap();
+        let v = g.vocab_size();
+        let err = test_support::max_abs_diff(&got, &want[k * v..]);
+        let scale = test_support::max_abs(&want);
+        if err > TOL * scale {
+            vec![format!(
+                "restored continuation: max|diff| {err:.3e} (scale {scale:.3e})"
+            )]
+        } else {
+            Vec::new()
+        }
+    });
+    h::assert_none(&failures);
+}
