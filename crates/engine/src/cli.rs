@@ -80,6 +80,15 @@ pub struct ComputeArgs {
     /// f32 (the exact reference path). Float matrices always take f32.
     #[arg(long, value_enum, default_value_t = Act::Auto)]
     pub act: Act,
+    /// auto (a hardware GPU when there is one and the model fits its budget, else the CPU),
+    /// wgpu (the GPU, a software one too), or cpu. Default: $CORTIQ_GPU, else auto. Runs on
+    /// the GPU: qwen4_exp.
+    #[arg(long, value_name = "BACKEND")]
+    pub backend: Option<String>,
+    /// VRAM the model's weights may use on the GPU, e.g. 16G (K, M, G, T; binary units).
+    /// Default: $CORTIQ_VRAM, else by adapter type.
+    #[arg(long, value_name = "SIZE", value_parser = positive_size)]
+    pub vram: Option<u64>,
 }
 
 /// The activation path (`--act`).

@@ -3,11 +3,12 @@
 //! are prefilled and the rest fed one at a time through the cache; the array has the same shape.
 //!
 //! Any architecture [`AnyModel`] binds (qwen4_exp, deepseek_v4) runs, through its CPU reference
-//! forward.
+//! forward or, placed on the GPU (`--backend wgpu`), the device forward, with a device state of
+//! exactly the prompt's length.
 
 use std::path::Path;
 
-use crate::model::{AnyModel, ForwardError, LoadError};
+use crate::model::{AnyModel, ForwardError, LoadError, Placement};
 use cmf_format::{Cmf, CmfError};
 
 pub use cmf_format::npy::{Npy, read_npy, write_npy};
@@ -19,6 +20,8 @@ pub struct LogitsOptions {
     pub tokens: Vec<u32>,
     /// Prefill this many tokens, then decode the rest one at a time.
     pub decode_from: Option<usize>,
+    /// Where the model runs (its context is set to the prompt's length).
+    pub placement: Placement,
 }
 
 /// Logits of every position.
@@ -61,7 +64,11 @@ pub fn logits(path: &Path, opts: &LogitsOptions) -> Result<Logits, LogitsError> 
 
 /// Runs the model in `cmf` on `opts.tokens`.
 pub fn logits_cmf(cmf: &Cmf, opts: &LogitsOptions) -> Result<Logits, LogitsError> {
-    let model = AnyModel::bind(cmf).map_err(|e| LoadError::bind(cmf, e))?;
+    let place = Placement {
+        ctx: Some(opts.tokens.len().max(1)),
+        ..opts.placement.clone()
+    };
+    let model = AnyModel::bind_on(cmf, &place).map_err(|e| LoadError::bind(cmf, e))?;
     // Logits are reference data: every tensor's checksum is checked first.
     cmf.verify()?;
     let t = opts.tokens.len();

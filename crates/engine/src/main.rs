@@ -331,6 +331,7 @@ fn run_logits(args: LogitsArgs) -> anyhow::Result<ExitCode> {
     let opts = engine::logits::LogitsOptions {
         tokens: args.tokens,
         decode_from: args.decode_from,
+        placement: placement(&args.compute, None)?,
     };
     set_compute(&args.compute)?;
     let l = match args.model.path() {
@@ -364,10 +365,47 @@ fn print_report(
 }
 
 /// The runner of the model at `path`, else of the embedded demo model.
-fn open_runner(path: Option<&std::path::Path>) -> anyhow::Result<engine::run::Runner> {
+fn open_runner(
+    path: Option<&std::path::Path>,
+    place: &engine::model::Placement,
+) -> anyhow::Result<engine::run::Runner> {
     Ok(match path {
-        Some(p) => engine::run::Runner::open(p)?,
-        None => engine::run::Runner::from_cmf(engine::embedded_model()?)?,
+        Some(p) => engine::run::Runner::open_on(p, place)?,
+        None => engine::run::Runner::from_cmf_on(engine::embedded_model()?, place)?,
+    })
+}
+
+/// Where the model runs: `--backend`, else `$CORTIQ_GPU`, else auto; `--vram`; the context a
+/// device state holds.
+fn placement(c: &cli::ComputeArgs, ctx: Option<usize>) -> anyhow::Result<engine::model::Placement> {
+    let backend = match &c.backend {
+        Some(b) => b.parse()?,
+        None => match std::env::var("CORTIQ_GPU") {
+            Ok(v) if !v.is_empty() => v.parse()?,
+            _ => engine::gpu_runtime::BackendChoice::Auto,
+        },
+    };
+    Ok(engine::model::Placement {
+        backend,
+        vram: c.vram,
+        ctx,
+    })
+}
+
+/// A generating command's device context: `--ctx`, else the model's context length, capped
+/// (a release model's 256K would preallocate gigabytes of cache nobody asked for).
+fn generation_ctx(ctx: Option<usize>, path: Option<&std::path::Path>) -> Option<usize> {
+    const CAP: usize = 32768;
+    ctx.or_else(|| {
+        let len = match path {
+            Some(p) => cmf_format::Cmf::open(p)
+                .ok()
+                .and_then(|c| engine::run::context_length_of(&c)),
+            None => engine::embedded_model()
+                .ok()
+                .and_then(|c| engine::run::context_length_of(&c)),
+        };
+        len.map(|n| n.min(CAP))
     })
 }
 
@@ -429,7 +467,11 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
     use engine::generate::{Event, Finish, GenerateOptions};
 
     set_compute(&args.compute)?;
-    let runner = open_runner(args.model.path())?;
+    let place = placement(
+        &args.compute,
+        generation_ctx(args.sampling.ctx, args.model.path()),
+    )?;
+    let runner = open_runner(args.model.path(), &place)?;
     let text = match (&args.prompt, &args.file) {
         (Some(p), _) => p.clone(),
         (None, Some(f)) => engine::files::read_text(f, engine::files::MAX_TEXT_BYTES)?,
@@ -523,7 +565,11 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
     use std::io::{BufRead, IsTerminal};
 
     set_compute(&args.compute)?;
-    let runner = open_runner(args.model.path())?;
+    let place = placement(
+        &args.compute,
+        generation_ctx(args.sampling.ctx, args.model.path()),
+    )?;
+    let runner = open_runner(args.model.path(), &place)?;
     let settings = sampling(&args.sampling, runner.generation_defaults());
     let mut chat = engine::chat::Chat::new(&runner, args.system.as_deref(), settings)?;
     chat.ctx_limit = args.sampling.ctx.or(runner.context_length());
@@ -616,7 +662,8 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
 fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
     set_compute(&args.compute)?;
     let (model, file) = args.resolve().map_err(anyhow::Error::msg)?;
-    let runner = open_runner(model.as_deref())?;
+    let place = placement(&args.compute, Some(args.ctx))?;
+    let runner = open_runner(model.as_deref(), &place)?;
     let text = engine::files::read_text(&file, engine::files::MAX_TEXT_BYTES)?;
     let mut ids = runner
         .tokenizer
@@ -630,7 +677,7 @@ fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {
     let base = args
         .kl_base
         .as_deref()
-        .map(|p| engine::model::LoadedModel::open(p).map(std::sync::Arc::new))
+        .map(|p| engine::model::LoadedModel::open_on(p, &place).map(std::sync::Arc::new))
         .transpose()?;
     if let Some(b) = &base {
         engine::integrity::Integrity::start(b);

@@ -1,13 +1,42 @@
 //! One engine code path over every architecture: [`AnyModel`] binds the model a CMF header names
-//! (`qwen4_exp` -> model-qwen4, `deepseek_v4` -> model-dsv4) and [`AnyState`] is its sequence
+//! (`qwen4_exp` -> model-qwen4, `deepseek_v4` -> model-dsv4), on the CPU or, where a
+//! [`Placement`] asks and the device takes it, on the GPU; [`AnyState`] is its sequence
 //! state; every command only talks to these. [`LoadedModel`] owns the file and the model bound
 //! to it, so one loaded model can be shared across threads (`Arc<LoadedModel>`) by the
 //! generation loop, a server's requests and a speculative drafter alike.
 
 use std::path::Path;
 
+use std::sync::Arc;
+
 use cmf_format::{Cmf, CmfError};
+use gpu_runtime::{BackendChoice, GpuOptions, Selected};
 use model_core::CausalLm;
+
+/// The context a device state holds when the command does not say (`--ctx`).
+pub const DEFAULT_DEVICE_CTX: usize = 4096;
+
+/// Where a model runs: the backend (`--backend` / `CORTIQ_GPU`), the VRAM budget (`--vram`),
+/// and the context a device sequence state is allocated for.
+#[derive(Debug, Clone, Default)]
+pub struct Placement {
+    /// auto, wgpu or cpu.
+    pub backend: BackendChoice,
+    /// Bytes the weights may take on the device (default: by adapter type).
+    pub vram: Option<u64>,
+    /// Tokens a device state holds (default [`DEFAULT_DEVICE_CTX`]).
+    pub ctx: Option<usize>,
+}
+
+impl Placement {
+    /// The CPU, always.
+    pub fn cpu() -> Placement {
+        Placement {
+            backend: BackendChoice::Cpu,
+            ..Placement::default()
+        }
+    }
+}
 
 /// Why a CMF could not be bound.
 #[derive(Debug, thiserror::Error)]
@@ -21,6 +50,9 @@ pub enum BindError {
     /// A deepseek_v4 model whose config or tensors are unusable.
     #[error(transparent)]
     Dsv4(#[from] model_dsv4::WeightError),
+    /// `--backend wgpu` and no GPU to open.
+    #[error("--backend wgpu: {0}")]
+    Gpu(#[from] gpu_runtime::GpuError),
 }
 
 /// Why a forward refused its input.
@@ -43,6 +75,8 @@ pub enum AnyModel<'a> {
     Qwen4(model_qwen4::Model<'a>),
     /// DeepSeek-V4-Flash.
     Dsv4(model_dsv4::Model<'a>),
+    /// Qwen3.8-Flash-Next, resident on the GPU.
+    Qwen4Gpu(Box<model_qwen4::GpuModel<'a>>),
 }
 
 /// The sequence state of an [`AnyModel`]; `Clone` is the snapshot.
@@ -52,6 +86,8 @@ pub enum AnyState {
     Qwen4(model_qwen4::SeqState),
     /// For [`AnyModel::Dsv4`].
     Dsv4(model_dsv4::SeqState),
+    /// For [`AnyModel::Qwen4Gpu`]: the caches on the device.
+    Qwen4Gpu(model_qwen4::GpuState),
 }
 
 impl<'a> AnyModel<'a> {
@@ -70,11 +106,81 @@ impl<'a> AnyModel<'a> {
         }
     }
 
+    /// Binds the model and places it as `place` asks: on the GPU when the backend is `wgpu`,
+    /// or `auto` with a hardware adapter (a software rasteriser such as lavapipe is slower than
+    /// the CPU kernels: `auto` passes it over, `wgpu` takes it), and the device takes the
+    /// model; else on the CPU, saying why in one warning. A model the device refuses at load
+    /// (the budget, a kernel the driver rejects) runs on the CPU with a warning; only
+    /// `--backend wgpu` without any adapter is an error.
+    pub fn bind_on(cmf: &'a Cmf, place: &Placement) -> Result<AnyModel<'a>, BindError> {
+        let cpu = Self::bind(cmf)?;
+        if place.backend == BackendChoice::Cpu {
+            return Ok(cpu);
+        }
+        let AnyModel::Qwen4(model) = cpu else {
+            tracing::warn!(
+                "running on the CPU: no GPU forward for {} yet",
+                cmf.header().architecture
+            );
+            return Ok(cpu);
+        };
+        let mut opts = GpuOptions::from_env()?;
+        opts.backend = place.backend;
+        if place.vram.is_some() {
+            opts.vram_budget = place.vram;
+        }
+        let ctx = match gpu_runtime::select(&opts) {
+            Ok(Selected::Gpu(ctx)) => ctx,
+            Ok(Selected::Cpu(why)) => {
+                tracing::warn!("running on the CPU: {why}");
+                return Ok(AnyModel::Qwen4(model));
+            }
+            Err(e) if place.backend == BackendChoice::Wgpu => return Err(e.into()),
+            Err(e) => {
+                tracing::warn!("running on the CPU: {e}");
+                return Ok(AnyModel::Qwen4(model));
+            }
+        };
+        if ctx.is_software() && place.backend == BackendChoice::Auto {
+            tracing::warn!(
+                "running on the CPU: the only adapter is a software one ({}; --backend wgpu uses it)",
+                ctx.info.name
+            );
+            return Ok(AnyModel::Qwen4(model));
+        }
+        let ctx_len = place.ctx.unwrap_or(DEFAULT_DEVICE_CTX).max(1);
+        match model_qwen4::GpuModel::new(model, Arc::from(ctx), ctx_len) {
+            Ok(g) => {
+                tracing::info!(
+                    "on the GPU: {} MiB of weights resident, context {ctx_len}",
+                    g.resident_bytes() >> 20
+                );
+                Ok(AnyModel::Qwen4Gpu(Box::new(g)))
+            }
+            Err(u) => {
+                tracing::warn!(
+                    "running on the CPU: the GPU did not take the model: {}",
+                    u.error
+                );
+                Ok(AnyModel::Qwen4(u.model))
+            }
+        }
+    }
+
+    /// `gpu` or `cpu`: where the forward runs.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            AnyModel::Qwen4Gpu(_) => "gpu",
+            _ => "cpu",
+        }
+    }
+
     /// Vocabulary size (width of a logits row).
     pub fn vocab_size(&self) -> usize {
         match self {
             AnyModel::Qwen4(m) => m.config.vocab_size,
             AnyModel::Dsv4(m) => m.config.vocab_size,
+            AnyModel::Qwen4Gpu(m) => m.model.config.vocab_size,
         }
     }
 
@@ -83,6 +189,7 @@ impl<'a> AnyModel<'a> {
         match self {
             AnyModel::Qwen4(m) => AnyState::Qwen4(model_qwen4::SeqState::new(&m.config)),
             AnyModel::Dsv4(m) => AnyState::Dsv4(model_dsv4::SeqState::new(&m.config)),
+            AnyModel::Qwen4Gpu(m) => AnyState::Qwen4Gpu(m.new_state()),
         }
     }
 
@@ -91,6 +198,7 @@ impl<'a> AnyModel<'a> {
         match (self, st) {
             (AnyModel::Qwen4(m), AnyState::Qwen4(s)) => Ok(m.forward(tokens, s)?),
             (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => Ok(m.forward(tokens, s)?),
+            (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => Ok(m.forward(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
     }
@@ -105,6 +213,7 @@ impl<'a> AnyModel<'a> {
         match (self, st) {
             (AnyModel::Qwen4(m), AnyState::Qwen4(s)) => Ok(m.forward_last(tokens, s)?),
             (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => Ok(m.forward_last(tokens, s)?),
+            (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => Ok(m.forward_last(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
     }
@@ -167,19 +276,29 @@ impl std::fmt::Debug for LoadedModel {
 }
 
 impl LoadedModel {
-    /// Binds the model in `cmf`, taking ownership of the file.
+    /// Binds the model in `cmf` on the CPU, taking ownership of the file.
     pub fn new(cmf: Cmf) -> Result<LoadedModel, LoadError> {
+        Self::new_on(cmf, &Placement::cpu())
+    }
+
+    /// Binds the model in `cmf` where `place` asks ([`AnyModel::bind_on`]).
+    pub fn new_on(cmf: Cmf, place: &Placement) -> Result<LoadedModel, LoadError> {
         Ok(LoadedModel {
             bound: Bound::try_new(cmf, |c| {
-                AnyModel::bind(c).map_err(|e| LoadError::bind(c, e))
+                AnyModel::bind_on(c, place).map_err(|e| LoadError::bind(c, e))
             })?,
             integrity: Default::default(),
         })
     }
 
-    /// Opens (memory-maps) and binds the CMF at `path`.
+    /// Opens (memory-maps) and binds the CMF at `path` on the CPU.
     pub fn open(path: &Path) -> Result<LoadedModel, LoadError> {
         Self::new(Cmf::open(path)?)
+    }
+
+    /// Opens and binds the CMF at `path` where `place` asks.
+    pub fn open_on(path: &Path, place: &Placement) -> Result<LoadedModel, LoadError> {
+        Self::new_on(Cmf::open(path)?, place)
     }
 
     /// The file.

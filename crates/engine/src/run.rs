@@ -65,12 +65,22 @@ impl Runner {
         Self::from_cmf(Cmf::open(path)?)
     }
 
-    /// Binds the model in `cmf` (taking the file) with its embedded tokenizer.
+    /// Binds the model in `cmf` (taking the file) with its embedded tokenizer, on the CPU.
     pub fn from_cmf(cmf: Cmf) -> Result<Runner, RunError> {
+        Self::from_cmf_on(cmf, &crate::model::Placement::cpu())
+    }
+
+    /// [`Runner::open`] with the model placed as `place` asks.
+    pub fn open_on(path: &Path, place: &crate::model::Placement) -> Result<Runner, RunError> {
+        Self::from_cmf_on(Cmf::open(path)?, place)
+    }
+
+    /// [`Runner::from_cmf`] with the model placed as `place` asks.
+    pub fn from_cmf_on(cmf: Cmf, place: &crate::model::Placement) -> Result<Runner, RunError> {
         // The tokenizer is checked first: a file without one is refused before binding.
         let tokenizer = tokenizer_of(&cmf)?;
         Ok(Self::with_tokenizer(
-            Arc::new(LoadedModel::new(cmf)?),
+            Arc::new(LoadedModel::new_on(cmf, place)?),
             tokenizer,
         ))
     }
@@ -104,13 +114,7 @@ impl Runner {
 
     /// The model's context length (`max_position_embeddings` of its config), if it states one.
     pub fn context_length(&self) -> Option<usize> {
-        self.model
-            .cmf()
-            .header()
-            .config
-            .get("max_position_embeddings")
-            .and_then(serde_json::Value::as_u64)
-            .map(|n| n as usize)
+        context_length_of(self.model.cmf())
     }
 
     /// The model's own sampling settings (its generation defaults).
@@ -174,6 +178,15 @@ fn tokenizer_of(cmf: &Cmf) -> Result<tokenizers::Tokenizer, RunError> {
             file,
             message: e.to_string(),
         })
+}
+
+/// The context length a model file's config declares (`max_position_embeddings`).
+pub fn context_length_of(cmf: &Cmf) -> Option<usize> {
+    cmf.header()
+        .config
+        .get("max_position_embeddings")
+        .and_then(serde_json::Value::as_u64)
+        .map(|n| n as usize)
 }
 
 #[cfg(test)]

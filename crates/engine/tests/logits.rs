@@ -73,6 +73,7 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
             &LogitsOptions {
                 tokens: tokens.clone(),
                 decode_from,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -96,6 +97,7 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
         &LogitsOptions {
             tokens: tokens.clone(),
             decode_from: Some(tokens.len() + 1),
+            ..Default::default()
         },
     );
     assert!(matches!(too_far, Err(LogitsError::DecodeFrom { .. })));
@@ -104,6 +106,7 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
         &LogitsOptions {
             tokens: vec![1, 384],
             decode_from: None,
+            ..Default::default()
         },
     );
     assert!(matches!(bad_id, Err(LogitsError::Forward(_))));
@@ -112,6 +115,7 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
         &LogitsOptions {
             tokens: vec![],
             decode_from: Some(0),
+            ..Default::default()
         },
     );
     assert!(matches!(empty, Err(LogitsError::Forward(_))));
@@ -124,6 +128,7 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
         &LogitsOptions {
             tokens: vec![1, 2],
             decode_from: None,
+            ..Default::default()
         },
     );
     match arch {
@@ -170,6 +175,7 @@ fn logits_of_a_deepseek_v4_model_match_transformers() {
             &LogitsOptions {
                 tokens: tokens.clone(),
                 decode_from,
+                ..Default::default()
             },
         )
         .unwrap();
@@ -189,10 +195,73 @@ fn logits_of_a_deepseek_v4_model_match_transformers() {
         &LogitsOptions {
             tokens: vec![1, 512],
             decode_from: None,
+            ..Default::default()
         },
     );
     assert!(
         matches!(&bad_id, Err(LogitsError::Forward(e)) if e.to_string().contains("token id 512")),
         "{bad_id:?}"
     );
+}
+
+/// `cortiq logits --backend wgpu` on a `--quant bf16` conversion of each qwen4_exp fixture
+/// (exact weights: the checkpoints are bf16) against transformers' f32 logits within
+/// 1e-4 x max|logit|, prefill and `--decode-from K`. Needs a GPU (lavapipe in CI; skipped
+/// without one unless `CORTIQ_REQUIRE_GPU=1`).
+#[test]
+fn gpu_logits_on_bf16_conversions_match_transformers() {
+    let opts = engine::gpu_runtime::GpuOptions {
+        pipeline_cache_dir: None,
+        ..Default::default()
+    };
+    if let Err(e) = engine::gpu_runtime::GpuContext::new(&opts) {
+        assert_ne!(
+            std::env::var("CORTIQ_REQUIRE_GPU").as_deref(),
+            Ok("1"),
+            "CORTIQ_REQUIRE_GPU=1 but no GPU: {e}"
+        );
+        return;
+    }
+    let place = engine::model::Placement {
+        backend: engine::gpu_runtime::BackendChoice::Wgpu,
+        ..Default::default()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for case in ["qwen4_exp_a", "qwen4_exp_b", "qwen4_exp_c"] {
+        let cmf = dir.path().join(format!("{case}.cmf"));
+        convert(
+            &ConvertOptions::new(fixture(case).join("hf"), cmf.clone(), Profile::Bf16),
+            &mut |_| {},
+        )
+        .unwrap();
+        let exp = fixture(case).join("expected");
+        let (_, ids) = npy(&exp.join("p0_ids.npy"));
+        let tokens: Vec<u32> = ids
+            .chunks_exact(8)
+            .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+            .collect();
+        let want = f32s(&npy(&exp.join("p0_prefill_logits.npy")).1);
+        let tol = 1e-4 * want.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for decode_from in [None, Some(tokens.len() / 2)] {
+            let l = logits(
+                &cmf,
+                &LogitsOptions {
+                    tokens: tokens.clone(),
+                    decode_from,
+                    placement: place.clone(),
+                },
+            )
+            .unwrap();
+            let err = l
+                .data
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert_eq!(l.data.len(), want.len());
+            assert!(
+                err <= tol,
+                "{case} decode_from {decode_from:?}: {err:.3e} > {tol:.3e}"
+            );
+        }
+    }
 }

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 
 use engine::cmf_format::Cmf;
 use engine::convert::{ConvertOptions, Profile, convert};
-use engine::model::AnyModel;
+use engine::model::{AnyModel, Placement};
 use engine::perplexity::{PerplexityOptions, perplexity};
 use engine::run::Runner;
 use engine::sampling::Sampling;
@@ -378,4 +378,93 @@ fn perplexity_cli_reports_ppl_and_kl_against_a_base() {
     );
     let (_, err, ok) = cortiq(&["perplexity", m, "/nonexistent.txt"], "");
     assert!(!ok && err.contains("/nonexistent.txt"), "{err}");
+}
+
+/// `--backend wgpu` where a GPU exists (lavapipe in CI, where `CORTIQ_REQUIRE_GPU=1` makes its
+/// absence a failure); `None` skips.
+fn gpu(ctx: usize) -> Option<Placement> {
+    let opts = engine::gpu_runtime::GpuOptions {
+        pipeline_cache_dir: None,
+        ..Default::default()
+    };
+    match engine::gpu_runtime::GpuContext::new(&opts) {
+        Ok(_) => Some(Placement {
+            backend: engine::gpu_runtime::BackendChoice::Wgpu,
+            vram: None,
+            ctx: Some(ctx),
+        }),
+        Err(e) if std::env::var("CORTIQ_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("CORTIQ_REQUIRE_GPU=1 but no GPU: {e}")
+        }
+        Err(e) => {
+            eprintln!("no GPU, skipped: {e}");
+            None
+        }
+    }
+}
+
+/// The device forward of the trained qwen4_exp model on held-out text against transformers'
+/// f32 logits, at the CPU forward's bound (1e-5 x max|logit|): positions past the QSA budget,
+/// so the device's block scoring and top-k choose the blocks attended.
+#[test]
+fn gpu_f32_logits_on_heldout_text_match_transformers() {
+    let (shape, bytes) = npy("shakespeare", "parity_logits.npy");
+    let Some(place) = gpu(shape[0]) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let cmf = Cmf::open(converted_case("shakespeare", Profile::F32, dir.path())).unwrap();
+    let model = AnyModel::bind_on(&cmf, &place).unwrap();
+    assert_eq!(model.backend_name(), "gpu");
+    let want: Vec<f32> = bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    let ids = heldout_ids("shakespeare");
+    let got = model.forward_prefill(&ids[..shape[0]]).unwrap();
+    let max = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let err = got
+        .iter()
+        .zip(&want)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        err <= 1e-5 * max,
+        "max |diff| {err} vs max |logit| {max} over {} positions",
+        shape[0]
+    );
+}
+
+/// Greedy generation on the shipped demo model: 64 tokens from each of 3 prompts, the device
+/// forward's tokens identical to the CPU forward's.
+#[test]
+fn gpu_greedy_generation_equals_the_cpu() {
+    let Some(place) = gpu(128) else { return };
+    let cpu = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
+    let dev = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
+    assert_eq!(dev.model.model().backend_name(), "gpu");
+    let greedy = |r: &Runner, prompt: &str| -> Vec<u32> {
+        let m = r.model.model();
+        let mut st = m.new_state();
+        let mut ids = r.encode(prompt).unwrap();
+        let mut logits = m.forward_last(&ids, &mut st).unwrap();
+        let start = ids.len();
+        for _ in 0..64 {
+            let next = logits
+                .iter()
+                .enumerate()
+                .fold(
+                    (0, f32::NEG_INFINITY),
+                    |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+                )
+                .0 as u32;
+            ids.push(next);
+            logits = m.forward_last(&[next], &mut st).unwrap();
+        }
+        ids[start..].to_vec()
+    };
+    for prompt in ["ROMEO:", "To be, or not to be", "KING HENRY:\nWhat news?"] {
+        assert_eq!(
+            greedy(&dev, prompt),
+            greedy(&cpu, prompt),
+            "prompt {prompt:?}"
+        );
+    }
 }
