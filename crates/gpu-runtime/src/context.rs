@@ -173,6 +173,9 @@ pub struct GpuContext {
     pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) act_quant_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) op_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pub(crate) grouped_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pub(crate) grouped_i8_layout:
+        std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) op_dummies: std::sync::OnceLock<Vec<wgpu::Buffer>>,
     /// Errors no scope caught (logged; the last few kept for `doctor`).
     pub uncaptured: Arc<Mutex<Vec<String>>>,
@@ -315,6 +318,8 @@ impl GpuContext {
             i8_layout: std::sync::OnceLock::new(),
             act_quant_layout: std::sync::OnceLock::new(),
             op_layout: std::sync::OnceLock::new(),
+            grouped_layout: std::sync::OnceLock::new(),
+            grouped_i8_layout: std::sync::OnceLock::new(),
             op_dummies: std::sync::OnceLock::new(),
             uncaptured,
         };

@@ -34,7 +34,7 @@ pub use context::{
     BackendChoice, DeviceCaps, GpuContext, GpuOptions, Selected, default_budget, parse_size, select,
 };
 pub use error::GpuError;
-pub use kernels_wgsl::{ActLayout, Epilogue, Path};
+pub use kernels_wgsl::{ActLayout, Epilogue, Op, Path};
 
 impl GpuContext {
     pub(crate) fn matvec_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
@@ -43,6 +43,16 @@ impl GpuContext {
 
     pub(crate) fn i8_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         self.i8_layout.get_or_init(|| ops::matvec::i8_layout(self))
+    }
+
+    pub(crate) fn grouped_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.grouped_layout
+            .get_or_init(|| ops::experts::layout(self, false))
+    }
+
+    pub(crate) fn grouped_i8_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.grouped_i8_layout
+            .get_or_init(|| ops::experts::layout(self, true))
     }
 
     pub(crate) fn op_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {

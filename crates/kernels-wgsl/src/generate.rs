@@ -8,12 +8,21 @@ use std::fmt::Write;
 use crate::{Codec, Epilogue, Matvec};
 
 /// Lines shared by both paths' bodies: the row group's rows and accumulators.
-fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32) {
+fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32, grouped: bool) {
     let _ = writeln!(
         b,
         "fn matvec_body(wid: vec3<u32>, li: u32, sg_size: u32, sg_lane: u32) {{"
     );
-    let _ = writeln!(b, "    let wg = wid.x + wid.y * P.wg_x;");
+    if grouped {
+        // The grid's y is the slot; its expert's payload starts `ids[slot] * slot_bytes` in.
+        let _ = writeln!(b, "    let slot = wid.y;");
+        let _ = writeln!(b, "    let wg = wid.x;");
+        let _ = writeln!(b, "    sb4 = ids[slot] * (P.slot_bytes / 4u);");
+        let _ = writeln!(b, "    sb16 = sb4 / 4u;");
+        let _ = writeln!(b, "    let xrow = slot / P.x_div;");
+    } else {
+        let _ = writeln!(b, "    let wg = wid.x + wid.y * P.wg_x;");
+    }
     if pair {
         // Row group g computes gate row g and up row g + half.
         let _ = writeln!(b, "    let first = wg * (WG / LANES) + li / LANES;");
@@ -58,9 +67,10 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
             let _ = writeln!(b, "        let g = {g};");
             let _ = writeln!(b, "        let u = {u};");
             let _ = writeln!(b, "        if (lane == 0u && first < P.half) {{");
+            let yt = ytok(k, t);
             let _ = writeln!(
                 b,
-                "            y[{t}u * P.y_stride + P.row_offset + first] = silu(g) * u;"
+                "            y[{yt} * P.y_stride + P.row_offset + first] = silu(g) * u;"
             );
             let _ = writeln!(b, "        }}");
             let _ = writeln!(b, "    }}");
@@ -80,9 +90,10 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
                     "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
                 );
                 let _ = writeln!(b, "        if (lane == 0u && first + {r}u < P.rows) {{");
+                let yt = ytok(k, t);
                 let _ = writeln!(
                     b,
-                    "            y[{t}u * P.y_stride + P.row_offset + first + {r}u] = {act}({total});"
+                    "            y[{yt} * P.y_stride + P.row_offset + first + {r}u] = {act}({total});"
                 );
                 let _ = writeln!(b, "        }}");
                 let _ = writeln!(b, "    }}");
@@ -92,11 +103,30 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
     let _ = writeln!(b, "}}");
 }
 
+/// The activation row of token row `t` (the slot's row in the grouped variant).
+fn xtok(k: &Matvec, t: u32) -> String {
+    if k.grouped {
+        "xrow".into()
+    } else {
+        format!("{t}u")
+    }
+}
+
+/// The output row of token row `t` (the slot in the grouped variant).
+fn ytok(k: &Matvec, t: u32) -> String {
+    if k.grouped {
+        "slot".into()
+    } else {
+        format!("{t}u")
+    }
+}
+
 /// Token rows and rows per row group, clamped to what the kernels are built for.
 fn shape(k: &Matvec) -> (bool, u32, u32) {
     let pair = k.epilogue == Epilogue::SiluGateUp;
     let nr = if pair { 2 } else { k.rows.clamp(1, 4) };
-    (pair, nr, k.nt.clamp(1, 8))
+    let nt = if k.grouped { 1 } else { k.nt.clamp(1, 8) };
+    (pair, nr, nt)
 }
 
 /// The f32 path: lane `l` of a row group walks chunks `l, l + LANES, ...` of its rows; per
@@ -106,7 +136,7 @@ pub(crate) fn body_f32(k: &Matvec) -> String {
     let (pair, nr, nt) = shape(k);
     let kv = k.codec.chunk_vec4();
     let mut b = String::new();
-    prelude(&mut b, pair, nr, nt);
+    prelude(&mut b, pair, nr, nt, k.grouped);
     let _ = writeln!(b, "    let x_row = P.cols / 4u;");
     let _ = writeln!(
         b,
@@ -121,9 +151,10 @@ pub(crate) fn body_f32(k: &Matvec) -> String {
         let _ = writeln!(b, "        {{");
         let _ = writeln!(b, "            let xs = x_scale(c, {kk}u);");
         for t in 0..nt {
+            let xt = xtok(k, t);
             let _ = writeln!(
                 b,
-                "            let x{t} = x[{t}u * x_row + xc + {kk}u] * xs;"
+                "            let x{t} = x[{xt} * x_row + xc + {kk}u] * xs;"
             );
         }
         for r in 0..nr {
@@ -152,7 +183,7 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
     let (pair, nr, nt) = shape(k);
     let codec = k.codec;
     let mut b = String::new();
-    prelude(&mut b, pair, nr, nt);
+    prelude(&mut b, pair, nr, nt, k.grouped);
     let _ = writeln!(b, "    let nb = P.cols / 32u;");
     if codec == Codec::Mxfp4 {
         let _ = writeln!(
@@ -272,7 +303,8 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
             } else {
                 "c".into()
             };
-            let _ = writeln!(b, "            let xi{t}_{j} = {t}u * nb + {blk};");
+            let xt = xtok(k, t);
+            let _ = writeln!(b, "            let xi{t}_{j} = {xt} * nb + {blk};");
             let _ = writeln!(b, "            let xa{t}_{j} = xq[2u * xi{t}_{j}];");
             let _ = writeln!(b, "            let xb{t}_{j} = xq[2u * xi{t}_{j} + 1u];");
             let _ = writeln!(b, "            let xd{t}_{j} = xd[xi{t}_{j}];");

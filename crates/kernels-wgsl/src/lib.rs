@@ -8,7 +8,7 @@
 //! ```
 //! use kernels_wgsl::{Caps, Codec, Epilogue, Matvec, Path, Reduce, Specialization, validate};
 //!
-//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None, path: Path::Int8 };
+//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None, path: Path::Int8, grouped: false };
 //! assert_eq!(k.name(), "matvec_q4tp_i8_smem_t8_r4");
 //! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64)).unwrap();
 //! ```
@@ -241,6 +241,52 @@ pub struct Matvec {
     pub epilogue: Epilogue,
     /// The activation path.
     pub path: Path,
+    /// The grouped-experts variant: one token row per slot, slot `s` (the grid's `y`) reading
+    /// the expert `ids[s]` of an expert bank (binding 6; every expert's payload at
+    /// `ids[s] * slot_bytes`), activation row `s / x_div`, output row `s`. `nt` must be 1.
+    pub grouped: bool,
+}
+
+/// The grouped variant's declarations: the slots' expert ids, and the chosen expert's byte
+/// offset in words and in 16-byte chunks.
+const GROUPED_DECL: &str = "@group(0) @binding(6) var<storage, read> ids: array<u32>;
+var<private> sb4: u32;
+var<private> sb16: u32;";
+
+/// Rewrites every `name[e]` of `src` as `name[base + (e)]` (brackets matched, so nested
+/// indexing and any operator precedence inside `e` are kept).
+fn offset_index(src: &str, name: &str, base: &str) -> String {
+    let open = format!("{name}[");
+    let mut out = String::with_capacity(src.len() + 256);
+    let mut rest = src;
+    while let Some(at) = rest.find(&open) {
+        // Only a whole identifier: `wv[` must not be the tail of a longer name.
+        let whole = rest[..at]
+            .chars()
+            .last()
+            .is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
+        out.push_str(&rest[..at + open.len()]);
+        rest = &rest[at + open.len()..];
+        if !whole {
+            continue;
+        }
+        let mut depth = 1;
+        let end = rest
+            .char_indices()
+            .find(|&(_, c)| {
+                match c {
+                    '[' => depth += 1,
+                    ']' => depth -= 1,
+                    _ => {}
+                }
+                depth == 0
+            })
+            .map_or(rest.len(), |(i, _)| i);
+        out.push_str(&format!("{base} + ({})", &rest[..end]));
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
 }
 
 /// A fused step after the matvec, saving a dispatch and a round trip through memory.
@@ -275,13 +321,14 @@ impl Matvec {
     /// Systematic name, e.g. `matvec_q4tp_sg_t8_r4`.
     pub fn name(&self) -> String {
         format!(
-            "matvec_{}{}_{}_t{}_r{}{}",
+            "matvec_{}{}_{}_t{}_r{}{}{}",
             self.codec.name(),
             self.path.suffix(),
             self.reduce.suffix(),
             self.nt,
             self.rows,
-            self.epilogue.suffix()
+            self.epilogue.suffix(),
+            if self.grouped { "_grouped" } else { "" }
         )
     }
 
@@ -289,6 +336,17 @@ impl Matvec {
     /// reduction, the skeleton, and the body generated for `nt`, `rows` and the path. (WGSL has
     /// no includes or generics; concatenation plus [`Matvec::body`] is the whole template step.)
     pub fn source(&self) -> String {
+        let src = self.plain_source();
+        if !self.grouped {
+            return src;
+        }
+        // Every weight load goes through `wv` or `ww`; the slot's base offset is added to
+        // each, so the codecs' decoders read the chosen expert unchanged.
+        let src = offset_index(&offset_index(&src, "wv", "sb16"), "ww", "sb4");
+        format!("{GROUPED_DECL}\n{src}")
+    }
+
+    fn plain_source(&self) -> String {
         let reduce = match self.reduce {
             Reduce::Subgroup => src::REDUCE_SG,
             Reduce::SharedMemory => src::REDUCE_SMEM,
@@ -391,7 +449,8 @@ pub struct ModuleSpec {
 }
 
 /// Every module the runtime builds, with every specialisation it uses: each codec's matvec on
-/// every path it has, both reductions, 1..=8 token rows, every row-group shape and epilogue;
+/// every path it has, both reductions, 1..=8 token rows and the grouped-experts variant, every
+/// row-group shape and epilogue;
 /// the activation quantiser; the bandwidth probes.
 pub fn registry() -> Vec<ModuleSpec> {
     let mut out = Vec::new();
@@ -409,7 +468,9 @@ pub fn registry() -> Vec<ModuleSpec> {
                     (4, Epilogue::Silu),
                     (2, Epilogue::SiluGateUp),
                 ];
-                for nt in 1..=8 {
+                // 1..=8 token rows, and the grouped-experts variant (one row per slot).
+                let variants = (1..=8).map(|nt| (nt, false)).chain([(1, true)]);
+                for (nt, grouped) in variants {
                     for (rows, epilogue) in shapes {
                         let k = Matvec {
                             codec,
@@ -418,6 +479,7 @@ pub fn registry() -> Vec<ModuleSpec> {
                             rows,
                             epilogue,
                             path,
+                            grouped,
                         };
                         let specializations = match reduce {
                             // One subgroup per row group: LANES is the device's subgroup size.

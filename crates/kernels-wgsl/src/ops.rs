@@ -70,6 +70,8 @@ ops! {
     Route => "route",
     /// One routed expert's weighted add.
     ExpertAdd => "expert_add",
+    /// The routed experts' weighted sum from the grouped slots.
+    ExpertCombine => "expert_combine",
     /// The gated shared expert's add.
     SharedAdd => "shared_add",
     /// PLE's gate.

@@ -47,6 +47,7 @@ fn subgroup_variants_are_refused_without_subgroups() {
         rows: 4,
         epilogue: Epilogue::None,
         path: Path::F32,
+        grouped: false,
     };
     assert!(
         validate(
@@ -72,9 +73,10 @@ fn registry_names_are_systematic_and_unique() {
     // the activation quantiser, the op kernels and the bandwidth probes.
     assert_eq!(
         registry().len(),
-        2 * (Codec::ALL.len() + 1 + 4) * 8 * 6 + 2 + kernels_wgsl::Op::ALL.len()
+        2 * (Codec::ALL.len() + 1 + 4) * (8 + 1) * 6 + 2 + kernels_wgsl::Op::ALL.len()
     );
     assert!(names.contains(&"op_gdn_recur".to_string()));
+    assert!(names.contains(&"matvec_q4tp_i8_sg_t1_r2_gateup_grouped".to_string()));
     assert!(names.contains(&"matvec_q2tp_i8_sg_t8_r4".to_string()));
     assert!(names.contains(&"matvec_f16_hw_smem_t1_r1".to_string()));
     assert!(!names.iter().any(|n| n.starts_with("matvec_bf16_i8")));
@@ -104,6 +106,7 @@ fn chunk_sizes_agree_between_rust_and_wgsl() {
             rows: 1,
             epilogue: Epilogue::None,
             path: Path::F32,
+            grouped: false,
         };
         let want = format!("const CHUNK_VEC4: u32 = {}u;", codec.chunk_vec4());
         assert!(k.source().contains(&want), "{codec:?}: {want}");
@@ -119,6 +122,7 @@ fn the_generated_body_names_every_accumulator_once() {
         rows: 2,
         epilogue: Epilogue::None,
         path: Path::F32,
+        grouped: false,
     };
     let body = k.body();
     for r in 0..2 {
@@ -156,6 +160,7 @@ fn the_int8_path_needs_no_optional_capability_and_hw_f16_needs_its_own() {
         rows: 2,
         epilogue: Epilogue::None,
         path,
+        grouped: false,
     };
     let i8 = k(Codec::Q2tp, Path::Int8);
     validate(

@@ -27,8 +27,9 @@ struct Params {
     wg_x: u32,
     // The gate/up pair: rows of each half (the up rows start at `half`).
     half: u32,
-    _pad0: u32,
-    _pad1: u32,
+    // The grouped variant: bytes per expert slot, and slots per activation row.
+    slot_bytes: u32,
+    x_div: u32,
     _pad2: u32,
 }
 

@@ -3,7 +3,9 @@
 //! ([`Scratch`], sized for 8 token rows) and [`Enc`], the graph a frame is recorded into.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
+use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::ops::graph::{self, Graph, lanes_grid};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, Path, WeightArena};
 use kernels_wgsl::Op;
@@ -18,6 +20,7 @@ pub struct Device {
     pub ctx: Arc<GpuContext>,
     arena: WeightArena,
     uid: u64,
+    bank_bytes: AtomicU64,
 }
 
 impl Device {
@@ -25,12 +28,30 @@ impl Device {
     /// matrices.
     pub fn new(ctx: Arc<GpuContext>, uid: u64) -> Device {
         let arena = WeightArena::new(&ctx);
-        Device { ctx, arena, uid }
+        Device {
+            ctx,
+            arena,
+            uid,
+            bank_bytes: AtomicU64::new(0),
+        }
     }
 
-    /// Uploads (once) and pins a matrix.
+    /// Uploads (once) and pins a matrix. One whose columns its codec's kernel cannot tile (a
+    /// low-rank projection narrower than a 16-byte chunk of q8_2f) goes up decoded to f32:
+    /// exact, and small by construction.
     pub fn mat(&self, m: &Mat<'_>) -> Result<Arc<GpuMatrix>, GpuError> {
-        let g = self.arena.get_or_upload(&self.ctx, self.uid, m.name(), m)?;
+        let codec = gpu_runtime::arena::kernel_codec(m.dtype())
+            .ok_or(GpuError::UnsupportedDtype { dtype: m.dtype() })?;
+        let g = if m.cols().is_multiple_of(codec.col_multiple()) {
+            self.arena.get_or_upload(&self.ctx, self.uid, m.name(), m)?
+        } else {
+            let mut f = vec![0f32; m.rows() * m.cols()];
+            m.dequantize(&mut f)?;
+            let bytes: Vec<u8> = bytemuck::cast_slice(&f).to_vec();
+            let f32m = quant_codecs::MatRef::new(DType::F32, m.rows(), m.cols(), &bytes)?;
+            self.arena
+                .get_or_upload(&self.ctx, self.uid, m.name(), &f32m)?
+        };
         self.arena.pin(self.uid, m.name(), true);
         Ok(g)
     }
@@ -40,9 +61,29 @@ impl Device {
         graph::upload_f32(&self.ctx, label, v)
     }
 
+    /// One layer's routed experts as a bank (one binding), within the VRAM budget.
+    pub fn bank(&self, experts: &[&Mat<'_>]) -> Result<ExpertBank, GpuError> {
+        let mats: Vec<quant_codecs::MatRef<'_>> = experts.iter().map(|m| *m.mat()).collect();
+        let need: u64 = mats.iter().map(|m| m.bytes().len() as u64).sum();
+        let used = self.resident_bytes();
+        if used + need > self.arena.budget() {
+            return Err(GpuError::UnsupportedFusion {
+                epilogue: "expert bank",
+                reason: format!(
+                    "{} MiB more would pass the VRAM budget of {} MiB",
+                    need >> 20,
+                    self.arena.budget() >> 20
+                ),
+            });
+        }
+        let bank = ExpertBank::upload(&self.ctx, &mats)?;
+        self.bank_bytes.fetch_add(bank.bytes(), Ordering::Relaxed);
+        Ok(bank)
+    }
+
     /// Device bytes the weights hold.
     pub fn resident_bytes(&self) -> u64 {
-        self.arena.resident_bytes()
+        self.arena.resident_bytes() + self.bank_bytes.load(Ordering::Relaxed)
     }
 
     /// The activation path of a matrix of `dtype`: what the CPU forward would use
@@ -93,6 +134,14 @@ pub struct Scratch {
     pub logits: wgpu::Buffer,
     /// The greedy token.
     pub token: wgpu::Buffer,
+    /// The MoE slots of a frame (8 rows x top-k): expert ids and routing weights `[8k]`.
+    pub slot_ids: wgpu::Buffer,
+    /// See `slot_ids`.
+    pub slot_w: wgpu::Buffer,
+    /// The slots' expert hidden states `[8k, I]`.
+    pub expert_mid: wgpu::Buffer,
+    /// The slots' expert outputs `[8k, D]`.
+    pub expert_out: wgpu::Buffer,
 }
 
 impl Scratch {
@@ -144,6 +193,13 @@ impl Scratch {
             attn_logits: buf("attn_logits", nt * hq * ctx_len),
             logits: buf("logits", nt * c.vocab_size),
             token: buf("token", 4),
+            slot_ids: buf("slot ids", nt * c.num_experts_per_tok),
+            slot_w: buf("slot weights", nt * c.num_experts_per_tok),
+            expert_mid: buf(
+                "expert hidden",
+                nt * c.num_experts_per_tok * c.moe_intermediate_size,
+            ),
+            expert_out: buf("expert out", nt * c.num_experts_per_tok * d),
         }
     }
 }
@@ -176,6 +232,34 @@ impl Enc<'_> {
     ) -> Result<(), GpuError> {
         let path = self.dev.path(m.dtype);
         self.g.matvec(&self.dev.ctx, m, x, y, nt, path, epilogue)
+    }
+
+    /// The grouped-experts matvec over `slots` slots of `bank` (activation row `s / x_div`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped(
+        &mut self,
+        bank: &ExpertBank,
+        x: &wgpu::Buffer,
+        x_rows: usize,
+        ids: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        slots: usize,
+        x_div: usize,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let path = self.dev.path(bank.dtype);
+        self.g.grouped(
+            &self.dev.ctx,
+            bank,
+            x,
+            x_rows,
+            ids,
+            y,
+            slots,
+            x_div,
+            path,
+            epilogue,
+        )
     }
 
     /// An op kernel over `grid` workgroups.

@@ -108,7 +108,18 @@ impl<'a> GpuModel<'a> {
         ctx: Arc<GpuContext>,
         ctx_len: usize,
     ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
-        match Self::upload(&model, ctx, ctx_len) {
+        Self::with_banks(model, ctx, ctx_len, true)
+    }
+
+    /// [`GpuModel::new`], with the routed experts as banks for the grouped kernels (`banks`)
+    /// or one matrix each (what a layer whose bank passes a binding falls back to).
+    pub fn with_banks(
+        model: Model<'a>,
+        ctx: Arc<GpuContext>,
+        ctx_len: usize,
+        banks: bool,
+    ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
+        match Self::upload(&model, ctx, ctx_len, banks) {
             Ok(parts) => Ok(GpuModel::assemble(model, parts)),
             Err(error) => Err(Box::new(Unplaced { model, error })),
         }
@@ -119,6 +130,7 @@ impl<'a> GpuModel<'a> {
         model: &Model<'_>,
         ctx: Arc<GpuContext>,
         ctx_len: usize,
+        banks: bool,
     ) -> Result<
         (
             Device,
@@ -163,7 +175,7 @@ impl<'a> GpuModel<'a> {
                     MixerWeights::Attn(a) => MixerGpu::Attn(AttnGpu::upload(&dev, a)?),
                 },
                 mlp_hc: HcGpu::upload(&dev, &lw.mlp_hc)?,
-                moe: MoeGpu::upload(&dev, &lw.moe)?,
+                moe: MoeGpu::upload(&dev, &lw.moe, banks)?,
             });
         }
         let final_mixer = HcGpu::upload(&dev, &w.final_mixer)?;
@@ -218,6 +230,11 @@ impl<'a> GpuModel<'a> {
     /// The longest sequence a state holds.
     pub fn ctx_len(&self) -> usize {
         self.ctx_len
+    }
+
+    /// Layers whose routed experts run through the grouped kernels.
+    pub fn grouped_layers(&self) -> usize {
+        self.layers.iter().filter(|l| l.moe.grouped()).count()
     }
 
     /// Device bytes of the weights.

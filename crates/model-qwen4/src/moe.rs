@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::config::Qwen4ExpTextConfig;
 use crate::device::{Device, Enc};
 use crate::weights::MoeWeights;
+use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
 use kernels_wgsl::Op;
 use model_core::experts::{Activation, Routes, dense_swiglu};
@@ -57,10 +58,19 @@ pub fn forward_cpu(w: &MoeWeights<'_>, c: &Qwen4ExpTextConfig, u: &[f32], t: usi
     y
 }
 
+/// How a layer's routed experts sit on the device.
+enum Routed {
+    /// Two banks (gate/up, down): the grouped kernels read the chosen experts only.
+    Banks(Box<(ExpertBank, ExpertBank)>),
+    /// One matrix per expert (a bank larger than one binding): every expert runs over the
+    /// frame's rows, weighted zero where a row did not choose it.
+    Each(Vec<(Arc<GpuMatrix>, Arc<GpuMatrix>)>),
+}
+
 /// One MoE layer's weights on the device.
 pub struct MoeGpu {
     router: Arc<GpuMatrix>,
-    experts: Vec<(Arc<GpuMatrix>, Arc<GpuMatrix>)>,
+    routed: Routed,
     sh_gate: Arc<GpuMatrix>,
     sh_up: Arc<GpuMatrix>,
     sh_down: Arc<GpuMatrix>,
@@ -68,17 +78,35 @@ pub struct MoeGpu {
 }
 
 impl MoeGpu {
-    /// Uploads the layer's weights.
-    pub fn upload(dev: &Device, w: &MoeWeights<'_>) -> Result<MoeGpu, GpuError> {
-        let experts = w
-            .routed
-            .experts
-            .iter()
-            .map(|x| Ok((dev.mat(&x.gate_up)?, dev.mat(&x.down)?)))
-            .collect::<Result<_, GpuError>>()?;
+    /// Uploads the layer's weights: the routed experts as banks when `banks` and they fit a
+    /// binding, else one matrix each.
+    pub fn upload(dev: &Device, w: &MoeWeights<'_>, banks: bool) -> Result<MoeGpu, GpuError> {
+        let ex = &w.routed.experts;
+        let gate_up: Vec<_> = ex.iter().map(|x| &x.gate_up).collect();
+        let down: Vec<_> = ex.iter().map(|x| &x.down).collect();
+        let banks = if banks {
+            dev.bank(&gate_up)
+                .and_then(|g| Ok(Routed::Banks(Box::new((g, dev.bank(&down)?)))))
+        } else {
+            Err(GpuError::UnsupportedFusion {
+                epilogue: "expert bank",
+                reason: "banks not asked for".into(),
+            })
+        };
+        let routed = match banks {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::info!("routed experts one matrix each: {e}");
+                Routed::Each(
+                    ex.iter()
+                        .map(|x| Ok((dev.mat(&x.gate_up)?, dev.mat(&x.down)?)))
+                        .collect::<Result<_, GpuError>>()?,
+                )
+            }
+        };
         Ok(MoeGpu {
             router: dev.mat(&w.router)?,
-            experts,
+            routed,
             sh_gate: dev.mat(&w.sh_gate)?,
             sh_up: dev.mat(&w.sh_up)?,
             sh_down: dev.mat(&w.sh_down)?,
@@ -87,10 +115,18 @@ impl MoeGpu {
     }
 }
 
+impl MoeGpu {
+    /// Whether the routed experts run through the grouped kernels.
+    pub fn grouped(&self) -> bool {
+        matches!(self.routed, Routed::Banks(..))
+    }
+}
+
 /// Encodes the block on `e.s.u` `[nt, D]` into `out` `[nt, D]`: router, softmax and top-k on
-/// the device, then every expert over the frame's rows, added with its routing weight (zero
-/// for the rows that did not choose it) in expert order, as the CPU executor adds them; then
-/// the gated shared expert.
+/// the device; the chosen experts through the grouped kernels (their ids never leave the
+/// device) and summed per row in expert order, as the CPU executor adds them (without banks:
+/// every expert over the frame's rows with a zero weight where not chosen); then the gated
+/// shared expert.
 pub fn encode(
     e: &mut Enc<'_>,
     w: &MoeGpu,
@@ -98,27 +134,41 @@ pub fn encode(
     out: &wgpu::Buffer,
     nt: usize,
 ) -> Result<(), GpuError> {
-    let (d, ne) = (c.hidden_size, c.num_experts);
+    let (d, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
     let s = e.s;
-    let [rl, pr, rw, ids, hm, eo, sg, su] = &s.w;
+    let [rl, pr, rw, hm, eo, sg, su, _] = &s.w;
     e.matvec(&w.router, &s.u, rl, nt, Epilogue::None)?;
-    let p = [
-        ne as u32,
-        c.num_experts_per_tok as u32,
-        u32::from(c.norm_topk_prob),
-    ];
-    e.op(Op::Route, &p, &[rl, pr, rw, ids], (nt as u32, 1))?;
-    for (x, (gate_up, down)) in w.experts.iter().enumerate() {
-        e.matvec(gate_up, &s.u, hm, nt, Epilogue::SiluGateUp)?;
-        e.matvec(down, hm, eo, nt, Epilogue::None)?;
-        let p = [
-            (nt * d) as u32,
-            d as u32,
-            ne as u32,
-            x as u32,
-            u32::from(x == 0),
-        ];
-        e.op_lanes(Op::ExpertAdd, &p, &[out, rw, eo], nt * d)?;
+    let p = [ne as u32, k as u32, u32::from(c.norm_topk_prob)];
+    e.op(
+        Op::Route,
+        &p,
+        &[rl, pr, rw, &s.slot_ids, &s.slot_w],
+        (nt as u32, 1),
+    )?;
+    match &w.routed {
+        Routed::Banks(banks) => {
+            let (gate_up, down) = &**banks;
+            let slots = nt * k;
+            let (ids, mid, xo) = (&s.slot_ids, &s.expert_mid, &s.expert_out);
+            e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
+            e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
+            let p = [(nt * d) as u32, d as u32, k as u32];
+            e.op_lanes(Op::ExpertCombine, &p, &[out, &s.slot_w, xo], nt * d)?;
+        }
+        Routed::Each(experts) => {
+            for (x, (gate_up, down)) in experts.iter().enumerate() {
+                e.matvec(gate_up, &s.u, hm, nt, Epilogue::SiluGateUp)?;
+                e.matvec(down, hm, eo, nt, Epilogue::None)?;
+                let p = [
+                    (nt * d) as u32,
+                    d as u32,
+                    ne as u32,
+                    x as u32,
+                    u32::from(x == 0),
+                ];
+                e.op_lanes(Op::ExpertAdd, &p, &[out, rw, eo], nt * d)?;
+            }
+        }
     }
     e.matvec(&w.sh_gate, &s.u, sg, nt, Epilogue::None)?;
     e.matvec(&w.sh_up, &s.u, su, nt, Epilogue::None)?;

@@ -105,14 +105,35 @@ fn bad_tokens_are_errors() {
 
 /// Every named intermediate of the GPU forward against the CPU forward's, for a prefill of two
 /// frames (13 tokens: 8 + 5) and three decoded tokens: within `2e-5 x max|value|` of that
-/// intermediate (f32 sums in another order: tree reductions, fused multiply-adds).
+/// intermediate (f32 sums in another order: tree reductions, fused multiply-adds). The routed
+/// experts run through the grouped kernels.
 #[test]
 fn every_block_matches_the_cpu_forward() {
+    every_block_matches(true);
+}
+
+/// The same with one matrix per routed expert (the fallback of a bank too large for a
+/// binding).
+#[test]
+fn every_block_matches_the_cpu_forward_without_expert_banks() {
+    every_block_matches(false);
+}
+
+fn every_block_matches(banks: bool) {
+    h::assert_none(&compare_blocks(&CASES, Profile::F32, banks, 2e-5));
+}
+
+/// Every traced intermediate, GPU against CPU, over `cases` converted with `profile`; the
+/// failures (an intermediate off by more than `tol x max|value|`).
+pub fn compare_blocks(cases: &[&str], profile: Profile, banks: bool, tol: f32) -> Vec<String> {
     let mut failures = Vec::new();
-    for case in CASES {
-        test_support::harness::with_converted(case, test_support::Profile::F32, |cmf| {
+    for &case in cases {
+        test_support::harness::with_converted(case, profile, |cmf| {
             let c = cpu(cmf);
-            let g = bind(cmf);
+            let g = GpuModel::with_banks(cpu(cmf), ctx(), CTX, banks)
+                .unwrap_or_else(|u| panic!("upload: {}", u.error));
+            let layers = c.config.num_hidden_layers;
+            assert_eq!(g.grouped_layers(), if banks { layers } else { 0 });
             g.set_tracing(true);
             let ids = test_support::ids(case, 0);
             let steps: [&[u32]; 4] = [&ids[..13], &ids[13..14], &ids[14..15], &ids[15..16]];
@@ -139,7 +160,7 @@ fn every_block_matches_the_cpu_forward() {
                     names += 1;
                     let scale = test_support::max_abs(&w.2).max(1e-3);
                     let err = test_support::max_abs_diff(&w.2, &gv.2);
-                    if w.2.len() != gv.2.len() || err > 2e-5 * scale {
+                    if w.2.len() != gv.2.len() || err > tol * scale {
                         failures.push(format!(
                             "{case} step {si} {} layer {}: max|diff| {err:.3e} (scale {scale:.3e}, len {} vs {})",
                             w.0, w.1, gv.2.len(), w.2.len()
@@ -147,10 +168,21 @@ fn every_block_matches_the_cpu_forward() {
                     }
                 }
             }
-            eprintln!("{case}: {names} intermediates compared");
+            eprintln!("{case} {profile:?}: {names} intermediates compared");
         });
     }
-    test_support::harness::assert_none(&failures);
+    failures
+}
+
+/// The quantised profiles (q8_2f, q4tp, q2tp, mxfp4 and f16 matrices), f32 activations on
+/// both sides: the device decoders against the CPU's, block by block.
+#[test]
+fn quantised_profiles_match_the_cpu_forward_block_by_block() {
+    let mut failures = Vec::new();
+    for profile in [Profile::Q8, Profile::Q4, Profile::Q2, Profile::Fp4] {
+        failures.extend(compare_blocks(&["qwen4_exp_a"], profile, true, 2e-5));
+    }
+    h::assert_none(&failures);
 }
 
 /// The token chosen on the device is the argmax of the CPU's logits, step after step.

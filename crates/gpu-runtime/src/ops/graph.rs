@@ -134,6 +134,32 @@ impl Graph {
         Ok(())
     }
 
+    /// The grouped-experts matvec (see [`crate::ops::experts::prepare_grouped`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped(
+        &mut self,
+        ctx: &GpuContext,
+        bank: &crate::ops::experts::ExpertBank,
+        x: &wgpu::Buffer,
+        x_rows: usize,
+        ids: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        slots: usize,
+        x_div: usize,
+        path: Path,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let plan = Plan::for_matrix(ctx, bank.rows).with_path(path);
+        let p = crate::ops::experts::prepare_grouped(
+            ctx, bank, x, x_rows, ids, y, slots, x_div, plan, epilogue,
+        )?;
+        self.dispatches += p.dispatches();
+        for s in p.into_steps() {
+            self.items.push(Item::Step(s));
+        }
+        Ok(())
+    }
+
     /// Op `op` with `params` (at most [`Op::PARAM_WORDS`] words), the frame uniform, storage
     /// `bufs` at bindings 2.. in order, over a `grid` of workgroups.
     pub fn op(

@@ -128,6 +128,7 @@ impl Plan {
             rows: self.rows_for(epilogue),
             epilogue,
             path: self.path,
+            grouped: false,
         }
     }
 
@@ -317,6 +318,10 @@ impl Prepared {
         if let Some(s) = self.steps.last() {
             s.record(pass);
         }
+    }
+
+    pub(crate) fn from_steps(steps: Vec<Step>, path: Path) -> Prepared {
+        Prepared { steps, path }
     }
 
     /// The steps, in order (what a [`crate::ops::graph::Graph`] keeps).

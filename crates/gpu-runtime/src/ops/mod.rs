@@ -2,5 +2,6 @@
 //! chain many without a round trip) and has a convenience form that uploads, runs and reads back.
 
 pub mod act8;
+pub mod experts;
 pub mod graph;
 pub mod matvec;

@@ -1,6 +1,7 @@
 // MoE routing of one row per workgroup: softmax over all experts, the top k (equal
-// probabilities: the lower expert), renormalised when `norm`; writes the chosen ids and the
-// dense weight row (zero for the experts not chosen).
+// probabilities: the lower expert), renormalised when `norm` (summed in top-k order, as the CPU
+// does); writes the dense weight row (zero for the experts not chosen) and the row's k slots,
+// ids and weights in ascending expert order: the order the CPU executor adds experts in.
 struct Params {
     e: u32,
     k: u32,
@@ -12,6 +13,7 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> pr: array<f32>;
 @group(0) @binding(4) var<storage, read_write> rw: array<f32>;
 @group(0) @binding(5) var<storage, read_write> ids: array<u32>;
+@group(0) @binding(6) var<storage, read_write> sw: array<f32>;
 
 var<workgroup> chosen: array<f32, 64>;
 var<workgroup> chosen_i: array<u32, 64>;
@@ -65,8 +67,25 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             if (P.norm == 1u) {
                 wgt = wgt / sum;
             }
+            chosen[it] = wgt;
             rw[o + chosen_i[it]] = wgt;
+        }
+        // Insertion sort of the k slots by expert id.
+        for (var i = 1u; i < P.k; i++) {
+            let wi = chosen[i];
+            let ei = chosen_i[i];
+            var j = i;
+            while (j > 0u && chosen_i[j - 1u] > ei) {
+                chosen[j] = chosen[j - 1u];
+                chosen_i[j] = chosen_i[j - 1u];
+                j -= 1u;
+            }
+            chosen[j] = wi;
+            chosen_i[j] = ei;
+        }
+        for (var it = 0u; it < P.k; it++) {
             ids[r * P.k + it] = chosen_i[it];
+            sw[r * P.k + it] = chosen[it];
         }
     }
 }

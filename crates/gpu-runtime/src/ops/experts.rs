@@ -1,0 +1,258 @@
+//! The grouped-experts matvec: the routed experts of one MoE layer (one dtype and shape) as an
+//! [`ExpertBank`], each expert's payload in a slot of `slot_bytes`, and one dispatch computing
+//! every (token row, chosen expert) slot with the expert ids read on the device, so a frame
+//! reads only the experts its rows chose and nothing crosses the bus to choose them.
+
+use std::sync::Arc;
+
+use kernels_wgsl::{Codec, Epilogue, Matvec, Path};
+use quant_codecs::{DType, Layout, MatRef};
+use wgpu::util::DeviceExt;
+
+use crate::arena::kernel_codec;
+use crate::ops::matvec::{Plan, Prepared, Step, bind_layout, entry, storage_entry, uniform_entry};
+use crate::staging::StagingRing;
+use crate::{GpuContext, GpuError};
+
+/// A layer's experts on the device: expert `e`'s payload at byte `e * slot_bytes` of one
+/// buffer (one storage binding).
+#[derive(Debug)]
+pub struct ExpertBank {
+    /// The experts' dtype.
+    pub dtype: DType,
+    /// Rows of each expert matrix.
+    pub rows: usize,
+    /// Columns of each expert matrix.
+    pub cols: usize,
+    /// Experts.
+    pub count: usize,
+    /// Bytes per slot (the payload, padded to 16).
+    pub slot_bytes: u64,
+    /// One expert's section layout.
+    pub layout: Layout,
+    /// The slots.
+    pub buffer: wgpu::Buffer,
+}
+
+impl ExpertBank {
+    /// Uploads `experts` (all of one dtype and shape) into one bank; a bank larger than one
+    /// storage binding is refused ([`GpuError::BindingTooLarge`]).
+    pub fn upload(ctx: &GpuContext, experts: &[MatRef<'_>]) -> Result<ExpertBank, GpuError> {
+        let first = experts.first().ok_or(GpuError::BadLength {
+            what: "experts in a bank",
+            expected: 1,
+            found: 0,
+        })?;
+        let (dtype, rows, cols) = (first.dtype(), first.rows(), first.cols());
+        let codec = kernel_codec(dtype).ok_or(GpuError::UnsupportedDtype { dtype })?;
+        if cols % codec.col_multiple() != 0 {
+            return Err(GpuError::UnsupportedShape {
+                dtype,
+                rows,
+                cols,
+                multiple: codec.col_multiple(),
+            });
+        }
+        for m in experts {
+            if (m.dtype(), m.rows(), m.cols()) != (dtype, rows, cols) {
+                return Err(GpuError::UnsupportedFusion {
+                    epilogue: "expert bank",
+                    reason: format!(
+                        "experts differ: {:?} {}x{} and {:?} {}x{}",
+                        dtype,
+                        rows,
+                        cols,
+                        m.dtype(),
+                        m.rows(),
+                        m.cols()
+                    ),
+                });
+            }
+        }
+        let layout = Layout::new(dtype, rows, cols)?;
+        let slot_bytes = (layout.nbytes as u64).next_multiple_of(16);
+        let size = slot_bytes * experts.len() as u64;
+        if size > ctx.max_binding() || slot_bytes > u32::MAX as u64 {
+            return Err(GpuError::BindingTooLarge {
+                dtype,
+                cols,
+                requested: size,
+                max: ctx.max_binding(),
+            });
+        }
+        let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("expert bank"),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut ring = StagingRing::new(ctx);
+        for (e, m) in experts.iter().enumerate() {
+            ring.upload(ctx, &buffer, e as u64 * slot_bytes, m.bytes())?;
+        }
+        ring.flush(ctx)?;
+        Ok(ExpertBank {
+            dtype,
+            rows,
+            cols,
+            count: experts.len(),
+            slot_bytes,
+            layout,
+            buffer,
+        })
+    }
+
+    /// Device bytes held.
+    pub fn bytes(&self) -> u64 {
+        self.buffer.size()
+    }
+}
+
+/// The grouped kernels' layouts: the matvec layouts plus binding 6, the slots' expert ids.
+pub(crate) fn layout(
+    ctx: &GpuContext,
+    int8: bool,
+) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    let mut entries = vec![
+        storage_entry(0, true),
+        storage_entry(1, true),
+        uniform_entry(2),
+        storage_entry(3, true),
+        storage_entry(4, false),
+    ];
+    if int8 {
+        entries.push(storage_entry(5, true));
+    }
+    entries.push(storage_entry(6, true));
+    bind_layout(ctx, if int8 { "grouped_i8" } else { "grouped" }, &entries)
+}
+
+/// Builds `y[s] = W_{ids[s]} x[s / x_div]` (with `epilogue`) for `slots` slots: `x` holds
+/// `x_rows` rows of `cols` f32, `ids` `slots` expert ids, `y` receives `[slots, out_rows]`.
+/// On the int8 path the `x_rows` rows are quantised once by a step of their own; q8_2f, whose
+/// column scales are folded into the activations per matrix, takes the f32 path.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_grouped(
+    ctx: &GpuContext,
+    bank: &ExpertBank,
+    x: &wgpu::Buffer,
+    x_rows: usize,
+    ids: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    slots: usize,
+    x_div: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<Prepared, GpuError> {
+    let pair = epilogue == Epilogue::SiluGateUp;
+    if pair && !bank.rows.is_multiple_of(2) {
+        return Err(GpuError::UnsupportedFusion {
+            epilogue: "silu gate/up",
+            reason: format!("needs an even row count; the experts have {}", bank.rows),
+        });
+    }
+    let codec = kernel_codec(bank.dtype).ok_or(GpuError::UnsupportedDtype { dtype: bank.dtype })?;
+    let mut path = plan.effective_path(ctx, codec, bank.cols);
+    if path == Path::Int8 && codec == Codec::Q8_2f {
+        path = Path::F32;
+    }
+    let plan = plan.with_path(path);
+    let out_rows = if pair { bank.rows / 2 } else { bank.rows };
+    let need = [
+        ("x buffer bytes", x_rows * bank.cols * 4, x.size()),
+        ("y buffer bytes", slots * out_rows * 4, y.size()),
+        ("ids buffer bytes", slots * 4, ids.size()),
+    ];
+    for (what, expected, found) in need {
+        if found < expected as u64 {
+            return Err(GpuError::BadLength {
+                what,
+                expected,
+                found: found as usize,
+            });
+        }
+    }
+    if slots == 0 || x_div == 0 || slots.div_ceil(x_div) > x_rows {
+        return Err(GpuError::BadLength {
+            what: "slots per activation row",
+            expected: x_rows * x_div.max(1),
+            found: slots,
+        });
+    }
+    let int8 = path == Path::Int8;
+    let mut k: Matvec = plan.fused_kernel(codec, 1, epilogue);
+    k.grouped = true;
+    let (bgl, pl) = if int8 {
+        ctx.grouped_i8_layout()
+    } else {
+        ctx.grouped_layout()
+    };
+    let pipe: Arc<wgpu::ComputePipeline> = ctx.pipelines.get(
+        &ctx.device,
+        &k.name(),
+        &|| k.source(),
+        Matvec::ENTRY,
+        &plan.constants(),
+        Some(pl),
+    )?;
+    let mut steps = Vec::new();
+    let acts = match (int8, codec.act_layout()) {
+        (true, Some(layout)) => {
+            let acts = crate::ops::act8::ActBuffers::new(ctx, x_rows, bank.cols, layout)?;
+            steps.push(crate::ops::act8::prepare(ctx, x, &acts, None)?);
+            Some(acts)
+        }
+        _ => None,
+    };
+    let rows_per_group = if pair { 1 } else { plan.rows_for(epilogue) };
+    let rows_per_wg = (plan.wg / plan.lanes * rows_per_group) as usize;
+    let n = out_rows.div_ceil(rows_per_wg);
+    let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    if n > max_dim || slots > max_dim {
+        return Err(GpuError::BadLength {
+            what: "grouped workgroups per dimension",
+            expected: max_dim,
+            found: n.max(slots),
+        });
+    }
+    let l = &bank.layout;
+    let params: [u32; 12] = [
+        bank.rows as u32,
+        bank.cols as u32,
+        0,
+        out_rows as u32,
+        l.second as u32,
+        l.third as u32,
+        l.code_stride as u32,
+        n as u32,
+        (bank.rows / 2) as u32,
+        bank.slot_bytes as u32,
+        x_div as u32,
+        0,
+    ];
+    let ubuf = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("grouped params"),
+            contents: bytemuck::cast_slice(&params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+    let mut entries = vec![
+        entry(0, &bank.buffer),
+        entry(1, &bank.buffer),
+        entry(2, &ubuf),
+        entry(3, acts.as_ref().map_or(x, |a| &a.xq)),
+        entry(4, y),
+    ];
+    if let Some(a) = &acts {
+        entries.push(entry(5, &a.xd));
+    }
+    entries.push(entry(6, ids));
+    let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("grouped"),
+        layout: bgl,
+        entries: &entries,
+    });
+    steps.push(Step::new(pipe, vec![(bg, n as u32, slots as u32)]));
+    Ok(Prepared::from_steps(steps, path))
+}
