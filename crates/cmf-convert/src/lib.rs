@@ -34,6 +34,8 @@ use serde_json::Value;
 
 pub use decode::e4m3;
 pub use profile::{Profile, Role};
+/// The role of a canonical `qwen4_exp` tensor name (what a profile decides its dtype from).
+pub use qwen4::role as qwen4_role;
 use source::{Checkpoint, SourceTensor, read_json};
 
 /// What to convert, where, and how.

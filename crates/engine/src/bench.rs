@@ -380,6 +380,23 @@ fn time_cpu(seconds: f64, f: &mut dyn FnMut()) -> f64 {
     t0.elapsed().as_secs_f64() / reps as f64
 }
 
+/// Read bandwidth of all cores summing a `bytes` buffer for about `seconds`, in bytes/s (the
+/// CPU's ceiling).
+pub fn cpu_read_bandwidth(bytes: u64, seconds: f64) -> f64 {
+    let buf: Vec<u64> = (0..bytes as usize / 8)
+        .into_par_iter()
+        .map(|i| i as u64)
+        .collect();
+    let s = time_cpu(seconds, &mut || {
+        black_box(
+            buf.par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, &b| a ^ b))
+                .reduce(|| 0, |a, b| a ^ b),
+        );
+    });
+    buf.len() as f64 * 8.0 / s
+}
+
 fn cpu(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&BenchRecord)) -> BenchReport {
     let mut records = Vec::new();
     let buf: Vec<u64> = (0..opts.large_bytes as usize / 8)

@@ -171,6 +171,45 @@ pub struct DoctorArgs {
 pub enum BenchCommand {
     /// Matvec/matmat throughput of every format, against the same device's read bandwidth.
     Kernels(BenchKernelsArgs),
+    /// Prefill and decode tokens/s of a whole model (a file, or the synthetic release
+    /// geometry), with the bound the device's read bandwidth puts on decode.
+    Model(BenchModelArgs),
+}
+
+/// `cortiq bench model`.
+#[derive(Debug, Args)]
+pub struct BenchModelArgs {
+    /// The model file (default: the built-in demo; see --synthetic).
+    #[arg(value_name = "MODEL.cmf", conflicts_with = "synthetic")]
+    pub model: Option<PathBuf>,
+    /// A random-weight model of a released geometry, made in memory without a file:
+    /// qwen3.8-flash-next.
+    #[arg(long, value_name = "NAME")]
+    pub synthetic: Option<String>,
+    /// The synthetic model's profile: q8, q4, q2 or fp4 (docs/convert.md).
+    #[arg(long, value_name = "PROFILE", default_value = "q4")]
+    pub quant: String,
+    /// The synthetic model's layers (default: the release's 48).
+    #[arg(long, value_name = "N", default_value_t = 48, value_parser = count)]
+    pub layers: usize,
+    /// The synthetic model's routed experts per layer (default: the release's 512).
+    #[arg(long, value_name = "N", default_value_t = 512, value_parser = count)]
+    pub experts: usize,
+    /// Prompt tokens of the prefill test (0 skips it).
+    #[arg(short = 'p', long, default_value_t = 512)]
+    pub prompt: usize,
+    /// Tokens of the decode test (0 skips it).
+    #[arg(short = 'n', long, default_value_t = 128)]
+    pub decode: usize,
+    /// Timed repetitions of each test (after one warm-up).
+    #[arg(short = 'r', long, default_value_t = 3, value_parser = count)]
+    pub reps: usize,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    /// Threads, activations, backend, VRAM.
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// `cortiq bench kernels`.

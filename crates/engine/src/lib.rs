@@ -20,6 +20,7 @@ pub use kernels_wgsl;
 pub use quant_codecs;
 
 pub mod bench;
+pub mod bench_model;
 pub mod chat;
 pub mod doctor;
 pub mod files;

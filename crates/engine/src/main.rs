@@ -96,6 +96,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Inspect(args) => run_inspect(args),
         Command::Doctor(args) => run_doctor(args),
         Command::Bench(BenchCommand::Kernels(args)) => run_bench_kernels(args),
+        Command::Bench(BenchCommand::Model(args)) => run_bench_model(args),
         Command::Convert(args) => run_convert(args),
         Command::Logits(args) => run_logits(args),
         Command::Run(args) => run_generate(args),
@@ -657,6 +658,78 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
+    use engine::bench_model::{ModelBenchOptions, bench};
+    set_compute(&args.compute)?;
+    let place = placement(&args.compute, Some(args.prompt.max(1) + args.decode + 8))?;
+    let opts = ModelBenchOptions {
+        prompt: args.prompt,
+        decode: args.decode,
+        reps: args.reps,
+    };
+    let mut err = io::stderr().lock();
+    let mut progress = |r: &engine::bench_model::ModelRecord| {
+        let _ = writeln!(err, "{}: {:.2} ± {:.2} tok/s", r.test, r.tok_s, r.stdev);
+    };
+    let report = match &args.synthetic {
+        Some(name) => {
+            anyhow::ensure!(
+                name == "qwen3.8-flash-next",
+                "--synthetic {name}: the synthetic geometries are: qwen3.8-flash-next"
+            );
+            let profile: engine::convert::Profile =
+                args.quant.parse().map_err(anyhow::Error::msg)?;
+            let config = model_qwen4::synthetic::release_config(args.layers, args.experts);
+            let t0 = std::time::Instant::now();
+            let synth = model_qwen4::synthetic::Synthetic::new(
+                &config,
+                Box::new(move |n: &str, r: usize, c: usize| {
+                    profile.dtype_for(engine::convert::qwen4_role(n, false), &[r, c])
+                }),
+            )?;
+            let weights = synth.weights()?;
+            let model = model_qwen4::Model::new(synth.config.clone(), weights);
+            let model = engine::model::AnyModel::place_qwen4(model, &place)?;
+            eprintln!(
+                "synthetic model ready in {:.1} s ({} device MiB)",
+                t0.elapsed().as_secs_f64(),
+                match &model {
+                    engine::model::AnyModel::Qwen4Gpu(g) => g.resident_bytes() >> 20,
+                    _ => 0,
+                }
+            );
+            let bw = read_bandwidth(&model)?;
+            let what = format!(
+                "{name} (synthetic: {} layers, {} experts)",
+                args.layers, args.experts
+            );
+            bench(&model, &what, profile.name(), bw, &opts, &mut progress)?
+        }
+        None => {
+            let runner = open_runner(args.model.as_deref(), &place)?;
+            let model = runner.model.model();
+            let bw = read_bandwidth(model)?;
+            let what = args
+                .model
+                .as_ref()
+                .map_or("built-in demo".to_string(), |p| p.display().to_string());
+            bench(model, &what, "-", bw, &opts, &mut progress)?
+        }
+    };
+    print_report(args.json, &report, |w| report.write_text(w))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The read bandwidth of the device `model` runs on, measured now (bytes/s).
+fn read_bandwidth(model: &engine::model::AnyModel<'_>) -> anyhow::Result<f64> {
+    Ok(match model {
+        engine::model::AnyModel::Qwen4Gpu(g) => {
+            engine::gpu_runtime::bench::read_ceiling(g.ctx(), 1 << 30, 20)?.0
+        }
+        _ => engine::bench::cpu_read_bandwidth(1 << 30, 0.5),
+    })
 }
 
 fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {

@@ -124,6 +124,17 @@ impl<'a> AnyModel<'a> {
             );
             return Ok(cpu);
         };
+        Self::place_qwen4(model, place)
+    }
+
+    /// Places a bound qwen4_exp model as `place` asks (see [`AnyModel::bind_on`]).
+    pub fn place_qwen4(
+        model: model_qwen4::Model<'a>,
+        place: &Placement,
+    ) -> Result<AnyModel<'a>, BindError> {
+        if place.backend == BackendChoice::Cpu {
+            return Ok(AnyModel::Qwen4(model));
+        }
         let mut opts = GpuOptions::from_env()?;
         opts.backend = place.backend;
         if place.vram.is_some() {
@@ -164,6 +175,48 @@ impl<'a> AnyModel<'a> {
                 );
                 Ok(AnyModel::Qwen4(u.model))
             }
+        }
+    }
+
+    /// Feeds `tokens` and returns the greedy next token: chosen on the device for a GPU model
+    /// (only its id is read back), from the last logits row otherwise.
+    pub fn greedy(&self, tokens: &[u32], st: &mut AnyState) -> Result<u32, ForwardError> {
+        if let (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) = (self, &mut *st) {
+            return Ok(m.forward_greedy(tokens, s)?);
+        }
+        let l = self.forward_last(tokens, st)?;
+        Ok(l.iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            )
+            .0 as u32)
+    }
+
+    /// Empties `st` for reuse (a device state keeps its buffers and recorded frames).
+    pub fn reset(&self, st: &mut AnyState) {
+        match (self, &mut *st) {
+            (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => m.reset(s),
+            _ => *st = self.new_state(),
+        }
+    }
+
+    /// Weight bytes one decoded token reads (qwen4_exp; `None` for other architectures).
+    pub fn bytes_per_token(&self) -> Option<u64> {
+        let m = match self {
+            AnyModel::Qwen4(m) => m,
+            AnyModel::Qwen4Gpu(g) => &g.model,
+            AnyModel::Dsv4(_) => return None,
+        };
+        Some(m.weights.bytes_per_token(m.config.num_experts_per_tok))
+    }
+
+    /// The adapter a GPU model runs on.
+    pub fn device(&self) -> String {
+        match self {
+            AnyModel::Qwen4Gpu(g) => g.ctx().info.name.clone(),
+            _ => format!("CPU ({} threads)", rayon::current_num_threads()),
         }
     }
 

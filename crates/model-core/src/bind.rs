@@ -99,6 +99,16 @@ pub struct Vector {
 }
 
 impl Vector {
+    /// A vector not bound from a file (weights made in memory): `id` is whatever the caller
+    /// keys it by.
+    pub fn new(name: impl Into<String>, id: usize, data: Vec<f32>) -> Vector {
+        Vector {
+            name: name.into(),
+            id,
+            data,
+        }
+    }
+
     /// The canonical tensor name.
     pub fn name(&self) -> &str {
         &self.name

@@ -437,6 +437,25 @@ impl<'a> GpuModel<'a> {
         Ok(())
     }
 
+    /// Empties `st` in place (zeroed caches, position 0): its recorded frames stay valid, so a
+    /// benchmark's repetitions do not record them again.
+    pub fn reset(&self, st: &mut GpuState) {
+        let mut enc = self
+            .dev
+            .ctx
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("reset"),
+            });
+        for b in st.buffers() {
+            enc.clear_buffer(b, 0, None);
+        }
+        self.dev.ctx.queue.submit([enc.finish()]);
+        let c = &self.model.config;
+        st.pos = 0;
+        st.ngram_ctx = vec![c.eos_id().unwrap_or(0); c.ngram_size.saturating_sub(1)];
+    }
+
     /// Feeds `tokens` and returns the greedy next token, chosen on the device (only its id
     /// is read back).
     pub fn forward_greedy(&self, tokens: &[u32], st: &mut GpuState) -> Result<u32, ForwardError> {

@@ -40,6 +40,7 @@ pub mod ops;
 pub mod ple;
 pub mod qsa;
 pub mod state;
+pub mod synthetic;
 pub mod weights;
 
 pub use forward::{ForwardError, Model, Trace};

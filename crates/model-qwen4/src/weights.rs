@@ -171,7 +171,7 @@ pub struct Weights<'a> {
 }
 
 fn hc<'a>(
-    b: &Binder<'a>,
+    b: &dyn Source<'a>,
     p: &str,
     c: &Qwen4ExpTextConfig,
     inject: bool,
@@ -193,13 +193,55 @@ fn hc<'a>(
     })
 }
 
-fn integer_header_tensor(b: &Binder<'_>, name: &str) -> Option<Vec<i64>> {
-    b.header_integers(name)?
-        .get("data")?
-        .as_array()?
-        .iter()
-        .map(|v| v.as_i64())
-        .collect()
+/// Where the weights come from: a CMF file ([`Binder`]), or weights made in memory (the
+/// synthetic release-geometry model of `cortiq bench model --synthetic`). The shapes and names
+/// are the binding's, in one place.
+pub trait Source<'a> {
+    /// The matrix `name`, `[rows, cols]`.
+    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'a>, WeightError>;
+    /// The vector `name` of `shape`, decoded to f32.
+    fn vector(&self, name: &str, shape: &[usize]) -> Result<Vector, WeightError>;
+    /// A stored integer buffer to check against the value the config implies (`header`: kept
+    /// in the header's integer tensors, else a tensor of `len` values); `None` when absent.
+    fn stored_integers(
+        &self,
+        name: &str,
+        len: usize,
+        header: bool,
+    ) -> Result<Option<Vec<i64>>, WeightError>;
+}
+
+impl<'a> Source<'a> for Binder<'a> {
+    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'a>, WeightError> {
+        Ok(Binder::mat(self, name, rows, cols)?)
+    }
+
+    fn vector(&self, name: &str, shape: &[usize]) -> Result<Vector, WeightError> {
+        Ok(Binder::vector(self, name, shape)?)
+    }
+
+    fn stored_integers(
+        &self,
+        name: &str,
+        len: usize,
+        header: bool,
+    ) -> Result<Option<Vec<i64>>, WeightError> {
+        if header {
+            return Ok(self.header_integers(name).and_then(|v| {
+                v.get("data")?
+                    .as_array()?
+                    .iter()
+                    .map(|v| v.as_i64())
+                    .collect()
+            }));
+        }
+        Ok(self
+            .cmf()
+            .tensor(name)
+            .map(|_| Binder::vector(self, name, &[len]))
+            .transpose()?
+            .map(|v| v.iter().map(|&x| x as i64).collect()))
+    }
 }
 
 impl<'a> Weights<'a> {
@@ -216,8 +258,15 @@ impl<'a> Weights<'a> {
 
     /// Validates `c` and binds every tensor it requires.
     pub fn bind_with(cmf: &'a Cmf, c: &Qwen4ExpTextConfig) -> Result<Weights<'a>, WeightError> {
+        Self::bind_from(&Binder::new(cmf), c)
+    }
+
+    /// Validates `c` and binds every tensor it requires from `b`.
+    pub fn bind_from(
+        b: &dyn Source<'a>,
+        c: &Qwen4ExpTextConfig,
+    ) -> Result<Weights<'a>, WeightError> {
         c.validate()?;
-        let b = Binder::new(cmf);
         let d = c.hidden_size;
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for il in 0..c.num_hidden_layers {
@@ -268,7 +317,7 @@ impl<'a> Weights<'a> {
             };
             let ple = match c.ple_layer_index(il) {
                 None => None,
-                Some(pi) => Some(Self::bind_ple(&b, c, &format!("{p}.ple"), pi)?),
+                Some(pi) => Some(Self::bind_ple(b, c, &format!("{p}.ple"), pi)?),
             };
             let (e, i, is) = (
                 c.num_experts,
@@ -298,22 +347,22 @@ impl<'a> Weights<'a> {
             };
             layers.push(LayerWeights {
                 ple,
-                attn_hc: hc(&b, &format!("{p}.attn_hyper_connection"), c, true)?,
+                attn_hc: hc(b, &format!("{p}.attn_hyper_connection"), c, true)?,
                 mixer,
-                mlp_hc: hc(&b, &format!("{p}.mlp_hyper_connection"), c, true)?,
+                mlp_hc: hc(b, &format!("{p}.mlp_hyper_connection"), c, true)?,
                 moe,
             });
         }
         Ok(Weights {
             embed: b.mat("model.embed_tokens.weight", c.vocab_size, d)?,
             layers,
-            final_mixer: hc(&b, "model.hyper_connection_mixer", c, false)?,
+            final_mixer: hc(b, "model.hyper_connection_mixer", c, false)?,
             lm_head: b.mat("lm_head.weight", c.vocab_size, d)?,
         })
     }
 
     fn bind_ple(
-        b: &Binder<'a>,
+        b: &dyn Source<'a>,
         c: &Qwen4ExpTextConfig,
         p: &str,
         ple_index: usize,
@@ -342,33 +391,22 @@ impl<'a> Weights<'a> {
             }),
             _ => Ok(()),
         };
-        let as_i64 = |v: Vector| v.iter().map(|&x| x as i64).collect::<Vec<_>>();
         let name = format!("{p}.ple_embedding.ngram_heads_vocab_sizes");
-        let found = b
-            .cmf()
-            .tensor(&name)
-            .map(|_| b.vector(&name, &[nh]))
-            .transpose()?
-            .map(as_i64);
+        let found = b.stored_integers(&name, nh, false)?;
         check(
             name,
             hash.vocab_sizes.iter().map(|&x| x as i64).collect(),
             found,
         )?;
         let name = format!("{p}.ple_embedding.ngram_heads_offsets");
-        let found = b
-            .cmf()
-            .tensor(&name)
-            .map(|_| b.vector(&name, &[nh]))
-            .transpose()?
-            .map(as_i64);
+        let found = b.stored_integers(&name, nh, false)?;
         check(
             name,
             hash.offsets.iter().map(|&x| x as i64).collect(),
             found,
         )?;
         let name = format!("{p}.ple_embedding.layer_multipliers");
-        let found = integer_header_tensor(b, &name);
+        let found = b.stored_integers(&name, c.ngram_size, true)?;
         check(
             name,
             hash.multipliers.iter().map(|&x| x as i64).collect(),
@@ -388,5 +426,34 @@ impl<'a> Weights<'a> {
                 &[hdim, 1, c.ple_conv_kernel_size],
             )?,
         })
+    }
+}
+
+impl Weights<'_> {
+    /// Weight bytes one decoded token reads: every matrix of the layers, the final mixer and
+    /// the lm_head, of the routed experts the `top_k` chosen per layer (an average expert's
+    /// share); the embedding and n-gram tables contribute one row each, counted as nothing.
+    pub fn bytes_per_token(&self, top_k: usize) -> u64 {
+        let b = |m: &Mat<'_>| m.bytes().len() as u64;
+        let hc = |h: &HcWeights<'_>| b(&h.down) + b(&h.up) + h.inject.as_ref().map_or(0, b);
+        let mut total = hc(&self.final_mixer) + b(&self.lm_head);
+        for l in &self.layers {
+            total += hc(&l.attn_hc) + hc(&l.mlp_hc);
+            if let Some(p) = &l.ple {
+                total += b(&p.key) + b(&p.value);
+            }
+            total += match &l.mixer {
+                MixerWeights::Gdn(g) => {
+                    b(&g.in_qkv) + b(&g.in_z) + b(&g.in_b) + b(&g.in_a) + b(&g.out)
+                }
+                MixerWeights::Attn(a) => b(&a.q) + b(&a.k) + b(&a.v) + b(&a.o) + b(&a.idx_qk),
+            };
+            let m = &l.moe;
+            total += b(&m.router) + b(&m.sh_gate) + b(&m.sh_up) + b(&m.sh_down);
+            let ex = &m.routed.experts;
+            let all: u64 = ex.iter().map(|e| b(&e.gate_up) + b(&e.down)).sum();
+            total += all * top_k.min(ex.len()) as u64 / ex.len().max(1) as u64;
+        }
+        total
     }
 }

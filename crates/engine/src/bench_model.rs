@@ -1,0 +1,179 @@
+//! `cortiq bench model`: llama-bench-like prefill (`ppN`) and decode (`tgN`) throughput of a
+//! whole model (a file, or the synthetic release geometry of `model_qwen4::synthetic`) on the
+//! GPU or the CPU, with the weight bytes one decoded token reads and the decode bound those
+//! imply at the read bandwidth of the same device measured in the same run.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::model::{AnyModel, ForwardError};
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct ModelBenchOptions {
+    /// Prompt tokens of the prefill test.
+    pub prompt: usize,
+    /// Tokens of the decode test.
+    pub decode: usize,
+    /// Timed repetitions (after one untimed warm-up).
+    pub reps: usize,
+}
+
+/// One test's result.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelRecord {
+    /// `pp512`, `tg128`.
+    pub test: String,
+    /// Mean tokens per second.
+    pub tok_s: f64,
+    /// Standard deviation over the repetitions.
+    pub stdev: f64,
+    /// Repetitions.
+    pub reps: usize,
+}
+
+/// The table.
+#[derive(Debug, Clone, Serialize)]
+pub struct ModelReport {
+    /// What ran (file or synthetic geometry).
+    pub model: String,
+    /// Conversion profile.
+    pub profile: String,
+    /// `gpu` or `cpu`.
+    pub backend: String,
+    /// Adapter or CPU.
+    pub device: String,
+    /// Weight bytes one decoded token reads.
+    pub token_bytes: u64,
+    /// Read bandwidth of the same device, this run (bytes/s).
+    pub read_bandwidth: f64,
+    /// `read_bandwidth / token_bytes`: decode tokens/s if weights were all that was read.
+    pub bound_tok_s: f64,
+    /// The tests.
+    pub records: Vec<ModelRecord>,
+}
+
+fn stats(v: &[f64]) -> (f64, f64) {
+    let n = v.len().max(1) as f64;
+    let mean = v.iter().sum::<f64>() / n;
+    let var = v.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0).max(1.0);
+    (mean, var.sqrt())
+}
+
+/// Prompt ids spread over the vocabulary (any valid ids do: the weights are what is read).
+fn ids(n: usize, vocab: usize, salt: usize) -> Vec<u32> {
+    (0..n)
+        .map(|i| ((i * 7919 + salt * 104729 + 13) % vocab) as u32)
+        .collect()
+}
+
+/// Runs the prefill and decode tests on `model`; `read_bandwidth` is the device's, measured by
+/// the caller in the same run.
+pub fn bench(
+    model: &AnyModel<'_>,
+    name: &str,
+    profile: &str,
+    read_bandwidth: f64,
+    opts: &ModelBenchOptions,
+    progress: &mut dyn FnMut(&ModelRecord),
+) -> Result<ModelReport, ForwardError> {
+    let vocab = model.vocab_size();
+    let mut st = model.new_state();
+    let mut records = Vec::new();
+    if opts.prompt > 0 {
+        let mut rates = Vec::new();
+        for rep in 0..=opts.reps {
+            model.reset(&mut st);
+            let p = ids(opts.prompt, vocab, rep);
+            let t0 = Instant::now();
+            model.greedy(&p, &mut st)?;
+            let s = t0.elapsed().as_secs_f64();
+            if rep > 0 {
+                rates.push(opts.prompt as f64 / s);
+            }
+        }
+        let (tok_s, stdev) = stats(&rates);
+        let r = ModelRecord {
+            test: format!("pp{}", opts.prompt),
+            tok_s,
+            stdev,
+            reps: opts.reps,
+        };
+        progress(&r);
+        records.push(r);
+    }
+    if opts.decode > 0 {
+        let mut rates = Vec::new();
+        for rep in 0..=opts.reps {
+            model.reset(&mut st);
+            let mut tok = ids(1, vocab, rep)[0];
+            let t0 = Instant::now();
+            for _ in 0..opts.decode {
+                tok = model.greedy(&[tok], &mut st)?;
+            }
+            let s = t0.elapsed().as_secs_f64();
+            if rep > 0 {
+                rates.push(opts.decode as f64 / s);
+            }
+        }
+        let (tok_s, stdev) = stats(&rates);
+        let r = ModelRecord {
+            test: format!("tg{}", opts.decode),
+            tok_s,
+            stdev,
+            reps: opts.reps,
+        };
+        progress(&r);
+        records.push(r);
+    }
+    let token_bytes = model.bytes_per_token().unwrap_or(0);
+    Ok(ModelReport {
+        model: name.to_string(),
+        profile: profile.to_string(),
+        backend: model.backend_name().to_string(),
+        device: model.device(),
+        token_bytes,
+        read_bandwidth,
+        bound_tok_s: if token_bytes > 0 {
+            read_bandwidth / token_bytes as f64
+        } else {
+            0.0
+        },
+        records,
+    })
+}
+
+impl ModelReport {
+    /// The llama-bench-like table and the bound.
+    pub fn write_text(&self, w: &mut dyn std::io::Write) -> std::io::Result<()> {
+        writeln!(w, "| model | profile | backend | test | t/s |")?;
+        writeln!(w, "| --- | --- | --- | --- | ---: |")?;
+        for r in &self.records {
+            writeln!(
+                w,
+                "| {} | {} | {} ({}) | {} | {:.2} ± {:.2} |",
+                self.model, self.profile, self.backend, self.device, r.test, r.tok_s, r.stdev
+            )?;
+        }
+        if self.token_bytes > 0 {
+            writeln!(
+                w,
+                "\na decoded token reads {:.3} GB of weights; read bandwidth {:.1} GB/s (same \
+                 run) -> bound {:.1} tok/s",
+                self.token_bytes as f64 / 1e9,
+                self.read_bandwidth / 1e9,
+                self.bound_tok_s
+            )?;
+            for r in self.records.iter().filter(|r| r.test.starts_with("tg")) {
+                writeln!(
+                    w,
+                    "{}: {:.1}% of the bound",
+                    r.test,
+                    100.0 * r.tok_s / self.bound_tok_s
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
