@@ -52,6 +52,19 @@ pub struct ModelReport {
     pub bound_tok_s: f64,
     /// The tests.
     pub records: Vec<ModelRecord>,
+    /// Where a decoded token's GPU time goes: milliseconds per token by stage (summed over
+    /// layers), each stage a timed compute pass of its own (empty on the CPU, or without
+    /// timestamp queries).
+    pub stages: Vec<StageTime>,
+}
+
+/// One stage's share of a decoded token.
+#[derive(Debug, Clone, Serialize)]
+pub struct StageTime {
+    /// `hc`, `ple`, `gdn`, `qsa`, `moe`, `head`.
+    pub stage: String,
+    /// Milliseconds per token.
+    pub ms: f64,
 }
 
 fn stats(v: &[f64]) -> (f64, f64) {
@@ -127,6 +140,17 @@ pub fn bench(
         progress(&r);
         records.push(r);
     }
+    let mut stages = Vec::new();
+    if let (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s)) = (model, &mut st) {
+        model_reset(model, s);
+        let n = opts.decode.clamp(1, 16);
+        for (stage, sec) in g.profile_decode(ids(1, vocab, 0)[0], n, s)? {
+            stages.push(StageTime {
+                stage: stage.to_string(),
+                ms: sec * 1e3,
+            });
+        }
+    }
     let token_bytes = model.bytes_per_token().unwrap_or(0);
     Ok(ModelReport {
         model: name.to_string(),
@@ -141,7 +165,14 @@ pub fn bench(
             0.0
         },
         records,
+        stages,
     })
+}
+
+fn model_reset(model: &AnyModel<'_>, s: &mut model_qwen4::GpuState) {
+    if let AnyModel::Qwen4Gpu(g) = model {
+        g.reset(s);
+    }
 }
 
 impl ModelReport {
@@ -171,6 +202,22 @@ impl ModelReport {
                     "{}: {:.1}% of the bound",
                     r.test,
                     100.0 * r.tok_s / self.bound_tok_s
+                )?;
+            }
+        }
+        if !self.stages.is_empty() {
+            let total: f64 = self.stages.iter().map(|s| s.ms).sum();
+            writeln!(
+                w,
+                "\nGPU time of a decoded token by stage (a timed pass per stage): {total:.3} ms"
+            )?;
+            for s in &self.stages {
+                writeln!(
+                    w,
+                    "  {:<5} {:>8.3} ms  {:>5.1}%",
+                    s.stage,
+                    s.ms,
+                    100.0 * s.ms / total
                 )?;
             }
         }

@@ -692,13 +692,17 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
             let weights = synth.weights()?;
             let model = model_qwen4::Model::new(synth.config.clone(), weights);
             let model = engine::model::AnyModel::place_qwen4(model, &place)?;
-            eprintln!(
-                "synthetic model ready in {:.1} s ({} device MiB)",
-                t0.elapsed().as_secs_f64(),
-                match &model {
-                    engine::model::AnyModel::Qwen4Gpu(g) => g.resident_bytes() >> 20,
-                    _ => 0,
+            let (mib, grouped) = match &model {
+                engine::model::AnyModel::Qwen4Gpu(g) => {
+                    (g.resident_bytes() >> 20, g.grouped_layers())
                 }
+                _ => (0, 0),
+            };
+            eprintln!(
+                "synthetic model ready in {:.1} s ({mib} device MiB; routed experts grouped in \
+                 {grouped} of {} layers)",
+                t0.elapsed().as_secs_f64(),
+                args.layers
             );
             let bw = read_bandwidth(&model)?;
             let what = format!(
@@ -726,7 +730,11 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
 fn read_bandwidth(model: &engine::model::AnyModel<'_>) -> anyhow::Result<f64> {
     Ok(match model {
         engine::model::AnyModel::Qwen4Gpu(g) => {
-            engine::gpu_runtime::bench::read_ceiling(g.ctx(), 1 << 30, 20)?.0
+            // As `bench kernels` does: a probe, then about half a second of reads (a short
+            // burst measures the clocks ramping up, not the memory).
+            let probe = engine::gpu_runtime::bench::read_ceiling(g.ctx(), 1 << 30, 1)?;
+            let reps = (0.5 / probe.1.seconds.max(1e-6)).clamp(5.0, 4000.0) as usize;
+            engine::gpu_runtime::bench::read_ceiling(g.ctx(), 1 << 30, reps)?.0
         }
         _ => engine::bench::cpu_read_bandwidth(1 << 30, 0.5),
     })

@@ -199,10 +199,11 @@ impl GdnDeviceState {
 
 /// Whether the device kernels take this geometry (their workgroup arrays are fixed).
 pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
-    if c.linear_key_head_dim > 256 {
+    if c.linear_key_head_dim > 256 || c.linear_value_head_dim > 128 {
         return Err(format!(
-            "linear_key_head_dim {} > 256 (the device recurrence keeps q and k in workgroup memory)",
-            c.linear_key_head_dim
+            "linear_key_head_dim {} > 256 or linear_value_head_dim {} > 128 (the device \
+             recurrence keeps a head's state in the registers of 4 x 128 lanes)",
+            c.linear_key_head_dim, c.linear_value_head_dim
         ));
     }
     if c.linear_conv_kernel_dim - 1 + quant_codecs::MAX_BATCH > 48 {

@@ -267,9 +267,11 @@ impl<'a> GpuModel<'a> {
                 let (e_in, hist) = st.ple[il].as_ref().expect("state made for this model");
                 ple::encode(&mut e, pw, c, &s.x, e_in, hist, nt)?;
                 e.tap(PLE_STREAMS, il, &s.x, nt * h * d);
+                e.g.mark("ple");
             }
             hc::encode(&mut e, &lw.attn_hc, &s.x, nt, h, d, eps)?;
             e.tap(ATTN_INPUT, il, &s.u, nt * d);
+            e.g.mark("hc");
             match (&lw.mixer, &st.layers[il]) {
                 (MixerGpu::Gdn(gw), LayerDeviceState::Gdn(gs)) => {
                     gdn::encode(&mut e, gw, c, gs, nt)?
@@ -288,14 +290,21 @@ impl<'a> GpuModel<'a> {
                 _ => unreachable!("state checked against the model"),
             }
             e.tap(ATTN_OUT, il, &s.y, nt * d);
+            e.g.mark(match lw.mixer {
+                MixerGpu::Gdn(_) => "gdn",
+                MixerGpu::Attn(_) => "qsa",
+            });
             hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
             e.tap(ATTN_STREAMS, il, &s.x, nt * h * d);
             hc::encode(&mut e, &lw.mlp_hc, &s.x, nt, h, d, eps)?;
             e.tap(MLP_INPUT, il, &s.u, nt * d);
+            e.g.mark("hc");
             moe::encode(&mut e, &lw.moe, c, &s.y, nt)?;
             e.tap(MOE_OUT, il, &s.y, nt * d);
+            e.g.mark("moe");
             hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
             e.tap(LAYER_OUT, il, &s.x, nt * h * d);
+            e.g.mark("hc");
         }
         let nl = c.num_hidden_layers;
         let v = c.vocab_size;
@@ -319,6 +328,7 @@ impl<'a> GpuModel<'a> {
             let p = [v as u32, 0];
             e.op(kernels_wgsl::Op::Argmax, &p, &[&s.logits, &s.token], (1, 1))?;
         }
+        e.g.mark("head");
         Ok(g)
     }
 
@@ -335,6 +345,7 @@ impl<'a> GpuModel<'a> {
         st: &mut GpuState,
         head: Head,
         taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
+        stages: Option<&mut Vec<(&'static str, f64)>>,
     ) -> Result<FrameOut, ForwardError> {
         let c = &self.model.config;
         let w = &self.model.weights;
@@ -385,13 +396,6 @@ impl<'a> GpuModel<'a> {
             let g = self.build(st, nt, head, traced)?;
             st.graphs.insert(key, g);
         }
-        let g = &st.graphs[&key];
-        let mut enc = ctx
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("frame"),
-            });
-        g.record(ctx, &mut enc, taps);
         let v = c.vocab_size;
         let read = match head {
             Head::None => 0,
@@ -399,18 +403,49 @@ impl<'a> GpuModel<'a> {
             Head::Last => v,
             Head::Argmax => 1,
         };
-        if read > 0 {
-            let src = if head == Head::Argmax {
-                &self.scratch.token
-            } else {
-                &self.scratch.logits
-            };
-            enc.copy_buffer_to_buffer(src, 0, &st.stage, 0, (read * 4) as u64);
+        let plain = taps.is_none() && stages.is_none();
+        // A decode step encoded while the previous one ran (the graph does not depend on the
+        // token: its inputs go up by `write_buffer`, queued before this submission).
+        let stashed = match st.next.take() {
+            Some((k, cb)) if plain && k == key => Some(cb),
+            _ => None,
+        };
+        let mut profile = None;
+        let cb = match stashed {
+            Some(cb) => cb,
+            None => {
+                let g = &st.graphs[&key];
+                let mut enc = ctx
+                    .device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("frame"),
+                    });
+                match stages.is_some() {
+                    true => profile = g.record_profiled(ctx, &mut enc),
+                    false => g.record(ctx, &mut enc, taps),
+                }
+                self.copy_out(&mut enc, st, head, read);
+                enc.finish()
+            }
+        };
+        ctx.queue.submit([cb]);
+        if plain && nt == 1 {
+            let g = &st.graphs[&key];
+            let mut enc = ctx
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("frame (next)"),
+                });
+            g.record(ctx, &mut enc, None);
+            self.copy_out(&mut enc, st, head, read);
+            st.next = Some((key, enc.finish()));
         }
-        ctx.queue.submit([enc.finish()]);
         let keep = c.ngram_size.saturating_sub(1);
         st.ngram_ctx = history[history.len() - keep..].to_vec();
         st.pos += nt;
+        if let (Some(p), Some(out)) = (profile, stages) {
+            out.extend(p.read(ctx)?);
+        }
         if read == 0 {
             ctx.wait();
             return Ok(FrameOut::Nothing);
@@ -421,6 +456,19 @@ impl<'a> GpuModel<'a> {
         } else {
             FrameOut::Logits(out)
         })
+    }
+
+    /// Copies what the host reads (`read` floats of the logits, or the token) into the
+    /// state's readback buffer.
+    fn copy_out(&self, enc: &mut wgpu::CommandEncoder, st: &GpuState, head: Head, read: usize) {
+        if read > 0 {
+            let src = if head == Head::Argmax {
+                &self.scratch.token
+            } else {
+                &self.scratch.logits
+            };
+            enc.copy_buffer_to_buffer(src, 0, &st.stage, 0, (read * 4) as u64);
+        }
     }
 
     fn check(&self, tokens: &[u32], st: &GpuState) -> Result<(), ForwardError> {
@@ -435,6 +483,39 @@ impl<'a> GpuModel<'a> {
             });
         }
         Ok(())
+    }
+
+    /// Decodes `n` greedy tokens from `first` with every stage timed by GPU timestamps (a pass
+    /// per stage: slower than the plain replay, for where the time goes, not how much there
+    /// is); returns seconds per token by stage name, in first-seen order. Empty without
+    /// timestamp queries.
+    pub fn profile_decode(
+        &self,
+        first: u32,
+        n: usize,
+        st: &mut GpuState,
+    ) -> Result<Vec<(&'static str, f64)>, ForwardError> {
+        let mut tok = first;
+        let mut total: Vec<(&'static str, f64)> = Vec::new();
+        for _ in 0..n {
+            self.check(&[tok], st)?;
+            let mut stages = Vec::new();
+            if let FrameOut::Token(t) =
+                self.frame(&[tok], st, Head::Argmax, None, Some(&mut stages))?
+            {
+                tok = t;
+            }
+            for (name, sec) in stages {
+                match total.iter_mut().find(|(n, _)| *n == name) {
+                    Some(e) => e.1 += sec,
+                    None => total.push((name, sec)),
+                }
+            }
+        }
+        for e in &mut total {
+            e.1 /= n.max(1) as f64;
+        }
+        Ok(total)
     }
 
     /// Empties `st` in place (zeroed caches, position 0): its recorded frames stay valid, so a
@@ -468,7 +549,7 @@ impl<'a> GpuModel<'a> {
             } else {
                 Head::None
             };
-            if let FrameOut::Token(t) = self.frame(f, st, head, None)? {
+            if let FrameOut::Token(t) = self.frame(f, st, head, None, None)? {
                 token = t;
             }
         }
@@ -507,6 +588,8 @@ pub struct GpuState {
     frame: wgpu::Buffer,
     stage: wgpu::Buffer,
     graphs: HashMap<(usize, Head, bool), Graph>,
+    /// The next decode step's command buffer, encoded while the last one ran.
+    next: Option<((usize, Head, bool), wgpu::CommandBuffer)>,
 }
 
 impl std::fmt::Debug for GpuState {
@@ -562,6 +645,7 @@ impl GpuState {
                 mapped_at_creation: false,
             }),
             graphs: HashMap::new(),
+            next: None,
         }
     }
 
@@ -643,6 +727,7 @@ impl Clone for GpuState {
             frame: graph::frame_buffer(ctx),
             stage: dup(&self.stage),
             graphs: HashMap::new(),
+            next: None,
         };
         out.restore(self).expect("same model");
         out
@@ -682,7 +767,7 @@ impl CausalLm for GpuModel<'_> {
                 (true, false) => Head::None,
             };
             let mut taps = Vec::new();
-            let out = self.frame(f, st, head, traced.then_some(&mut taps))?;
+            let out = self.frame(f, st, head, traced.then_some(&mut taps), None)?;
             if let FrameOut::Logits(l) = out {
                 logits.extend(l);
             }

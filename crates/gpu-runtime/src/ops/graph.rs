@@ -31,6 +31,34 @@ pub struct Tap {
 enum Item {
     Step(Step),
     Tap(Tap),
+    /// The end of a named stage (what a profiled recording times separately).
+    Mark(&'static str),
+}
+
+/// A profiled recording: one timestamp pair per stage, resolved into a buffer to read after
+/// the submission.
+pub struct Profile {
+    names: Vec<&'static str>,
+    _resolve: wgpu::Buffer,
+    read: wgpu::Buffer,
+}
+
+impl Profile {
+    /// Seconds per stage, in recording order (after the submission has run).
+    pub fn read(&self, ctx: &GpuContext) -> Result<Vec<(&'static str, f64)>, GpuError> {
+        let raw = crate::readback::read_mapped(ctx, &self.read, self.names.len() * 4)?;
+        let ticks: &[u64] = bytemuck::cast_slice(&raw);
+        let period = ctx.queue.get_timestamp_period() as f64 * 1e-9;
+        Ok(self
+            .names
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| {
+                let dt = ticks[2 * i + 1].saturating_sub(ticks[2 * i]);
+                (n, dt as f64 * period)
+            })
+            .collect())
+    }
 }
 
 /// The dispatches of one frame, in order.
@@ -225,6 +253,87 @@ impl Graph {
         }));
     }
 
+    /// Ends a named stage: a profiled recording times the dispatches since the previous mark.
+    pub fn mark(&mut self, stage: &'static str) {
+        self.items.push(Item::Mark(stage));
+    }
+
+    /// Records every dispatch with a compute pass per stage, each timed by a pair of GPU
+    /// timestamps (`None` without timestamp queries: record it plainly then).
+    pub fn record_profiled(
+        &self,
+        ctx: &GpuContext,
+        enc: &mut wgpu::CommandEncoder,
+    ) -> Option<Profile> {
+        if !ctx.caps.timestamps {
+            return None;
+        }
+        let mut names: Vec<&'static str> = self
+            .items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Mark(n) => Some(*n),
+                _ => None,
+            })
+            .collect();
+        if !matches!(self.items.last(), Some(Item::Mark(_))) {
+            names.push("tail");
+        }
+        let count = (2 * names.len()) as u32;
+        let set = ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("stages"),
+            ty: wgpu::QueryType::Timestamp,
+            count,
+        });
+        let mut seg = 0u32;
+        let mut i = 0;
+        while i < self.items.len() {
+            {
+                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                    label: Some(names[seg as usize]),
+                    timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
+                        query_set: &set,
+                        beginning_of_pass_write_index: Some(2 * seg),
+                        end_of_pass_write_index: Some(2 * seg + 1),
+                    }),
+                });
+                while i < self.items.len() {
+                    match &self.items[i] {
+                        Item::Step(s) => s.record(&mut pass),
+                        Item::Tap(_) => {}
+                        Item::Mark(_) => {
+                            i += 1;
+                            break;
+                        }
+                    }
+                    i += 1;
+                }
+            }
+            seg += 1;
+        }
+        let bytes = count as u64 * 8;
+        let resolve = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("stage timestamps"),
+            size: bytes,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        let read = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("stage timestamps read"),
+            size: bytes,
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        enc.resolve_query_set(&set, 0..seg.min(count / 2) * 2, &resolve, 0);
+        enc.copy_buffer_to_buffer(&resolve, 0, &read, 0, bytes);
+        names.truncate(seg as usize);
+        Some(Profile {
+            names,
+            _resolve: resolve,
+            read,
+        })
+    }
+
     /// Dispatches per replay.
     pub fn dispatches(&self) -> usize {
         self.dispatches
@@ -258,8 +367,12 @@ impl Graph {
                     label: Some("forward (traced)"),
                     timestamp_writes: None,
                 });
-                while let Some(Item::Step(s)) = self.items.get(i) {
-                    s.record(&mut pass);
+                loop {
+                    match self.items.get(i) {
+                        Some(Item::Step(s)) => s.record(&mut pass),
+                        Some(Item::Mark(_)) => {}
+                        _ => break,
+                    }
                     i += 1;
                 }
             }
