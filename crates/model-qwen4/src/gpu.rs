@@ -395,6 +395,7 @@ impl<'a> GpuModel<'a> {
         if !st.graphs.contains_key(&key) {
             let g = self.build(st, nt, head, traced)?;
             st.graphs.insert(key, g);
+            st.recorded += 1;
         }
         let v = c.vocab_size;
         let read = match head {
@@ -590,6 +591,7 @@ pub struct GpuState {
     graphs: HashMap<(usize, Head, bool), Graph>,
     /// The next decode step's command buffer, encoded while the last one ran.
     next: Option<((usize, Head, bool), wgpu::CommandBuffer)>,
+    recorded: usize,
 }
 
 impl std::fmt::Debug for GpuState {
@@ -646,7 +648,15 @@ impl GpuState {
             }),
             graphs: HashMap::new(),
             next: None,
+            recorded: 0,
         }
+    }
+
+    /// Frames recorded so far: every buffer and bind group a forward creates is made when a
+    /// frame of a new (rows, head) shape is first recorded, so a steady decode loop leaves
+    /// this unchanged.
+    pub fn recorded_frames(&self) -> usize {
+        self.recorded
     }
 
     /// The buffers that make up the sequence, in a fixed order (what a snapshot copies).
@@ -728,6 +738,7 @@ impl Clone for GpuState {
             stage: dup(&self.stage),
             graphs: HashMap::new(),
             next: None,
+            recorded: 0,
         };
         out.restore(self).expect("same model");
         out

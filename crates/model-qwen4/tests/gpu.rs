@@ -185,6 +185,27 @@ fn quantised_profiles_match_the_cpu_forward_block_by_block() {
     h::assert_none(&failures);
 }
 
+/// The steady decode loop creates nothing: after the first step of each shape, no frame is
+/// recorded again (buffers and bind groups are only made when one is).
+#[test]
+fn steady_decode_records_no_new_frames() {
+    test_support::harness::with_converted("qwen4_exp_a", Profile::F32, |cmf| {
+        let g = bind(cmf);
+        let mut st = g.new_state();
+        let mut tok = g
+            .forward_greedy(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &mut st)
+            .unwrap();
+        tok = g.forward_greedy(&[tok], &mut st).unwrap();
+        let after_warmup = st.recorded_frames();
+        for _ in 0..16 {
+            tok = g.forward_greedy(&[tok], &mut st).unwrap();
+        }
+        assert_eq!(st.recorded_frames(), after_warmup);
+        // Frames of 8 and 3 rows, then the 1-row decode frame.
+        assert_eq!(after_warmup, 3);
+    });
+}
+
 /// The token chosen on the device is the argmax of the CPU's logits, step after step.
 #[test]
 fn device_greedy_matches_the_cpu() {
