@@ -66,6 +66,12 @@ pub enum Head {
 pub struct GpuModel<'a> {
     /// The CPU model.
     pub model: Model<'a>,
+    res: Resident,
+    traced: AtomicBool,
+}
+
+/// What lives on the device for a model, and the context its states are sized for.
+struct Resident {
     dev: Device,
     layers: Vec<LayerGpu>,
     final_mixer: HcGpu,
@@ -74,7 +80,6 @@ pub struct GpuModel<'a> {
     scratch: Scratch,
     ctx_len: usize,
     uid: u64,
-    traced: AtomicBool,
 }
 
 /// A model that could not go to the device, handed back with the reason.
@@ -120,30 +125,21 @@ impl<'a> GpuModel<'a> {
         banks: bool,
     ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
         match Self::upload(&model, ctx, ctx_len, banks) {
-            Ok(parts) => Ok(GpuModel::assemble(model, parts)),
+            Ok(res) => Ok(GpuModel {
+                model,
+                res,
+                traced: AtomicBool::new(false),
+            }),
             Err(error) => Err(Box::new(Unplaced { model, error })),
         }
     }
 
-    #[allow(clippy::type_complexity)]
     fn upload(
         model: &Model<'_>,
         ctx: Arc<GpuContext>,
         ctx_len: usize,
         banks: bool,
-    ) -> Result<
-        (
-            Device,
-            Vec<LayerGpu>,
-            HcGpu,
-            Arc<gpu_runtime::GpuMatrix>,
-            Option<RopeGpu>,
-            Scratch,
-            usize,
-            u64,
-        ),
-        GpuError,
-    > {
+    ) -> Result<Resident, GpuError> {
         let c = &model.config;
         let w = &model.weights;
         if ctx_len == 0 {
@@ -182,7 +178,7 @@ impl<'a> GpuModel<'a> {
         let lm_head = dev.mat(&w.lm_head)?;
         let rope = has_attn.then(|| RopeGpu::new(&dev, model.rope(), c.rotary_dim(), ctx_len));
         let scratch = Scratch::new(&dev.ctx, c, ctx_len);
-        Ok((
+        Ok(Resident {
             dev,
             layers,
             final_mixer,
@@ -191,55 +187,27 @@ impl<'a> GpuModel<'a> {
             scratch,
             ctx_len,
             uid,
-        ))
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn assemble(
-        model: Model<'a>,
-        (dev, layers, final_mixer, lm_head, rope, scratch, ctx_len, uid): (
-            Device,
-            Vec<LayerGpu>,
-            HcGpu,
-            Arc<gpu_runtime::GpuMatrix>,
-            Option<RopeGpu>,
-            Scratch,
-            usize,
-            u64,
-        ),
-    ) -> GpuModel<'a> {
-        GpuModel {
-            model,
-            dev,
-            layers,
-            final_mixer,
-            lm_head,
-            rope,
-            scratch,
-            ctx_len,
-            uid,
-            traced: AtomicBool::new(false),
-        }
+        })
     }
 
     /// The context.
     pub fn ctx(&self) -> &Arc<GpuContext> {
-        &self.dev.ctx
+        &self.res.dev.ctx
     }
 
     /// The longest sequence a state holds.
     pub fn ctx_len(&self) -> usize {
-        self.ctx_len
+        self.res.ctx_len
     }
 
     /// Layers whose routed experts run through the grouped kernels.
     pub fn grouped_layers(&self) -> usize {
-        self.layers.iter().filter(|l| l.moe.grouped()).count()
+        self.res.layers.iter().filter(|l| l.moe.grouped()).count()
     }
 
     /// Device bytes of the weights.
     pub fn resident_bytes(&self) -> u64 {
-        self.dev.resident_bytes()
+        self.res.dev.resident_bytes()
     }
 
     /// Whether later forwards report their intermediates to the trace (each tap ends the
@@ -253,16 +221,16 @@ impl<'a> GpuModel<'a> {
         let (h, d) = (c.hc_count, c.hidden_size);
         let eps = c.rms_norm_eps as f32;
         let mut g = Graph::new();
-        let s = &self.scratch;
+        let s = &self.res.scratch;
         let mut e = Enc {
             g: &mut g,
-            dev: &self.dev,
+            dev: &self.res.dev,
             s,
             frame: &st.frame,
             nt,
             traced,
         };
-        for (il, lw) in self.layers.iter().enumerate() {
+        for (il, lw) in self.res.layers.iter().enumerate() {
             if let Some(pw) = &lw.ple {
                 let (e_in, hist) = st.ple[il].as_ref().expect("state made for this model");
                 ple::encode(&mut e, pw, c, &s.x, e_in, hist, nt)?;
@@ -280,12 +248,13 @@ impl<'a> GpuModel<'a> {
                     &mut e,
                     aw,
                     c,
-                    self.rope
+                    self.res
+                        .rope
                         .as_ref()
                         .expect("attention layers have RoPE tables"),
                     as_,
                     nt,
-                    self.ctx_len,
+                    self.res.ctx_len,
                 )?,
                 _ => unreachable!("state checked against the model"),
             }
@@ -311,18 +280,18 @@ impl<'a> GpuModel<'a> {
         let rows = match head {
             Head::None => return Ok(g),
             Head::All => {
-                hc::encode(&mut e, &self.final_mixer, &s.x, nt, h, d, eps)?;
+                hc::encode(&mut e, &self.res.final_mixer, &s.x, nt, h, d, eps)?;
                 nt
             }
             Head::Last | Head::Argmax => {
                 let off = ((nt - 1) * h * d) as u32;
                 e.map(3, off, &s.x, &s.g, &s.x_last, h * d)?;
-                hc::encode(&mut e, &self.final_mixer, &s.x_last, 1, h, d, eps)?;
+                hc::encode(&mut e, &self.res.final_mixer, &s.x_last, 1, h, d, eps)?;
                 1
             }
         };
         e.tap(HEAD_OUT, nl, &s.u, rows * d);
-        e.matvec(&self.lm_head, &s.u, &s.logits, rows, Epilogue::None)?;
+        e.matvec(&self.res.lm_head, &s.u, &s.logits, rows, Epilogue::None)?;
         e.tap(LOGITS, nl, &s.logits, rows * v);
         if head == Head::Argmax {
             let p = [v as u32, 0];
@@ -349,7 +318,7 @@ impl<'a> GpuModel<'a> {
     ) -> Result<FrameOut, ForwardError> {
         let c = &self.model.config;
         let w = &self.model.weights;
-        let ctx = &self.dev.ctx;
+        let ctx = &self.res.dev.ctx;
         let nt = tokens.len();
         let (h, d) = (c.hc_count, c.hidden_size);
         // The frame's input: each token's embedding row, repeated into the H streams.
@@ -364,7 +333,7 @@ impl<'a> GpuModel<'a> {
             }
         }
         ctx.queue
-            .write_buffer(&self.scratch.x, 0, bytemuck::cast_slice(&xs));
+            .write_buffer(&self.res.scratch.x, 0, bytemuck::cast_slice(&xs));
         let mut history = st.ngram_ctx.clone();
         history.extend(tokens.iter().map(|&id| id as i64));
         for (il, lw) in w.layers.iter().enumerate() {
@@ -464,9 +433,9 @@ impl<'a> GpuModel<'a> {
     fn copy_out(&self, enc: &mut wgpu::CommandEncoder, st: &GpuState, head: Head, read: usize) {
         if read > 0 {
             let src = if head == Head::Argmax {
-                &self.scratch.token
+                &self.res.scratch.token
             } else {
-                &self.scratch.logits
+                &self.res.scratch.logits
             };
             enc.copy_buffer_to_buffer(src, 0, &st.stage, 0, (read * 4) as u64);
         }
@@ -474,13 +443,13 @@ impl<'a> GpuModel<'a> {
 
     fn check(&self, tokens: &[u32], st: &GpuState) -> Result<(), ForwardError> {
         check_tokens(tokens, self.model.config.vocab_size)?;
-        if st.model != self.uid {
+        if st.model != self.res.uid {
             return Err(ForwardError::StateMismatch(0));
         }
-        if st.pos + tokens.len() > self.ctx_len {
+        if st.pos + tokens.len() > self.res.ctx_len {
             return Err(ForwardError::Context {
                 needed: st.pos + tokens.len(),
-                ctx: self.ctx_len,
+                ctx: self.res.ctx_len,
             });
         }
         Ok(())
@@ -522,17 +491,18 @@ impl<'a> GpuModel<'a> {
     /// Empties `st` in place (zeroed caches, position 0): its recorded frames stay valid, so a
     /// benchmark's repetitions do not record them again.
     pub fn reset(&self, st: &mut GpuState) {
-        let mut enc = self
-            .dev
-            .ctx
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("reset"),
-            });
+        let mut enc =
+            self.res
+                .dev
+                .ctx
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("reset"),
+                });
         for b in st.buffers() {
             enc.clear_buffer(b, 0, None);
         }
-        self.dev.ctx.queue.submit([enc.finish()]);
+        self.res.dev.ctx.queue.submit([enc.finish()]);
         let c = &self.model.config;
         st.pos = 0;
         st.ngram_ctx = vec![c.eos_id().unwrap_or(0); c.ngram_size.saturating_sub(1)];
@@ -603,12 +573,12 @@ impl std::fmt::Debug for GpuState {
 impl GpuState {
     fn new(m: &GpuModel<'_>) -> GpuState {
         let c = &m.model.config;
-        let ctx = &m.dev.ctx;
+        let ctx = &m.res.dev.ctx;
         let layers = (0..c.num_hidden_layers)
             .map(|il| match c.layer_type(il) {
                 LayerType::LinearAttention => LayerDeviceState::Gdn(GdnDeviceState::new(ctx, c)),
                 LayerType::IndexedAttention => {
-                    LayerDeviceState::Attn(AttnDeviceState::new(ctx, c, m.ctx_len))
+                    LayerDeviceState::Attn(AttnDeviceState::new(ctx, c, m.res.ctx_len))
                 }
             })
             .collect();
@@ -634,7 +604,7 @@ impl GpuState {
         let eos = c.eos_id().unwrap_or(0);
         GpuState {
             ctx: ctx.clone(),
-            model: m.uid,
+            model: m.res.uid,
             pos: 0,
             ngram_ctx: vec![eos; c.ngram_size.saturating_sub(1)],
             layers,
@@ -783,7 +753,7 @@ impl CausalLm for GpuModel<'_> {
                 logits.extend(l);
             }
             for (j, (tap, buf)) in taps.into_iter().enumerate() {
-                let data = readback::read_mapped(&self.dev.ctx, &buf, tap.count)?;
+                let data = readback::read_mapped(&self.res.dev.ctx, &buf, tap.count)?;
                 match traces.get_mut(j) {
                     Some(t) if t.0 == tap.name && t.1 == tap.layer => t.2.extend(data),
                     _ => traces.push((tap.name, tap.layer, data)),

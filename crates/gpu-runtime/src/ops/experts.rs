@@ -7,10 +7,11 @@ use std::sync::Arc;
 
 use kernels_wgsl::{Codec, Epilogue, Matvec, Path};
 use quant_codecs::{DType, Layout, MatRef};
-use wgpu::util::DeviceExt;
 
 use crate::arena::kernel_codec;
-use crate::ops::matvec::{Plan, Prepared, Step, bind_layout, entry, storage_entry, uniform_entry};
+use crate::ops::matvec::{
+    Plan, Prepared, Step, bind_layout, bind_matvec, storage_entry, uniform_entry,
+};
 use crate::staging::StagingRing;
 use crate::{GpuContext, GpuError};
 
@@ -230,29 +231,16 @@ pub fn prepare_grouped(
         x_div as u32,
         0,
     ];
-    let ubuf = ctx
-        .device
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("grouped params"),
-            contents: bytemuck::cast_slice(&params),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
-    let mut entries = vec![
-        entry(0, &bank.buffer),
-        entry(1, &bank.buffer),
-        entry(2, &ubuf),
-        entry(3, acts.as_ref().map_or(x, |a| &a.xq)),
-        entry(4, y),
-    ];
-    if let Some(a) = &acts {
-        entries.push(entry(5, &a.xd));
-    }
-    entries.push(entry(6, ids));
-    let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: Some("grouped"),
-        layout: bgl,
-        entries: &entries,
-    });
+    let bg = bind_matvec(
+        ctx,
+        bgl,
+        &bank.buffer,
+        &params,
+        x,
+        y,
+        acts.as_ref(),
+        Some(ids),
+    );
     steps.push(Step::new(pipe, vec![(bg, n as u32, slots as u32)]));
     Ok(Prepared::from_steps(steps, path))
 }

@@ -446,34 +446,54 @@ pub fn prepare_fused(
             0,
             0,
         ];
-        let ubuf = ctx
-            .device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("matvec params"),
-                contents: bytemuck::cast_slice(&params),
-                usage: wgpu::BufferUsages::UNIFORM,
-            });
-        let mut entries = vec![
-            entry(0, &part.buffer),
-            entry(1, &part.buffer),
-            entry(2, &ubuf),
-            entry(3, acts.as_ref().map_or(x, |a| &a.xq)),
-            entry(4, y),
-        ];
-        if let Some(a) = &acts {
-            entries.push(entry(5, &a.xd));
-        }
-        let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some("matvec"),
-            layout: bgl,
-            entries: &entries,
-        });
+        let bg = bind_matvec(ctx, bgl, &part.buffer, &params, x, y, acts.as_ref(), None);
         groups.push((bg, wg_x as u32, wg_y as u32));
     }
     steps.push(Step::new(pipe, groups));
     Ok(Prepared {
         steps,
         path: plan.path,
+    })
+}
+
+/// The bind group of a matvec dispatch: the weights (as chunks and as words), its parameter
+/// uniform, the activations (`x`, or the int8 codes and block scales of `acts`), `y`, and for
+/// the grouped kernels binding 6 (the slots' expert ids).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bind_matvec(
+    ctx: &GpuContext,
+    bgl: &wgpu::BindGroupLayout,
+    weights: &wgpu::Buffer,
+    params: &[u32; 12],
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    acts: Option<&crate::ops::act8::ActBuffers>,
+    ids: Option<&wgpu::Buffer>,
+) -> wgpu::BindGroup {
+    let ubuf = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("matvec params"),
+            contents: bytemuck::cast_slice(params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+    let mut entries = vec![
+        entry(0, weights),
+        entry(1, weights),
+        entry(2, &ubuf),
+        entry(3, acts.map_or(x, |a| &a.xq)),
+        entry(4, y),
+    ];
+    if let Some(a) = acts {
+        entries.push(entry(5, &a.xd));
+    }
+    if let Some(ids) = ids {
+        entries.push(entry(6, ids));
+    }
+    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("matvec"),
+        layout: bgl,
+        entries: &entries,
     })
 }
 
