@@ -88,6 +88,9 @@ fn shapes(dtype: DType, large_bytes: u64) -> Vec<(usize, usize, usize)> {
         (2560, 2560, 1),
         (2560, 2560, 8),
         (640, 2560, 1),
+        // A hyper-connection site's low-rank down and injection matrices (few long rows).
+        (320, 10240, 1),
+        (4, 10240, 1),
         (10240, 2560, 1),
         (248320, 2560, 1),
         (large, cols, 1),
@@ -296,7 +299,7 @@ fn gpu(
                 ));
             }
             let Some((_, _, g)) = &last else { continue };
-            let base = Plan::for_matrix(ctx, rows);
+            let base = Plan::for_shape(ctx, rows, cols);
             for path in gpu_paths(ctx, dtype) {
                 let plan = base.with_path(path);
                 let run = |reps| {
@@ -337,7 +340,7 @@ fn gpu(
             &MatRef::new(dtype, rows, cols, &p)?,
             ctx.max_binding(),
         )?;
-        let base = Plan::for_matrix(ctx, rows);
+        let base = Plan::for_shape(ctx, rows, cols);
         for path in gpu_paths(ctx, dtype) {
             let plan = base.with_path(path);
             let run = |reps| {

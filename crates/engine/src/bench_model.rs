@@ -7,6 +7,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use gpu_runtime::ops::graph::Granularity;
+
 use crate::model::{AnyModel, ForwardError};
 
 /// What to run.
@@ -18,6 +20,8 @@ pub struct ModelBenchOptions {
     pub decode: usize,
     /// Timed repetitions (after one untimed warm-up).
     pub reps: usize,
+    /// Also time every dispatch of a decoded token (GPU): which kernels the stages are made of.
+    pub dispatches: bool,
 }
 
 /// One test's result.
@@ -56,13 +60,18 @@ pub struct ModelReport {
     /// layers), each stage a timed compute pass of its own (empty on the CPU, or without
     /// timestamp queries).
     pub stages: Vec<StageTime>,
+    /// With `dispatches`: per stage and kernel shape (`stage: kernel shape`), slowest first,
+    /// each dispatch a timed pass of its own.
+    pub dispatches: Vec<StageTime>,
 }
 
-/// One stage's share of a decoded token.
+/// One stage's (or one kernel shape's) share of a decoded token.
 #[derive(Debug, Clone, Serialize)]
 pub struct StageTime {
-    /// `hc`, `ple`, `gdn`, `qsa`, `moe`, `head`.
+    /// `hc`, `ple`, `gdn`, `qsa`, `moe`, `head` (or `stage: kernel shape`).
     pub stage: String,
+    /// Timed passes per token.
+    pub calls: usize,
     /// Milliseconds per token.
     pub ms: f64,
 }
@@ -141,15 +150,24 @@ pub fn bench(
         records.push(r);
     }
     let mut stages = Vec::new();
+    let mut dispatches = Vec::new();
     if let (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s)) = (model, &mut st) {
-        model_reset(model, s);
         let n = opts.decode.clamp(1, 16);
-        for (stage, sec) in g.profile_decode(ids(1, vocab, 0)[0], n, s)? {
-            stages.push(StageTime {
-                stage: stage.to_string(),
-                ms: sec * 1e3,
-            });
+        let mut grans = vec![(Granularity::Stage, &mut stages)];
+        if opts.dispatches {
+            grans.push((Granularity::Dispatch, &mut dispatches));
         }
+        for (gran, out) in grans {
+            model_reset(model, s);
+            for (stage, calls, sec) in g.profile_decode(ids(1, vocab, 0)[0], n, s, gran)? {
+                out.push(StageTime {
+                    stage,
+                    calls,
+                    ms: sec * 1e3,
+                });
+            }
+        }
+        dispatches.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     }
     let token_bytes = model.bytes_per_token().unwrap_or(0);
     Ok(ModelReport {
@@ -166,6 +184,7 @@ pub fn bench(
         },
         records,
         stages,
+        dispatches,
     })
 }
 
@@ -218,6 +237,29 @@ impl ModelReport {
                     s.stage,
                     s.ms,
                     100.0 * s.ms / total
+                )?;
+            }
+        }
+        if !self.dispatches.is_empty() {
+            let total: f64 = self.dispatches.iter().map(|s| s.ms).sum();
+            writeln!(
+                w,
+                "\nGPU time of a decoded token by kernel (a timed pass per dispatch, slowest \
+                 first): {total:.3} ms"
+            )?;
+            writeln!(
+                w,
+                "  {:>9} {:>6} {:>8}  stage: kernel shape",
+                "ms/token", "calls", "us/call"
+            )?;
+            for s in self.dispatches.iter().take(40) {
+                writeln!(
+                    w,
+                    "  {:>9.3} {:>6} {:>8.2}  {}",
+                    s.ms,
+                    s.calls,
+                    1e3 * s.ms / s.calls.max(1) as f64,
+                    s.stage
                 )?;
             }
         }

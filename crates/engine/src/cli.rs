@@ -204,6 +204,9 @@ pub struct BenchModelArgs {
     /// Timed repetitions of each test (after one warm-up).
     #[arg(short = 'r', long, default_value_t = 3, value_parser = count)]
     pub reps: usize,
+    /// Also time every dispatch of a decoded token (GPU) and list the kernels by time.
+    #[arg(long)]
+    pub dispatches: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,

@@ -668,6 +668,7 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
         prompt: args.prompt,
         decode: args.decode,
         reps: args.reps,
+        dispatches: args.dispatches,
     };
     let mut err = io::stderr().lock();
     let mut progress = |r: &engine::bench_model::ModelRecord| {

@@ -220,7 +220,7 @@ fn upload(
 }
 
 #[test]
-fn int8_matvec_matches_f64_for_every_codec_1_to_8_rows_both_reductions() {
+fn int8_matvec_matches_f64_for_every_codec_1_to_8_rows_every_reduction() {
     let Some(ctx) = ctx() else { return };
     let arena = WeightArena::new(ctx);
     for dtype in INT8_DTYPES {
@@ -238,6 +238,8 @@ fn int8_matvec_matches_f64_for_every_codec_1_to_8_rows_both_reductions() {
                     (device, 8),
                     (device.shared_memory(), 1),
                     (device.shared_memory(), 8),
+                    (device.split(128), 1),
+                    (device.split(256), 8),
                 ] {
                     let mut rr = rng(seed ^ nt as u64);
                     let xs: Vec<f32> = (0..nt * cols).map(|_| rr()).collect();

@@ -78,7 +78,7 @@ fn run(
 }
 
 #[test]
-fn every_codec_matches_f64_for_1_to_8_rows_in_both_reductions() {
+fn every_codec_matches_f64_for_1_to_8_rows_in_every_reduction() {
     let Some(ctx) = ctx() else { return };
     let arena = WeightArena::new(ctx);
     for dtype in GPU_DTYPES {
@@ -94,10 +94,31 @@ fn every_codec_matches_f64_for_1_to_8_rows_in_both_reductions() {
                     (device_plan, 8),
                     (device_plan.shared_memory(), 1),
                     (device_plan.shared_memory(), 8),
+                    (device_plan.split(128), 1),
+                    (device_plan.split(256), 8),
                 ] {
                     let (w, xs, y) = run(ctx, &arena, dtype, rows, cols, nt, plan, 7);
                     check(dtype, rows, cols, &w, &xs, &y);
                 }
+            }
+        }
+    }
+}
+
+#[test]
+fn rows_split_across_a_workgroup_match_f64_at_the_hyper_connection_shapes() {
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    for dtype in GPU_DTYPES {
+        for (rows, cols) in [(4, 10240), (40, 10240)] {
+            let plan = Plan::for_shape(ctx, rows, cols);
+            assert!(
+                plan.lanes > Plan::for_matrix(ctx, rows).lanes,
+                "{rows}x{cols}: {plan:?} does not split its rows"
+            );
+            for nt in [1, 8] {
+                let (w, xs, y) = run(ctx, &arena, dtype, rows, cols, nt, plan, 9);
+                check(dtype, rows, cols, &w, &xs, &y);
             }
         }
     }

@@ -90,13 +90,22 @@ impl Device {
     /// (`quant_codecs::ops::act_path`), the hardware f16 conversion for f16 where the device
     /// has it (exact either way).
     pub fn path(&self, dtype: DType) -> Path {
-        match quant_codecs::ops::act_path(dtype) {
-            ActPath::Int8 => Path::Int8,
-            ActPath::F32 if dtype == DType::F16 && self.ctx.caps.f16_in_f32 => Path::HwF16,
-            ActPath::F32 => Path::F32,
+        match dtype {
+            // Float weights have no int8 path on either side: f16 takes the hardware
+            // conversion whatever the activation choice (the HC and router matrices of the
+            // quantised profiles are f16).
+            DType::F16 if self.ctx.caps.f16_in_f32 => Path::HwF16,
+            DType::F16 | DType::BF16 | DType::F32 => Path::F32,
+            _ => match quant_codecs::ops::act_path(dtype) {
+                ActPath::Int8 => Path::Int8,
+                ActPath::F32 => Path::F32,
+            },
         }
     }
 }
+
+/// Logits per workgroup of greedy argmax's first pass.
+pub const ARGMAX_CHUNK: usize = 1024;
 
 /// The intermediates of one frame (up to 8 token rows), shared by every layer: the blocks run
 /// one after another, so one set serves the whole forward.
@@ -134,6 +143,8 @@ pub struct Scratch {
     pub logits: wgpu::Buffer,
     /// The greedy token.
     pub token: wgpu::Buffer,
+    /// Greedy argmax's per-chunk best (value bits, index) pairs.
+    pub argmax_part: wgpu::Buffer,
     /// The MoE slots of a frame (8 rows x top-k): expert ids and routing weights `[8k]`.
     pub slot_ids: wgpu::Buffer,
     /// See `slot_ids`.
@@ -180,7 +191,8 @@ impl Scratch {
             x: buf("x", nt * h * d),
             x_last: buf("x_last", h * d),
             xn: buf("xn", nt * h * d),
-            low: buf("low", nt * c.hc_lowrank),
+            // The fused HC front writes the down and injection rows together.
+            low: buf("low", nt * (c.hc_lowrank + h)),
             low_act: buf("low_act", nt * c.hc_lowrank),
             g: buf("hc_g", nt * h * d),
             u: buf("u", nt * d),
@@ -192,6 +204,7 @@ impl Scratch {
             sel: buf("sel", nt * max_blocks),
             attn_logits: buf("attn_logits", nt * hq * ctx_len),
             logits: buf("logits", nt * c.vocab_size),
+            argmax_part: buf("argmax_part", 2 * c.vocab_size.div_ceil(ARGMAX_CHUNK)),
             token: buf("token", 4),
             slot_ids: buf("slot ids", nt * c.num_experts_per_tok),
             slot_w: buf("slot weights", nt * c.num_experts_per_tok),
@@ -271,6 +284,20 @@ impl Enc<'_> {
         grid: (u32, u32),
     ) -> Result<(), GpuError> {
         self.g.op(&self.dev.ctx, op, params, self.frame, bufs, grid)
+    }
+
+    /// [`Enc::op`] with override `constants`.
+    pub fn op_with(
+        &mut self,
+        op: Op,
+        constants: &[(&str, f64)],
+        params: &[u32],
+        bufs: &[&wgpu::Buffer],
+        grid: (u32, u32),
+    ) -> Result<(), GpuError> {
+        let ctx = &self.dev.ctx;
+        self.g
+            .op_with(ctx, op, constants, params, self.frame, bufs, grid)
     }
 
     /// An elementwise op over `n` lanes (its params end with the grid's x width).

@@ -247,8 +247,12 @@ pub fn encode(
         gate_silu,
         (c.rms_norm_eps as f32).to_bits(),
     ];
-    e.op(
+    // The state rows each lane holds, as a constant: the driver unrolls the loops over them
+    // and keeps the state in registers.
+    let rows = c.linear_key_head_dim.div_ceil(4) as f64;
+    e.op_with(
         Op::GdnRecur,
+        &[("R", rows)],
         &p,
         &[conv, z, b, a, &st.s, &w.vecs, o],
         (hv as u32, 1),

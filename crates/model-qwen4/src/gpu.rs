@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use gpu_runtime::ops::graph::{self, Graph, Tap};
+use gpu_runtime::ops::graph::{self, Granularity, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, readback};
 use model_core::trace::{
     ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
@@ -23,7 +23,7 @@ use model_core::{CausalLm, Trace, check_tokens};
 use quant_codecs::MAX_BATCH;
 
 use crate::config::LayerType;
-use crate::device::{Device, Enc, Scratch};
+use crate::device::{ARGMAX_CHUNK, Device, Enc, Scratch};
 use crate::forward::{ForwardError, Model};
 use crate::gdn::{GdnDeviceState, GdnGpu};
 use crate::hc::HcGpu;
@@ -294,8 +294,12 @@ impl<'a> GpuModel<'a> {
         e.matvec(&self.res.lm_head, &s.u, &s.logits, rows, Epilogue::None)?;
         e.tap(LOGITS, nl, &s.logits, rows * v);
         if head == Head::Argmax {
-            let p = [v as u32, 0];
-            e.op(kernels_wgsl::Op::Argmax, &p, &[&s.logits, &s.token], (1, 1))?;
+            let parts = v.div_ceil(ARGMAX_CHUNK);
+            let bufs = [&s.logits, &s.token, &s.argmax_part];
+            let p = [v as u32, 0, 0, ARGMAX_CHUNK as u32];
+            e.op(kernels_wgsl::Op::Argmax, &p, &bufs, (parts as u32, 1))?;
+            let p = [parts as u32, 0, 1, 0];
+            e.op(kernels_wgsl::Op::Argmax, &p, &bufs, (1, 1))?;
         }
         e.g.mark("head");
         Ok(g)
@@ -314,7 +318,7 @@ impl<'a> GpuModel<'a> {
         st: &mut GpuState,
         head: Head,
         taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
-        stages: Option<&mut Vec<(&'static str, f64)>>,
+        stages: Option<(Granularity, &mut Vec<(String, f64)>)>,
     ) -> Result<FrameOut, ForwardError> {
         let c = &self.model.config;
         let w = &self.model.weights;
@@ -390,9 +394,9 @@ impl<'a> GpuModel<'a> {
                     .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                         label: Some("frame"),
                     });
-                match stages.is_some() {
-                    true => profile = g.record_profiled(ctx, &mut enc),
-                    false => g.record(ctx, &mut enc, taps),
+                match &stages {
+                    Some((gran, _)) => profile = g.record_profiled(ctx, &mut enc, *gran),
+                    None => g.record(ctx, &mut enc, taps),
                 }
                 self.copy_out(&mut enc, st, head, read);
                 enc.finish()
@@ -413,7 +417,7 @@ impl<'a> GpuModel<'a> {
         let keep = c.ngram_size.saturating_sub(1);
         st.ngram_ctx = history[history.len() - keep..].to_vec();
         st.pos += nt;
-        if let (Some(p), Some(out)) = (profile, stages) {
+        if let (Some(p), Some((_, out))) = (profile, stages) {
             out.extend(p.read(ctx)?);
         }
         if read == 0 {
@@ -455,35 +459,45 @@ impl<'a> GpuModel<'a> {
         Ok(())
     }
 
-    /// Decodes `n` greedy tokens from `first` with every stage timed by GPU timestamps (a pass
-    /// per stage: slower than the plain replay, for where the time goes, not how much there
-    /// is); returns seconds per token by stage name, in first-seen order. Empty without
-    /// timestamp queries.
+    /// Decodes `n` greedy tokens from `first` with every stage (or every dispatch,
+    /// `granularity`) timed by GPU timestamps (a pass per timed part: slower than the plain
+    /// replay, for where the time goes, not how much there is); returns, per name in
+    /// first-seen order, the timed passes per token and their seconds per token (summed over
+    /// layers). Empty without timestamp queries.
     pub fn profile_decode(
         &self,
         first: u32,
         n: usize,
         st: &mut GpuState,
-    ) -> Result<Vec<(&'static str, f64)>, ForwardError> {
+        granularity: Granularity,
+    ) -> Result<Vec<(String, usize, f64)>, ForwardError> {
         let mut tok = first;
-        let mut total: Vec<(&'static str, f64)> = Vec::new();
+        let mut total: Vec<(String, usize, f64)> = Vec::new();
         for _ in 0..n {
             self.check(&[tok], st)?;
             let mut stages = Vec::new();
-            if let FrameOut::Token(t) =
-                self.frame(&[tok], st, Head::Argmax, None, Some(&mut stages))?
-            {
+            if let FrameOut::Token(t) = self.frame(
+                &[tok],
+                st,
+                Head::Argmax,
+                None,
+                Some((granularity, &mut stages)),
+            )? {
                 tok = t;
             }
             for (name, sec) in stages {
-                match total.iter_mut().find(|(n, _)| *n == name) {
-                    Some(e) => e.1 += sec,
-                    None => total.push((name, sec)),
+                match total.iter_mut().find(|(n, _, _)| *n == name) {
+                    Some(e) => {
+                        e.1 += 1;
+                        e.2 += sec;
+                    }
+                    None => total.push((name, 1, sec)),
                 }
             }
         }
         for e in &mut total {
-            e.1 /= n.max(1) as f64;
+            e.1 /= n.max(1);
+            e.2 /= n.max(1) as f64;
         }
         Ok(total)
     }

@@ -11,7 +11,9 @@ use crate::ops::rms_norm_1p;
 use crate::weights::HcWeights;
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
 use kernels_wgsl::Op;
+use model_core::Mat;
 use quant_codecs::ops::{linear, sigmoid, silu};
+use quant_codecs::{DType, MatRef};
 
 /// Output of one HC site over `t` tokens.
 pub struct HcMix {
@@ -69,19 +71,45 @@ pub fn inject(x: &mut [f32], y: &[f32], inj: &[f32], t: usize, h: usize, d: usiz
 /// One HC site's weights on the device.
 pub struct HcGpu {
     norm: (wgpu::Buffer, usize),
-    down: Arc<GpuMatrix>,
+    front: Front,
     up: Arc<GpuMatrix>,
-    inject: Option<Arc<GpuMatrix>>,
+}
+
+/// The matrices that read the normalised streams.
+enum Front {
+    /// The low-rank down rows then the H injection rows, one matrix (one dispatch instead of
+    /// two, and one activation op instead of two): float codecs, whose rows concatenate.
+    Fused(Arc<GpuMatrix>),
+    /// Apart: quantised codecs (q8_2f's column scales are per matrix), or no injection (the
+    /// final mixer).
+    Split {
+        down: Arc<GpuMatrix>,
+        inject: Option<Arc<GpuMatrix>>,
+    },
 }
 
 impl HcGpu {
     /// Uploads the site's weights.
     pub fn upload(dev: &Device, w: &HcWeights<'_>) -> Result<HcGpu, GpuError> {
+        let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
+        let front = match &w.inject {
+            Some(inj) if inj.dtype() == w.down.dtype() && float(inj.dtype()) => {
+                let mut bytes = w.down.mat().bytes().to_vec();
+                bytes.extend_from_slice(inj.mat().bytes());
+                let rows = w.down.rows() + inj.rows();
+                let m = MatRef::new(w.down.dtype(), rows, w.down.cols(), &bytes)?;
+                let name = format!("{}+{}", w.down.name(), inj.name());
+                Front::Fused(dev.mat(&Mat::new(name, usize::MAX, m))?)
+            }
+            inj => Front::Split {
+                down: dev.mat(&w.down)?,
+                inject: inj.as_ref().map(|m| dev.mat(m)).transpose()?,
+            },
+        };
         Ok(HcGpu {
             norm: (dev.vec(w.norm.name(), &w.norm), w.norm.len()),
-            down: dev.mat(&w.down)?,
+            front,
             up: dev.mat(&w.up)?,
-            inject: w.inject.as_ref().map(|m| dev.mat(m)).transpose()?,
         })
     }
 }
@@ -99,17 +127,26 @@ pub fn encode(
 ) -> Result<(), GpuError> {
     let s = e.s;
     e.rms_norm(x, &w.norm, &s.xn, nt * h, d, eps)?;
-    e.matvec(&w.down, &s.xn, &s.low, nt, Epilogue::None)?;
     let hf = (h as f32).to_bits();
-    e.map(0, hf, &s.low, &s.g, &s.low_act, nt * w.down.rows)?;
+    let r = w.up.cols;
+    match &w.front {
+        Front::Fused(m) => {
+            e.matvec(m, &s.xn, &s.low, nt, Epilogue::None)?;
+            let p = [(nt * m.rows) as u32, r as u32, h as u32, hf];
+            e.op_lanes(Op::HcAct, &p, &[&s.low, &s.low_act, &s.inj], nt * m.rows)?;
+        }
+        Front::Split { down, inject } => {
+            e.matvec(down, &s.xn, &s.low, nt, Epilogue::None)?;
+            e.map(0, hf, &s.low, &s.g, &s.low_act, nt * r)?;
+            if let Some(inj) = inject {
+                e.matvec(inj, &s.xn, &s.inj_raw, nt, Epilogue::None)?;
+                e.map(1, hf, &s.inj_raw, &s.g, &s.inj, nt * h)?;
+            }
+        }
+    }
     e.matvec(&w.up, &s.low_act, &s.g, nt, Epilogue::None)?;
     let p = [(nt * d) as u32, h as u32, d as u32];
-    e.op_lanes(Op::HcCombine, &p, &[&s.g, &s.xn, &s.u], nt * d)?;
-    if let Some(inj) = &w.inject {
-        e.matvec(inj, &s.xn, &s.inj_raw, nt, Epilogue::None)?;
-        e.map(1, hf, &s.inj_raw, &s.g, &s.inj, nt * h)?;
-    }
-    Ok(())
+    e.op_lanes(Op::HcCombine, &p, &[&s.g, &s.xn, &s.u], nt * d)
 }
 
 /// `X_k += inj_k * y` on the device for `nt` rows (the injection weights in `e.s.inj`).

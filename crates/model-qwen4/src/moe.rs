@@ -138,6 +138,19 @@ pub fn encode(
     let s = e.s;
     let [rl, pr, rw, hm, eo, sg, su, _] = &s.w;
     e.matvec(&w.router, &s.u, rl, nt, Epilogue::None)?;
+    // The route kernel holds a row's probabilities and its picks in workgroup memory.
+    for (what, max, found) in [
+        ("experts (route kernel)", 1024, ne),
+        ("top-k (route kernel)", 64, k),
+    ] {
+        if found > max {
+            return Err(GpuError::BadLength {
+                what,
+                expected: max,
+                found,
+            });
+        }
+    }
     let p = [ne as u32, k as u32, u32::from(c.norm_topk_prob)];
     e.op(
         Op::Route,

@@ -139,7 +139,8 @@ pub fn prepare(
             entry(4, &acts.xd),
         ],
     });
-    Ok(Step::new(pipe, vec![(bg, wg_x as u32, wg_y as u32)]))
+    let label = format!("act_quant {} T{}", acts.cols, acts.nt);
+    Ok(Step::new(pipe, vec![(bg, wg_x as u32, wg_y as u32)], label))
 }
 
 /// Uploads `xs` (`[nt, cols]`), quantises it on the device and reads back the code words and

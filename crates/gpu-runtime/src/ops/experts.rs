@@ -241,6 +241,10 @@ pub fn prepare_grouped(
         acts.as_ref(),
         Some(ids),
     );
-    steps.push(Step::new(pipe, vec![(bg, n as u32, slots as u32)]));
+    let label = format!(
+        "grouped {codec:?} {}x{} slots {slots} {path:?} {epilogue:?}",
+        bank.rows, bank.cols
+    );
+    steps.push(Step::new(pipe, vec![(bg, n as u32, slots as u32)], label));
     Ok(Prepared::from_steps(steps, path))
 }

@@ -35,17 +35,28 @@ enum Item {
     Mark(&'static str),
 }
 
-/// A profiled recording: one timestamp pair per stage, resolved into a buffer to read after
-/// the submission.
+/// What a profiled recording times: each stage (the dispatches between two marks) or each
+/// dispatch step (named `stage: kernel shape`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Granularity {
+    /// A timed compute pass per stage.
+    Stage,
+    /// A timed compute pass per step: slower (a pass boundary per dispatch), for which kernels
+    /// the stage time is made of.
+    Dispatch,
+}
+
+/// A profiled recording: one timestamp pair per timed pass, resolved into a buffer to read
+/// after the submission.
 pub struct Profile {
-    names: Vec<&'static str>,
+    names: Vec<String>,
     _resolve: wgpu::Buffer,
     read: wgpu::Buffer,
 }
 
 impl Profile {
-    /// Seconds per stage, in recording order (after the submission has run).
-    pub fn read(&self, ctx: &GpuContext) -> Result<Vec<(&'static str, f64)>, GpuError> {
+    /// Seconds per timed pass, in recording order (after the submission has run).
+    pub fn read(&self, ctx: &GpuContext) -> Result<Vec<(String, f64)>, GpuError> {
         let raw = crate::readback::read_mapped(ctx, &self.read, self.names.len() * 4)?;
         let ticks: &[u64] = bytemuck::cast_slice(&raw);
         let period = ctx.queue.get_timestamp_period() as f64 * 1e-9;
@@ -53,9 +64,9 @@ impl Profile {
             .names
             .iter()
             .enumerate()
-            .map(|(i, &n)| {
+            .map(|(i, n)| {
                 let dt = ticks[2 * i + 1].saturating_sub(ticks[2 * i]);
-                (n, dt as f64 * period)
+                (n.clone(), dt as f64 * period)
             })
             .collect())
     }
@@ -153,7 +164,7 @@ impl Graph {
         path: Path,
         epilogue: Epilogue,
     ) -> Result<(), GpuError> {
-        let plan = Plan::for_matrix(ctx, m.rows).with_path(path);
+        let plan = Plan::for_shape(ctx, m.rows, m.cols).with_path(path);
         let p = matvec::prepare_fused(ctx, m, x, y, nt, plan, epilogue)?;
         self.dispatches += p.dispatches();
         for s in p.into_steps() {
@@ -199,6 +210,21 @@ impl Graph {
         bufs: &[&wgpu::Buffer],
         grid: (u32, u32),
     ) -> Result<(), GpuError> {
+        self.op_with(ctx, op, &[], params, frame, bufs, grid)
+    }
+
+    /// [`Graph::op`] with the module's override `constants` set (a pipeline per set).
+    #[allow(clippy::too_many_arguments)]
+    pub fn op_with(
+        &mut self,
+        ctx: &GpuContext,
+        op: Op,
+        constants: &[(&str, f64)],
+        params: &[u32],
+        frame: &wgpu::Buffer,
+        bufs: &[&wgpu::Buffer],
+        grid: (u32, u32),
+    ) -> Result<(), GpuError> {
         assert!(params.len() <= Op::PARAM_WORDS && bufs.len() <= OP_STORAGE as usize);
         let (bgl, pl) = ctx.op_layout();
         let pipe: Arc<wgpu::ComputePipeline> = ctx.pipelines.get(
@@ -206,7 +232,7 @@ impl Graph {
             &format!("op_{}", op.name()),
             &|| op.source(),
             Op::ENTRY,
-            &[],
+            constants,
             Some(pl),
         )?;
         let mut words = [0u32; Op::PARAM_WORDS];
@@ -228,8 +254,11 @@ impl Graph {
             layout: bgl,
             entries: &entries,
         });
-        self.items
-            .push(Item::Step(Step::new(pipe, vec![(bg, grid.0, grid.1)])));
+        self.items.push(Item::Step(Step::new(
+            pipe,
+            vec![(bg, grid.0, grid.1)],
+            op.name().to_string(),
+        )));
         self.dispatches += 1;
         Ok(())
     }
@@ -258,77 +287,94 @@ impl Graph {
         self.items.push(Item::Mark(stage));
     }
 
-    /// Records every dispatch with a compute pass per stage, each timed by a pair of GPU
-    /// timestamps (`None` without timestamp queries: record it plainly then).
+    /// Records every dispatch with a compute pass per stage (or per step, `granularity`), each
+    /// timed by a pair of GPU timestamps (`None` without timestamp queries: record it plainly
+    /// then).
     pub fn record_profiled(
         &self,
         ctx: &GpuContext,
         enc: &mut wgpu::CommandEncoder,
+        granularity: Granularity,
     ) -> Option<Profile> {
         if !ctx.caps.timestamps {
             return None;
         }
-        let mut names: Vec<&'static str> = self
-            .items
-            .iter()
-            .filter_map(|i| match i {
-                Item::Mark(n) => Some(*n),
-                _ => None,
-            })
-            .collect();
-        if !matches!(self.items.last(), Some(Item::Mark(_))) {
-            names.push("tail");
-        }
-        let count = (2 * names.len()) as u32;
-        let set = ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
-            label: Some("stages"),
-            ty: wgpu::QueryType::Timestamp,
-            count,
-        });
-        let mut seg = 0u32;
-        let mut i = 0;
-        while i < self.items.len() {
-            {
-                let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                    label: Some(names[seg as usize]),
-                    timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
-                        query_set: &set,
-                        beginning_of_pass_write_index: Some(2 * seg),
-                        end_of_pass_write_index: Some(2 * seg + 1),
-                    }),
-                });
-                while i < self.items.len() {
-                    match &self.items[i] {
-                        Item::Step(s) => s.record(&mut pass),
-                        Item::Tap(_) => {}
-                        Item::Mark(_) => {
-                            i += 1;
-                            break;
+        // The timed passes: a name and the steps it records.
+        let mut passes: Vec<(String, Vec<&Step>)> = Vec::new();
+        let mut open: Vec<&Step> = Vec::new();
+        for item in &self.items {
+            match item {
+                Item::Step(s) => open.push(s),
+                Item::Tap(_) => {}
+                Item::Mark(name) => {
+                    let steps = std::mem::take(&mut open);
+                    match granularity {
+                        Granularity::Stage => passes.push((name.to_string(), steps)),
+                        Granularity::Dispatch => {
+                            for s in steps {
+                                passes.push((format!("{name}: {}", s.label()), vec![s]));
+                            }
                         }
                     }
-                    i += 1;
                 }
             }
-            seg += 1;
         }
-        let bytes = count as u64 * 8;
+        if !open.is_empty() {
+            match granularity {
+                Granularity::Stage => passes.push(("tail".into(), open)),
+                Granularity::Dispatch => {
+                    for s in open {
+                        passes.push((format!("tail: {}", s.label()), vec![s]));
+                    }
+                }
+            }
+        }
+        // A query set holds at most 4096 queries: 2048 passes each.
+        const PER_SET: usize = 2048;
+        let sets: Vec<wgpu::QuerySet> = (0..passes.len().div_ceil(PER_SET))
+            .map(|i| {
+                let n = (passes.len() - i * PER_SET).min(PER_SET);
+                ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+                    label: Some("timed passes"),
+                    ty: wgpu::QueryType::Timestamp,
+                    count: (2 * n) as u32,
+                })
+            })
+            .collect();
+        for (i, (name, steps)) in passes.iter().enumerate() {
+            let q = (2 * (i % PER_SET)) as u32;
+            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(name),
+                timestamp_writes: Some(wgpu::ComputePassTimestampWrites {
+                    query_set: &sets[i / PER_SET],
+                    beginning_of_pass_write_index: Some(q),
+                    end_of_pass_write_index: Some(q + 1),
+                }),
+            });
+            for s in steps {
+                s.record(&mut pass);
+            }
+        }
+        let bytes = (passes.len().max(1) * 16) as u64;
         let resolve = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("stage timestamps"),
+            label: Some("pass timestamps"),
             size: bytes,
             usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
             mapped_at_creation: false,
         });
         let read = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("stage timestamps read"),
+            label: Some("pass timestamps read"),
             size: bytes,
             usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        enc.resolve_query_set(&set, 0..seg.min(count / 2) * 2, &resolve, 0);
+        for (i, set) in sets.iter().enumerate() {
+            let n = (passes.len() - i * PER_SET).min(PER_SET);
+            enc.resolve_query_set(set, 0..(2 * n) as u32, &resolve, (i * PER_SET * 16) as u64);
+        }
         enc.copy_buffer_to_buffer(&resolve, 0, &read, 0, bytes);
-        names.truncate(seg as usize);
         Some(Profile {
-            names,
+            names: passes.into_iter().map(|(n, _)| n).collect(),
             _resolve: resolve,
             read,
         })

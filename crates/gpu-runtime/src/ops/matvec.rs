@@ -62,6 +62,42 @@ impl Plan {
         }
     }
 
+    /// [`Plan::for_matrix`], with each row split across more lanes (up to a workgroup of 256,
+    /// reduced through workgroup memory) while the matrix has too few rows to keep the device's
+    /// lanes busy and each lane would still walk at least four 16-column chunks: a 320-row
+    /// hyper-connection matrix of 10240 columns gets 128 lanes a row instead of one subgroup,
+    /// so its 20 KB rows are not each read by a single subgroup's dependent loads.
+    pub fn for_shape(ctx: &GpuContext, rows: usize, cols: usize) -> Plan {
+        // Lanes in flight that hide the memory latency of a large GPU (an H200 runs 270k).
+        const TARGET_LANES: usize = 65536;
+        let base = Plan::for_matrix(ctx, rows);
+        let groups = rows.div_ceil(base.rows as usize);
+        let chunks = cols / 16;
+        let mut lanes = base.lanes;
+        while lanes < 256
+            && groups * 2 * lanes as usize <= TARGET_LANES
+            && chunks >= 4 * 2 * lanes as usize
+        {
+            lanes *= 2;
+        }
+        if lanes == base.lanes {
+            base
+        } else {
+            base.split(lanes)
+        }
+    }
+
+    /// The same plan with `lanes` lanes per row group in a workgroup of `max(lanes, 64)`,
+    /// reduced through workgroup memory (any power of two up to 256).
+    pub fn split(self, lanes: u32) -> Plan {
+        Plan {
+            reduce: Reduce::SharedMemory,
+            wg: lanes.max(64),
+            lanes,
+            ..self
+        }
+    }
+
     /// The same plan on another activation path.
     pub fn with_path(self, path: Path) -> Plan {
         Plan { path, ..self }
@@ -275,14 +311,26 @@ pub fn codec_pipeline(
 pub struct Step {
     pipe: Arc<wgpu::ComputePipeline>,
     groups: Vec<(wgpu::BindGroup, u32, u32)>,
+    label: String,
 }
 
 impl Step {
+    /// `label` names the kernel and its shape in a per-dispatch profile.
     pub(crate) fn new(
         pipe: Arc<wgpu::ComputePipeline>,
         groups: Vec<(wgpu::BindGroup, u32, u32)>,
+        label: String,
     ) -> Step {
-        Step { pipe, groups }
+        Step {
+            pipe,
+            groups,
+            label,
+        }
+    }
+
+    /// The kernel and shape this step runs.
+    pub fn label(&self) -> &str {
+        &self.label
     }
 
     /// Records the dispatches into an open compute pass.
@@ -449,7 +497,11 @@ pub fn prepare_fused(
         let bg = bind_matvec(ctx, bgl, &part.buffer, &params, x, y, acts.as_ref(), None);
         groups.push((bg, wg_x as u32, wg_y as u32));
     }
-    steps.push(Step::new(pipe, groups));
+    let label = format!(
+        "matvec {codec:?} {}x{} T{nt} {:?} {epilogue:?} l{}",
+        m.rows, m.cols, plan.path, plan.lanes
+    );
+    steps.push(Step::new(pipe, groups, label));
     Ok(Prepared {
         steps,
         path: plan.path,

@@ -1,7 +1,9 @@
 // The gated delta rule of one value head per workgroup over the frame's T tokens in order, the
 // [dk, dv] state held in registers for the whole frame (read once, written once): lane
 // (part, j) owns value column j and rows part*R .. part*R + R of it (R = ceil(dk / 4)), so the
-// per-token sums over dk are four partial sums added in a fixed order.
+// per-token sums over dk are four partial sums added in a fixed order. R is an override set by
+// the host to ceil(dk / 4): constant loop bounds let the driver unroll the row loops and keep
+// `st` in registers (with runtime bounds it lived in local memory).
 // `q, k = l2norm`, `q /= sqrt(dk)`, `S *= exp(g)`, `delta = beta (v - S^T k)`, `S += k delta^T`,
 // `o = S^T q`, then the gated RMSNorm `o = w * norm(o) * act(z)`.
 struct Params {
@@ -30,6 +32,7 @@ struct Params {
 const GW: u32 = 512u;
 const COLS: u32 = 128u;
 const MAXR: u32 = 64u;
+override R: u32 = 32u;
 
 var<workgroup> qs: array<f32, 256>;
 var<workgroup> ks: array<f32, 256>;
@@ -80,15 +83,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let hvd = P.hv * P.dv;
     let j = li % COLS;
     let part = li / COLS;
-    let rows = (P.dk + 3u) / 4u;
-    let i0 = part * rows;
-    let i1 = min(i0 + rows, P.dk);
+    let i0 = part * R;
+    let i1 = min(i0 + R, P.dk);
     let live = j < P.dv;
     let base = h * P.dk * P.dv + j;
     var st: array<f32, MAXR>;
     if (live) {
-        for (var i = i0; i < i1; i++) {
-            st[i - i0] = s[base + i * P.dv];
+        for (var ii = 0u; ii < R; ii++) {
+            if (i0 + ii < i1) {
+                st[ii] = s[base + (i0 + ii) * P.dv];
+            }
         }
     }
     for (var r = 0u; r < P.t; r++) {
@@ -114,10 +118,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let decay = exp(g);
         var d = 0.0;
         if (live) {
-            for (var i = i0; i < i1; i++) {
-                let v = st[i - i0] * decay;
-                st[i - i0] = v;
-                d += v * ks[i];
+            for (var ii = 0u; ii < R; ii++) {
+                if (i0 + ii < i1) {
+                    let v = st[ii] * decay;
+                    st[ii] = v;
+                    d += v * ks[i0 + ii];
+                }
             }
         }
         let dsum = across_parts(d, li, j);
@@ -127,10 +133,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         var o = 0.0;
         if (live) {
-            for (var i = i0; i < i1; i++) {
-                let v = st[i - i0] + ks[i] * delta;
-                st[i - i0] = v;
-                o += v * qs[i];
+            for (var ii = 0u; ii < R; ii++) {
+                if (i0 + ii < i1) {
+                    let v = st[ii] + ks[i0 + ii] * delta;
+                    st[ii] = v;
+                    o += v * qs[i0 + ii];
+                }
             }
         }
         let osum = across_parts(o, li, j);
@@ -151,8 +159,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier();
     }
     if (live) {
-        for (var i = i0; i < i1; i++) {
-            s[base + i * P.dv] = st[i - i0];
+        for (var ii = 0u; ii < R; ii++) {
+            if (i0 + ii < i1) {
+                s[base + (i0 + ii) * P.dv] = st[ii];
+            }
         }
     }
 }

@@ -17,46 +17,101 @@ struct Params {
 
 var<workgroup> chosen: array<f32, 64>;
 var<workgroup> chosen_i: array<u32, 64>;
+// The row's probabilities (at most MAX_E experts; the host checks), padded with NEG to a
+// multiple of 4.
+const MAX_E: u32 = 1024u;
+var<workgroup> sp: array<f32, MAX_E>;
+// The candidates that can be in the top k, and how many.
+var<workgroup> cand: array<u32, MAX_E>;
+var<workgroup> ncand: atomic<u32>;
+var<workgroup> tau: f32;
+
+// Whether expert i (probability u) comes before expert j (probability v) in the CPU's stable
+// descending order.
+fn before(u: f32, i: u32, v: f32, j: u32) -> bool {
+    return u > v || (u == v && i < j);
+}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let r = wid.x;
     let o = r * P.e;
+    let e4 = (P.e + 3u) / 4u * 4u;
+    if (li == 0u) {
+        atomicStore(&ncand, 0u);
+    }
     var m = NEG;
-    for (var j = li; j < P.e; j += WG) {
-        m = max(m, logits[o + j]);
+    for (var j = li; j < e4; j += WG) {
+        var v = NEG;
+        if (j < P.e) {
+            v = logits[o + j];
+        }
+        sp[j] = v;
+        m = max(m, v);
     }
     let mx = max_wg(m, li);
     var z = 0.0;
     for (var j = li; j < P.e; j += WG) {
-        let e = exp(logits[o + j] - mx);
-        pr[o + j] = e;
+        let e = exp(sp[j] - mx);
+        sp[j] = e;
         z += e;
     }
     let zt = sum_wg(z, li);
+    // Each lane's largest probability (and the expert it belongs to).
+    var lm = NEG;
+    var lj = 0xffffffffu;
     for (var j = li; j < P.e; j += WG) {
-        pr[o + j] = pr[o + j] / zt;
+        let p = sp[j] / zt;
+        sp[j] = p;
+        pr[o + j] = p;
         rw[o + j] = 0.0;
+        if (before(p, j, lm, lj)) {
+            lm = p;
+            lj = j;
+        }
     }
+    // tau = the k-th largest of the lanes' maxima: k distinct experts are >= tau, so every
+    // expert of the top k is. Only those >= tau (about k of them) need an exact rank.
+    red[li] = lm;
+    red_i[li] = lj;
     storageBarrier();
-    for (var it = 0u; it < P.k; it++) {
-        var bv = NEG;
-        var bi = 0u;
-        for (var j = li; j < P.e; j += WG) {
-            let v = pr[o + j];
-            if (v > bv) {
-                bv = v;
-                bi = j;
-            }
-        }
-        let best = argmax_wg(bv, bi, li);
-        if (li == 0u) {
-            chosen[it] = pr[o + best];
-            chosen_i[it] = best;
-            pr[o + best] = -1.0;
-        }
-        storageBarrier();
+    workgroupBarrier();
+    var lr = 0u;
+    for (var l = 0u; l < WG; l++) {
+        lr += u32(before(red[l], red_i[l], lm, lj));
     }
+    if (lr == P.k - 1u) {
+        tau = lm;
+    }
+    workgroupBarrier();
+    let t = tau;
+    for (var j = li; j < P.e; j += WG) {
+        if (sp[j] >= t) {
+            cand[atomicAdd(&ncand, 1u)] = j;
+        }
+    }
+    workgroupBarrier();
+    // The candidates' ranks in the CPU's order over all experts: ranks below k are the chosen,
+    // in top-k order (k rounds of a workgroup argmax took 29 us on the H200).
+    let n = atomicLoad(&ncand);
+    for (var c = li; c < n; c += WG) {
+        let j = cand[c];
+        let v = sp[j];
+        var rank = 0u;
+        for (var i = 0u; i < e4; i += 4u) {
+            let u0 = sp[i];
+            let u1 = sp[i + 1u];
+            let u2 = sp[i + 2u];
+            let u3 = sp[i + 3u];
+            rank += u32(before(u0, i, v, j)) + u32(before(u1, i + 1u, v, j));
+            rank += u32(before(u2, i + 2u, v, j)) + u32(before(u3, i + 3u, v, j));
+        }
+        if (rank < P.k) {
+            chosen[rank] = v;
+            chosen_i[rank] = j;
+        }
+    }
+    workgroupBarrier();
     if (li == 0u) {
         var sum = 0.0;
         for (var it = 0u; it < P.k; it++) {
