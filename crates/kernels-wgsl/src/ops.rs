@@ -72,9 +72,7 @@ ops! {
     Route => "route",
     /// One routed expert's weighted add.
     ExpertAdd => "expert_add",
-    /// The routed experts' weighted sum from the grouped slots.
-    ExpertCombine => "expert_combine",
-    /// The gated shared expert's add.
+    /// The routed experts' weighted sum from the grouped slots and the gated shared expert.
     SharedAdd => "shared_add",
     /// PLE's gate.
     PleGate => "ple_gate",

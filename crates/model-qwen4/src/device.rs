@@ -10,6 +10,7 @@ use gpu_runtime::ops::graph::{self, Graph, lanes_grid};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, Path, WeightArena};
 use kernels_wgsl::Op;
 use model_core::bind::Mat;
+use quant_codecs::ops::ActChoice;
 use quant_codecs::{ActPath, DType, MAX_BATCH};
 
 use crate::config::{LayerType, Qwen4ExpTextConfig};
@@ -86,16 +87,17 @@ impl Device {
         self.arena.resident_bytes() + self.bank_bytes.load(Ordering::Relaxed)
     }
 
-    /// The activation path of a matrix of `dtype`: what the CPU forward would use
-    /// (`quant_codecs::ops::act_path`), the hardware f16 conversion for f16 where the device
-    /// has it (exact either way).
+    /// The activation path of a matrix of `dtype`. Float weights have no int8 path: f16 takes
+    /// the hardware conversion where the device has it (exact either way). Quantised weights
+    /// follow `--act`: `f32` and `int8` as the CPU does (so the CPU forward stays the
+    /// device's witness), and `auto` int8 for every quantised codec, q8_2f included: on the
+    /// device its int8 matvec is 2.5-3x its f32 path at decode shapes (docs/perf.md), where
+    /// the CPU's `auto` keeps q8_2f on f32 (there the int8 call costs more than it saves).
     pub fn path(&self, dtype: DType) -> Path {
         match dtype {
-            // Float weights have no int8 path on either side: f16 takes the hardware
-            // conversion whatever the activation choice (the HC and router matrices of the
-            // quantised profiles are f16).
             DType::F16 if self.ctx.caps.f16_in_f32 => Path::HwF16,
             DType::F16 | DType::BF16 | DType::F32 => Path::F32,
+            _ if quant_codecs::ops::act_choice() == ActChoice::Auto => Path::Int8,
             _ => match quant_codecs::ops::act_path(dtype) {
                 ActPath::Int8 => Path::Int8,
                 ActPath::F32 => Path::F32,
@@ -338,8 +340,42 @@ impl Enc<'_> {
         group: usize,
         eps: f32,
     ) -> Result<(), GpuError> {
-        let p = [groups as u32, group as u32, *w_len as u32, eps.to_bits()];
+        let p = [
+            groups as u32,
+            group as u32,
+            *w_len as u32,
+            eps.to_bits(),
+            0,
+            1,
+        ];
         self.op(Op::RmsNorm, &p, &[x, w, y], (groups as u32, 1))
+    }
+
+    /// [`Enc::rms_norm`] of H-stream rows (`groups` = rows x `h`) after injecting `blk`
+    /// (`[rows, group]`) with the weights in `self.s.inj` into `x` in place:
+    /// `x[g] += inj[g] * blk[g / h]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm_injected(
+        &mut self,
+        x: &wgpu::Buffer,
+        (w, w_len): &(wgpu::Buffer, usize),
+        y: &wgpu::Buffer,
+        groups: usize,
+        group: usize,
+        eps: f32,
+        blk: &wgpu::Buffer,
+        h: usize,
+    ) -> Result<(), GpuError> {
+        let p = [
+            groups as u32,
+            group as u32,
+            *w_len as u32,
+            eps.to_bits(),
+            1,
+            h as u32,
+        ];
+        let inj = &self.s.inj;
+        self.op(Op::RmsNorm, &p, &[x, w, y, blk, inj], (groups as u32, 1))
     }
 
     /// Taps `rows * width` floats of `buf` as `name` of `layer` when tracing.

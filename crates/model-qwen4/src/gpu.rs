@@ -230,14 +230,21 @@ impl<'a> GpuModel<'a> {
             nt,
             traced,
         };
+        // A block's output waits to be injected into the streams by the next HC site's norm
+        // (one dispatch fewer per block); it is injected on its own where the streams are
+        // needed whole first: PLE, the end of a frame without a head, a traced run's taps.
+        let mut pending: Option<&wgpu::Buffer> = None;
         for (il, lw) in self.res.layers.iter().enumerate() {
             if let Some(pw) = &lw.ple {
+                if let Some(y) = pending.take() {
+                    hc::encode_inject(&mut e, &s.x, y, nt, h, d)?;
+                }
                 let (e_in, hist) = st.ple[il].as_ref().expect("state made for this model");
                 ple::encode(&mut e, pw, c, &s.x, e_in, hist, nt)?;
                 e.tap(PLE_STREAMS, il, &s.x, nt * h * d);
                 e.g.mark("ple");
             }
-            hc::encode(&mut e, &lw.attn_hc, &s.x, nt, h, d, eps)?;
+            hc::encode(&mut e, &lw.attn_hc, &s.x, nt, h, d, eps, pending.take())?;
             e.tap(ATTN_INPUT, il, &s.u, nt * d);
             e.g.mark("hc");
             match (&lw.mixer, &st.layers[il]) {
@@ -263,30 +270,51 @@ impl<'a> GpuModel<'a> {
                 MixerGpu::Gdn(_) => "gdn",
                 MixerGpu::Attn(_) => "qsa",
             });
-            hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
-            e.tap(ATTN_STREAMS, il, &s.x, nt * h * d);
-            hc::encode(&mut e, &lw.mlp_hc, &s.x, nt, h, d, eps)?;
+            if traced {
+                hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
+                e.tap(ATTN_STREAMS, il, &s.x, nt * h * d);
+            } else {
+                pending = Some(&s.y);
+            }
+            hc::encode(&mut e, &lw.mlp_hc, &s.x, nt, h, d, eps, pending.take())?;
             e.tap(MLP_INPUT, il, &s.u, nt * d);
             e.g.mark("hc");
             moe::encode(&mut e, &lw.moe, c, &s.y, nt)?;
             e.tap(MOE_OUT, il, &s.y, nt * d);
             e.g.mark("moe");
-            hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
-            e.tap(LAYER_OUT, il, &s.x, nt * h * d);
-            e.g.mark("hc");
+            if traced {
+                hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
+                e.tap(LAYER_OUT, il, &s.x, nt * h * d);
+                e.g.mark("hc");
+            } else {
+                pending = Some(&s.y);
+            }
         }
         let nl = c.num_hidden_layers;
         let v = c.vocab_size;
         let rows = match head {
-            Head::None => return Ok(g),
+            Head::None => {
+                if let Some(y) = pending.take() {
+                    hc::encode_inject(&mut e, &s.x, y, nt, h, d)?;
+                    e.g.mark("hc");
+                }
+                return Ok(g);
+            }
             Head::All => {
-                hc::encode(&mut e, &self.res.final_mixer, &s.x, nt, h, d, eps)?;
+                hc::encode(&mut e, &self.res.final_mixer, &s.x, nt, h, d, eps, pending)?;
                 nt
             }
+            Head::Last | Head::Argmax if nt == 1 => {
+                hc::encode(&mut e, &self.res.final_mixer, &s.x, 1, h, d, eps, pending)?;
+                1
+            }
             Head::Last | Head::Argmax => {
+                if let Some(y) = pending.take() {
+                    hc::encode_inject(&mut e, &s.x, y, nt, h, d)?;
+                }
                 let off = ((nt - 1) * h * d) as u32;
                 e.map(3, off, &s.x, &s.g, &s.x_last, h * d)?;
-                hc::encode(&mut e, &self.res.final_mixer, &s.x_last, 1, h, d, eps)?;
+                hc::encode(&mut e, &self.res.final_mixer, &s.x_last, 1, h, d, eps, None)?;
                 1
             }
         };

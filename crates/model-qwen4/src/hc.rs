@@ -115,7 +115,10 @@ impl HcGpu {
 }
 
 /// Encodes the site over `nt` rows of the streams `x` `[nt, H*D]`: the block input into
-/// `e.s.u`, the injection weights (when the site has them) into `e.s.inj`.
+/// `e.s.u`, the injection weights (when the site has them) into `e.s.inj`. `pending`, the
+/// previous block's output `[nt, D]` not yet injected (with the weights in `e.s.inj`), is
+/// injected into `x` by the site's norm.
+#[allow(clippy::too_many_arguments)]
 pub fn encode(
     e: &mut Enc<'_>,
     w: &HcGpu,
@@ -124,9 +127,13 @@ pub fn encode(
     h: usize,
     d: usize,
     eps: f32,
+    pending: Option<&wgpu::Buffer>,
 ) -> Result<(), GpuError> {
     let s = e.s;
-    e.rms_norm(x, &w.norm, &s.xn, nt * h, d, eps)?;
+    match pending {
+        Some(y) => e.rms_norm_injected(x, &w.norm, &s.xn, nt * h, d, eps, y, h)?,
+        None => e.rms_norm(x, &w.norm, &s.xn, nt * h, d, eps)?,
+    }
     let hf = (h as f32).to_bits();
     let r = w.up.cols;
     match &w.front {

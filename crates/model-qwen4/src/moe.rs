@@ -165,8 +165,6 @@ pub fn encode(
             let (ids, mid, xo) = (&s.slot_ids, &s.expert_mid, &s.expert_out);
             e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
             e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
-            let p = [(nt * d) as u32, d as u32, k as u32];
-            e.op_lanes(Op::ExpertCombine, &p, &[out, &s.slot_w, xo], nt * d)?;
         }
         Routed::Each(experts) => {
             for (x, (gate_up, down)) in experts.iter().enumerate() {
@@ -188,10 +186,19 @@ pub fn encode(
     let is = w.sh_gate.rows;
     e.map(2, 0, sg, su, hm, nt * is)?;
     e.matvec(&w.sh_down, hm, eo, nt, Epilogue::None)?;
+    // The routed sum from the slots (grouped banks) and the gated shared expert, one op.
+    let slots_k = match &w.routed {
+        Routed::Banks(_) => k,
+        Routed::Each(_) => 0,
+    };
+    let grid = (
+        d.div_ceil(4 * kernels_wgsl::OP_WG as usize) as u32,
+        nt as u32,
+    );
     e.op(
         Op::SharedAdd,
-        &[d as u32],
-        &[out, &s.u, &w.sh_scale, eo],
-        (nt as u32, 1),
+        &[d as u32, slots_k as u32],
+        &[out, &s.u, &w.sh_scale, eo, &s.slot_w, &s.expert_out],
+        grid,
     )
 }

@@ -55,7 +55,10 @@ pub struct Profile {
 }
 
 impl Profile {
-    /// Seconds per timed pass, in recording order (after the submission has run).
+    /// Seconds per timed pass, in recording order (after the submission has run): from the
+    /// end of the previous pass to the end of this one (the first: from its beginning). A
+    /// pass's beginning timestamp can be written before the previous pass has drained, which
+    /// would charge that drain to this pass twice; end to end, the passes add up to the span.
     pub fn read(&self, ctx: &GpuContext) -> Result<Vec<(String, f64)>, GpuError> {
         let raw = crate::readback::read_mapped(ctx, &self.read, self.names.len() * 4)?;
         let ticks: &[u64] = bytemuck::cast_slice(&raw);
@@ -65,7 +68,8 @@ impl Profile {
             .iter()
             .enumerate()
             .map(|(i, n)| {
-                let dt = ticks[2 * i + 1].saturating_sub(ticks[2 * i]);
+                let from = if i == 0 { ticks[0] } else { ticks[2 * i - 1] };
+                let dt = ticks[2 * i + 1].saturating_sub(from);
                 (n.clone(), dt as f64 * period)
             })
             .collect())
