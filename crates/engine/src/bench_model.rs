@@ -242,10 +242,11 @@ impl ModelReport {
         }
         if !self.dispatches.is_empty() {
             let total: f64 = self.dispatches.iter().map(|s| s.ms).sum();
+            let calls: usize = self.dispatches.iter().map(|s| s.calls).sum();
             writeln!(
                 w,
-                "\nGPU time of a decoded token by kernel (a timed pass per dispatch, slowest \
-                 first): {total:.3} ms"
+                "\nGPU time of a decoded token by kernel (a timed pass per dispatch step, slowest \
+                 first): {calls} steps, {total:.3} ms"
             )?;
             writeln!(
                 w,

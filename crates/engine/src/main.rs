@@ -684,12 +684,16 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
                 args.quant.parse().map_err(anyhow::Error::msg)?;
             let config = model_qwen4::synthetic::release_config(args.layers, args.experts);
             let t0 = std::time::Instant::now();
-            let synth = model_qwen4::synthetic::Synthetic::new(
+            let mut synth = model_qwen4::synthetic::Synthetic::new(
                 &config,
                 Box::new(move |n: &str, r: usize, c: usize| {
                     profile.dtype_for(engine::convert::qwen4_role(n, false), &[r, c])
                 }),
             )?;
+            if place.backend == engine::gpu_runtime::BackendChoice::Cpu {
+                // The CPU reads the host copies: each tensor gets its own.
+                synth.distinct()?;
+            }
             let weights = synth.weights()?;
             let model = model_qwen4::Model::new(synth.config.clone(), weights);
             let model = engine::model::AnyModel::place_qwen4(model, &place)?;
@@ -700,9 +704,10 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
                 _ => (0, 0),
             };
             eprintln!(
-                "synthetic model ready in {:.1} s ({mib} device MiB; routed experts grouped in \
-                 {grouped} of {} layers)",
+                "synthetic model ready in {:.1} s ({} host MiB, {mib} device MiB; routed experts \
+                 grouped in {grouped} of {} layers)",
                 t0.elapsed().as_secs_f64(),
+                synth.host_bytes() >> 20,
                 args.layers
             );
             let bw = read_bandwidth(&model)?;

@@ -5,7 +5,8 @@
 //!
 //! One payload per (dtype, shape) is quantised from random values and shared on the host by
 //! every tensor of that shape; each tensor still goes up to its own device memory, so the
-//! device reads exactly the bytes the real model's would. The PLE n-gram table is short (its
+//! device reads exactly the bytes the real model's would. For the CPU, [`Synthetic::distinct`]
+//! gives every tensor its own copy in RAM (the shared payloads would be read from the cache). The PLE n-gram table is short (its
 //! prime vocabularies start at `ngram_vocab_size_base = 1000` instead of 20M): a decoded token
 //! reads one row per head of it either way.
 
@@ -69,8 +70,13 @@ pub struct Synthetic {
     /// The config.
     pub config: Qwen4ExpTextConfig,
     blobs: HashMap<(DType, usize, usize), Vec<u8>>,
+    /// With [`Synthetic::distinct`]: one copy of its shape's payload per tensor, handed out in
+    /// binding order.
+    copies: HashMap<(DType, usize, usize), Vec<Vec<u8>>>,
     dtype_of: Box<DtypeOf>,
 }
+
+type Key = (DType, usize, usize);
 
 /// xorshift noise in `[-a, a]`.
 fn noise(n: usize, seed: u64, a: f32) -> Vec<f32> {
@@ -191,8 +197,35 @@ impl Synthetic {
         Ok(Synthetic {
             config: c,
             blobs,
+            copies: HashMap::new(),
             dtype_of,
         })
+    }
+
+    /// Gives every tensor its own copy of its payload in host memory (as a file's mapping
+    /// would), so a CPU forward reads the model's bytes from memory, not one shared payload
+    /// per shape from the cache. Costs the model's size in RAM.
+    pub fn distinct(&mut self) -> Result<(), WeightError> {
+        use rayon::prelude::*;
+        let counting = SyntheticSource {
+            s: self,
+            next: Default::default(),
+            taken: Default::default(),
+        };
+        Weights::bind_from(&counting, &self.config)?;
+        let counts = counting.taken.into_inner();
+        let blobs = &self.blobs;
+        self.copies = counts
+            .into_par_iter()
+            .map(|(key, n)| {
+                let copies = (0..n)
+                    .into_par_iter()
+                    .map(|_| blobs[&key].clone())
+                    .collect();
+                (key, copies)
+            })
+            .collect();
+        Ok(())
     }
 
     /// The weights, every tensor named as a file's would be.
@@ -201,14 +234,16 @@ impl Synthetic {
             &SyntheticSource {
                 s: self,
                 next: Default::default(),
+                taken: Default::default(),
             },
             &self.config,
         )
     }
 
-    /// Host bytes of the shared payloads.
+    /// Host bytes of the payloads (the shared ones, and the copies).
     pub fn host_bytes(&self) -> usize {
-        self.blobs.values().map(Vec::len).sum()
+        let copies: usize = self.copies.values().flatten().map(Vec::len).sum();
+        self.blobs.values().map(Vec::len).sum::<usize>() + copies
     }
 
     /// Whether layer `il` is a GDN layer.
@@ -250,6 +285,8 @@ fn tile_rows(
 struct SyntheticSource<'s> {
     s: &'s Synthetic,
     next: std::cell::Cell<usize>,
+    /// Tensors bound so far per shape (which copy the next one gets).
+    taken: std::cell::RefCell<HashMap<Key, usize>>,
 }
 
 impl SyntheticSource<'_> {
@@ -263,11 +300,24 @@ impl SyntheticSource<'_> {
 impl<'s> Source<'s> for SyntheticSource<'s> {
     fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'s>, WeightError> {
         let dtype = (self.s.dtype_of)(name, rows, cols);
-        let bytes = self.s.blobs.get(&(dtype, rows, cols)).ok_or_else(|| {
+        let key = (dtype, rows, cols);
+        let shared = self.s.blobs.get(&key).ok_or_else(|| {
             WeightError::Bind(model_core::BindError::Missing(format!(
                 "{name} ({dtype:?} {rows}x{cols}: no synthetic payload of that shape)"
             )))
         })?;
+        let n = {
+            let mut taken = self.taken.borrow_mut();
+            let n = taken.entry(key).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        let bytes = self
+            .s
+            .copies
+            .get(&key)
+            .and_then(|c| c.get(n))
+            .unwrap_or(shared);
         let m = MatRef::new(dtype, rows, cols, bytes).map_err(|source| {
             WeightError::Bind(model_core::BindError::Codec {
                 name: name.to_string(),
