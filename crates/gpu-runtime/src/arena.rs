@@ -100,7 +100,10 @@ impl GpuMatrix {
             let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
                 label: Some("weights"),
                 size,
-                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                // COPY_SRC: q8_2f column scales are copied into shared quantisers' tables.
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_DST
+                    | wgpu::BufferUsages::COPY_SRC,
                 mapped_at_creation: false,
             });
             ring.upload(ctx, &buffer, 0, &payload)?;

@@ -368,3 +368,59 @@ fn hardware_f16_matches_the_integer_f16_decode() {
         }
     }
 }
+
+/// Runs `g` and reads `count` floats of `buf`.
+fn replay(
+    ctx: &gpu_runtime::GpuContext,
+    g: &gpu_runtime::ops::graph::Graph,
+    buf: &wgpu::Buffer,
+    count: usize,
+) -> Vec<f32> {
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    g.record(ctx, &mut enc, None);
+    ctx.queue.submit([enc.finish()]);
+    gpu_runtime::readback::read_f32(ctx, buf, 0, count).unwrap()
+}
+
+#[test]
+fn one_quantiser_shared_by_q8_2f_matrices_gives_their_own_results_bit_for_bit() {
+    use gpu_runtime::ops::graph::{Graph, storage, upload_f32};
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let cols = 256;
+    let mats: Vec<_> = [(48, 31), (200, 32), (8, 33)]
+        .iter()
+        .map(|&(rows, seed)| upload(ctx, &arena, DType::Q8_2f, rows, cols, seed).1)
+        .collect();
+    let refs: Vec<&gpu_runtime::GpuMatrix> = mats.iter().map(|m| &**m).collect();
+    let table = act8::col_scale_table(ctx, &refs).expect("q8_2f matrices of one width");
+    for nt in [1, 8] {
+        let mut r = rng(nt as u64);
+        let xs: Vec<f32> = (0..nt * cols).map(|_| r()).collect();
+        let x = upload_f32(ctx, "x", &xs);
+        let ys: Vec<wgpu::Buffer> = mats
+            .iter()
+            .map(|m| storage(ctx, "y", nt * m.rows))
+            .collect();
+        let pairs: Vec<_> = refs.iter().copied().zip(&ys).collect();
+        let mut shared = Graph::new();
+        shared.matvecs_shared(ctx, &pairs, &x, nt, &table).unwrap();
+        assert_eq!(shared.dispatches(), 1 + mats.len());
+        let mut each = Graph::new();
+        let zs: Vec<wgpu::Buffer> = mats
+            .iter()
+            .map(|m| storage(ctx, "z", nt * m.rows))
+            .collect();
+        for (m, z) in refs.iter().zip(&zs) {
+            each.matvec(ctx, m, &x, z, nt, Path::Int8, Epilogue::None)
+                .unwrap();
+        }
+        for (i, m) in mats.iter().enumerate() {
+            let a = replay(ctx, &shared, &ys[i], nt * m.rows);
+            let b = replay(ctx, &each, &zs[i], nt * m.rows);
+            assert!(a.iter().all(|v| v.is_finite() && *v != 0.0));
+            let same = a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits());
+            assert!(same, "matrix {i} ({} rows), {nt} token rows", m.rows);
+        }
+    }
+}

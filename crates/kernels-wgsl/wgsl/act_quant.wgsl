@@ -9,6 +9,11 @@
 //
 // q8_2f's activations are multiplied by the matrix's f16 column scales first (`Q.col_scales`
 // is their byte offset in binding 1, or 0xffffffff for none).
+//
+// Several q8_2f matrices that read the same activations are quantised by one dispatch: member
+// m (the workgroups past the first nt * cols / 32 blocks) takes its column scales at
+// `col_scales + m * cs_stride` bytes of binding 1 (a table of the members' scales) and writes
+// its codes `m * q_stride` words and its block pairs `m * d_stride` pairs into the outputs.
 
 struct QParams {
     cols: u32,
@@ -16,6 +21,10 @@ struct QParams {
     mode: u32,
     col_scales: u32,
     wg_x: u32,
+    cs_stride: u32,
+    q_stride: u32,
+    d_stride: u32,
+    members: u32,
     _pad0: u32,
     _pad1: u32,
     _pad2: u32,
@@ -35,8 +44,8 @@ fn byte_at(off: u32) -> u32 {
     return (ww[off >> 2u] >> ((off & 3u) * 8u)) & 0xffu;
 }
 
-fn col_scale(i: u32) -> f32 {
-    let off = Q.col_scales + 2u * i;
+fn col_scale(member: u32, i: u32) -> f32 {
+    let off = Q.col_scales + member * Q.cs_stride + 2u * i;
     return f16_bits(byte_at(off) | (byte_at(off + 1u) << 8u));
 }
 
@@ -93,9 +102,12 @@ fn slot(e: u32) -> u32 {
 @compute @workgroup_size(32)
 fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) e: u32) {
     let blocks = Q.cols / 32u;
-    let id = wid.x + wid.y * Q.wg_x;
-    // Uniform per workgroup, so every barrier below is reached by all lanes or none.
-    let valid = id < blocks * Q.nt;
+    let flat = wid.x + wid.y * Q.wg_x;
+    let member = flat / max(blocks * Q.nt, 1u);
+    let id = flat - member * blocks * Q.nt;
+    // Uniform per workgroup, so every barrier below is reached by all lanes or none (the
+    // grid's last row may run past the members).
+    let valid = member < max(Q.members, 1u);
     if (e == 0u) {
         atomicStore(&w_amax, 0u);
         atomicStore(&w_sum, 0i);
@@ -110,7 +122,7 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     if (valid) {
         var v = xin[t * Q.cols + b * 32u + e];
         if (Q.col_scales != 0xffffffffu) {
-            v = v * col_scale(b * 32u + e);
+            v = v * col_scale(member, b * 32u + e);
         }
         bits = bitcast<u32>(v);
         atomicMax(&w_amax, bits & 0x7fffffffu);
@@ -126,7 +138,7 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     atomicAdd(&w_sum, bitcast<i32>(c << 24u) >> 24u);
     workgroupBarrier();
     if (valid && e < 8u) {
-        xq_out[id * 8u + e] = atomicLoad(&w_words[e]);
+        xq_out[member * Q.q_stride + id * 8u + e] = atomicLoad(&w_words[e]);
     }
     if (valid && e == 0u) {
         var d = 0.0;
@@ -135,6 +147,7 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         } else if (amax != 0u) {
             d = bitcast<f32>(amax) / 127.0;
         }
-        xd_out[id] = vec2<u32>(bitcast<u32>(d), bitcast<u32>(atomicLoad(&w_sum)));
+        xd_out[member * Q.d_stride + id] =
+            vec2<u32>(bitcast<u32>(d), bitcast<u32>(atomicLoad(&w_sum)));
     }
 }

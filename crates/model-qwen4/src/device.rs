@@ -2,8 +2,9 @@
 //! model's matrices live in, the activation path per dtype), the frame's scratch buffers
 //! ([`Scratch`], sized for 8 token rows) and [`Enc`], the graph a frame is recorded into.
 
-use std::sync::Arc;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::ops::graph::{self, Graph, lanes_grid};
@@ -22,6 +23,9 @@ pub struct Device {
     arena: WeightArena,
     uid: u64,
     bank_bytes: AtomicU64,
+    /// Shared quantisers' column-scale tables, by their matrices (addresses of the pinned
+    /// matrices, which live as long as the model).
+    tables: Mutex<HashMap<Vec<usize>, Option<wgpu::Buffer>>>,
 }
 
 impl Device {
@@ -34,7 +38,22 @@ impl Device {
             arena,
             uid,
             bank_bytes: AtomicU64::new(0),
+            tables: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The column-scale table of q8_2f matrices read through one shared quantiser (made once;
+    /// `None` where they cannot share one).
+    pub fn col_scale_table(&self, mats: &[&GpuMatrix]) -> Option<wgpu::Buffer> {
+        let key: Vec<usize> = mats
+            .iter()
+            .map(|m| *m as *const GpuMatrix as usize)
+            .collect();
+        let mut tables = self.tables.lock().unwrap_or_else(|p| p.into_inner());
+        tables
+            .entry(key)
+            .or_insert_with(|| gpu_runtime::ops::act8::col_scale_table(&self.ctx, mats))
+            .clone()
     }
 
     /// Uploads (once) and pins a matrix. One whose columns its codec's kernel cannot tile (a
@@ -236,6 +255,31 @@ pub struct Enc<'a> {
 }
 
 impl Enc<'_> {
+    /// `y_i = W_i x` over `nt` rows for matrices that read the same `x`: q8_2f matrices on
+    /// the int8 path share one quantiser dispatch (each still applies its own column scales);
+    /// any other mix runs [`Enc::matvec`] on each.
+    pub fn matvecs(
+        &mut self,
+        mats: &[(&GpuMatrix, &wgpu::Buffer)],
+        x: &wgpu::Buffer,
+        nt: usize,
+    ) -> Result<(), GpuError> {
+        let shareable = mats.len() >= 2
+            && mats.iter().all(|(m, _)| {
+                m.dtype == DType::Q8_2f
+                    && self.dev.path(m.dtype) == Path::Int8
+                    && m.cols.is_multiple_of(32)
+            });
+        let ms: Vec<&GpuMatrix> = mats.iter().map(|(m, _)| *m).collect();
+        if let Some(table) = shareable.then(|| self.dev.col_scale_table(&ms)).flatten() {
+            return self.g.matvecs_shared(&self.dev.ctx, mats, x, nt, &table);
+        }
+        for (m, y) in mats {
+            self.matvec(m, x, y, nt, Epilogue::None)?;
+        }
+        Ok(())
+    }
+
     /// `y = W x` over `nt` rows on the dtype's path.
     pub fn matvec(
         &mut self,

@@ -229,10 +229,13 @@ pub fn encode(
     let cdim = 2 * key_dim + hv * dv;
     let s = e.s;
     let [qkv, z, b, a, conv, o, ..] = &s.w;
-    e.matvec(&w.in_qkv, &s.u, qkv, nt, Epilogue::None)?;
-    e.matvec(&w.in_z, &s.u, z, nt, Epilogue::None)?;
-    e.matvec(&w.in_b, &s.u, b, nt, Epilogue::None)?;
-    e.matvec(&w.in_a, &s.u, a, nt, Epilogue::None)?;
+    let projections = [
+        (&*w.in_qkv, qkv),
+        (&*w.in_z, z),
+        (&*w.in_b, b),
+        (&*w.in_a, a),
+    ];
+    e.matvecs(&projections, &s.u, nt)?;
     let p = [nt as u32, cdim as u32, c.linear_conv_kernel_dim as u32];
     e.op_lanes(Op::GdnConv, &p, &[qkv, &w.conv, &st.conv, conv], cdim)?;
     let gate_silu = u32::from(c.gate_act() == GateAct::Silu);

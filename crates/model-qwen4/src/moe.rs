@@ -181,8 +181,7 @@ pub fn encode(
             }
         }
     }
-    e.matvec(&w.sh_gate, &s.u, sg, nt, Epilogue::None)?;
-    e.matvec(&w.sh_up, &s.u, su, nt, Epilogue::None)?;
+    e.matvecs(&[(&*w.sh_gate, sg), (&*w.sh_up, su)], &s.u, nt)?;
     let is = w.sh_gate.rows;
     e.map(2, 0, sg, su, hm, nt * is)?;
     e.matvec(&w.sh_down, hm, eo, nt, Epilogue::None)?;

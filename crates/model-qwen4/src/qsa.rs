@@ -297,10 +297,8 @@ pub fn encode(
     let half = rope_t.half as u32;
     let s = e.s;
     let [qg, k, v, qki, q, gate, qi, ao] = &s.w;
-    e.matvec(&w.q, &s.u, qg, nt, Epilogue::None)?;
-    e.matvec(&w.k, &s.u, k, nt, Epilogue::None)?;
-    e.matvec(&w.v, &s.u, v, nt, Epilogue::None)?;
-    e.matvec(&w.idx_qk, &s.u, qki, nt, Epilogue::None)?;
+    let projections = [(&*w.q, qg), (&*w.k, k), (&*w.v, v), (&*w.idx_qk, qki)];
+    e.matvecs(&projections, &s.u, nt)?;
     let (cs, sn) = (&rope_t.cos, &rope_t.sin);
     // One head of one row per workgroup: where it is read, where it goes, what is applied.
     struct Prep<'b> {

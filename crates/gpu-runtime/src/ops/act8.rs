@@ -8,10 +8,12 @@ use kernels_wgsl::ActLayout;
 use wgpu::util::DeviceExt;
 
 use crate::ops::matvec::{Step, bind_layout, entry, storage_entry, uniform_entry};
-use crate::{GpuContext, GpuError};
+use crate::{GpuContext, GpuError, GpuMatrix};
 
 /// The device buffers of `nt` quantised activation rows of `cols` values: 8 code words per
-/// block in `layout`'s order, and per block `(bits of d, code sum)`.
+/// block in `layout`'s order, and per block `(bits of d, code sum)` (at byte offsets of
+/// larger buffers when one quantiser wrote several matrices' activations).
+#[derive(Clone)]
 pub struct ActBuffers {
     /// Codes, `[nt, cols / 32, 8]` u32 words.
     pub xq: wgpu::Buffer,
@@ -23,6 +25,22 @@ pub struct ActBuffers {
     pub cols: usize,
     /// The codes' order.
     pub layout: ActLayout,
+    /// Where these codes start in `xq`, in bytes.
+    pub xq_offset: u64,
+    /// Where these pairs start in `xd`, in bytes.
+    pub xd_offset: u64,
+}
+
+impl ActBuffers {
+    /// Bytes of the codes.
+    pub fn xq_bytes(&self) -> u64 {
+        (self.nt * self.cols) as u64
+    }
+
+    /// Bytes of the block pairs.
+    pub fn xd_bytes(&self) -> u64 {
+        (self.nt * self.cols / 32 * 8) as u64
+    }
 }
 
 impl ActBuffers {
@@ -55,6 +73,8 @@ impl ActBuffers {
             nt,
             cols,
             layout,
+            xq_offset: 0,
+            xd_offset: 0,
         })
     }
 }
@@ -104,18 +124,93 @@ pub fn prepare(
             found: x.size() as usize,
         });
     }
+    let col = col_scales.map(|(b, off)| (b, off as u32, 0u32));
+    quantiser_step(ctx, x, acts, col, 1, [0, 0])
+}
+
+/// The one dispatch quantising `x` for `members` q8_2f matrices of `cols` columns, each with
+/// its own column scales: `table` holds them one after another (f16, `2 * cols` bytes each).
+/// Returns the step and each member's activations (views of two shared buffers at
+/// offsets the device's binding alignment allows).
+pub fn prepare_shared(
+    ctx: &GpuContext,
+    x: &wgpu::Buffer,
+    nt: usize,
+    cols: usize,
+    layout: ActLayout,
+    table: &wgpu::Buffer,
+    members: usize,
+) -> Result<(Step, Vec<ActBuffers>), GpuError> {
+    let need = (nt * cols * 4) as u64;
+    if x.size() < need {
+        return Err(GpuError::BadLength {
+            what: "x buffer bytes",
+            expected: need as usize,
+            found: x.size() as usize,
+        });
+    }
+    let one = ActBuffers::new(ctx, nt, cols, layout)?;
+    let align = u64::from(ctx.limits.min_storage_buffer_offset_alignment).max(4);
+    let (qs, ds) = (
+        one.xq_bytes().next_multiple_of(align),
+        one.xd_bytes().next_multiple_of(align),
+    );
+    let buf = |label, size| {
+        ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        })
+    };
+    let (xq, xd) = (
+        buf("act8 codes (shared)", qs * members as u64),
+        buf("act8 scales (shared)", ds * members as u64),
+    );
+    let all = ActBuffers {
+        xq: xq.clone(),
+        xd: xd.clone(),
+        ..one
+    };
+    let strides = [(qs / 4) as u32, (ds / 8) as u32];
+    let col = Some((table, 0u32, (2 * cols) as u32));
+    let step = quantiser_step(ctx, x, &all, col, members, strides)?;
+    let views = (0..members as u64)
+        .map(|m| ActBuffers {
+            xq_offset: m * qs,
+            xd_offset: m * ds,
+            ..all.clone()
+        })
+        .collect();
+    Ok((step, views))
+}
+
+/// The quantiser dispatch: `col` the column scales' buffer, byte offset and per-member stride;
+/// `strides` the members' distance in code words and block pairs.
+fn quantiser_step(
+    ctx: &GpuContext,
+    x: &wgpu::Buffer,
+    acts: &ActBuffers,
+    col: Option<(&wgpu::Buffer, u32, u32)>,
+    members: usize,
+    strides: [u32; 2],
+) -> Result<Step, GpuError> {
     let pipe = pipeline(ctx)?;
-    // One workgroup per block.
-    let n = acts.nt * acts.cols / 32;
+    // One workgroup per block of each member.
+    let n = members * acts.nt * acts.cols / 32;
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let wg_x = n.min(max_dim);
     let wg_y = n.div_ceil(wg_x);
-    let params: [u32; 8] = [
+    let params: [u32; 12] = [
         acts.cols as u32,
         acts.nt as u32,
         acts.layout as u32,
-        col_scales.map_or(u32::MAX, |(_, off)| off as u32),
+        col.map_or(u32::MAX, |(_, off, _)| off),
         wg_x as u32,
+        col.map_or(0, |(_, _, stride)| stride),
+        strides[0],
+        strides[1],
+        members as u32,
         0,
         0,
         0,
@@ -133,13 +228,13 @@ pub fn prepare(
         layout: bgl,
         entries: &[
             entry(0, x),
-            entry(1, col_scales.map_or(x, |(b, _)| b)),
+            entry(1, col.map_or(x, |(b, _, _)| b)),
             entry(2, &ubuf),
             entry(3, &acts.xq),
             entry(4, &acts.xd),
         ],
     });
-    let label = format!("act_quant {} T{}", acts.cols, acts.nt);
+    let label = format!("act_quant {} T{} x{members}", acts.cols, acts.nt);
     Ok(Step::new(pipe, vec![(bg, wg_x as u32, wg_y as u32)], label))
 }
 
@@ -183,4 +278,45 @@ pub fn quantize(
         .map(|p| [p[0].to_bits(), p[1].to_bits()])
         .collect();
     Ok((q, d))
+}
+
+/// The column scales of q8_2f matrices `mats` (all of `cols` columns), one after another in a
+/// new device buffer (copied on the device from their payloads): the table
+/// [`prepare_shared`] reads. `None` where a matrix is not q8_2f, the widths differ, or a
+/// payload's scales do not start on a 4-byte boundary (a buffer copy's granularity).
+pub fn col_scale_table(ctx: &GpuContext, mats: &[&GpuMatrix]) -> Option<wgpu::Buffer> {
+    let cols = mats.first()?.cols;
+    let bytes = (2 * cols) as u64;
+    let fits = |m: &&GpuMatrix| {
+        m.dtype == quant_codecs::DType::Q8_2f
+            && m.cols == cols
+            && (m.parts[0].layout.third as u64).is_multiple_of(4)
+            && bytes.is_multiple_of(4)
+    };
+    if !mats.iter().all(fits) {
+        return None;
+    }
+    let table = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("q8_2f column scales (shared quantiser)"),
+        size: bytes * mats.len() as u64,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut enc = ctx
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("column scale table"),
+        });
+    for (i, m) in mats.iter().enumerate() {
+        let p = &m.parts[0];
+        enc.copy_buffer_to_buffer(
+            &p.buffer,
+            p.layout.third as u64,
+            &table,
+            i as u64 * bytes,
+            bytes,
+        );
+    }
+    ctx.queue.submit([enc.finish()]);
+    Some(table)
 }

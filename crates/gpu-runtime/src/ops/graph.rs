@@ -177,6 +177,38 @@ impl Graph {
         Ok(())
     }
 
+    /// `y_i = W_i x` for q8_2f matrices `mats` that read the same `x`, on the int8 path with
+    /// one quantiser dispatch for all of them (their column scales from `table`, built by
+    /// [`crate::ops::act8::col_scale_table`]) instead of one each.
+    pub fn matvecs_shared(
+        &mut self,
+        ctx: &GpuContext,
+        mats: &[(&GpuMatrix, &wgpu::Buffer)],
+        x: &wgpu::Buffer,
+        nt: usize,
+        table: &wgpu::Buffer,
+    ) -> Result<(), GpuError> {
+        let Some((first, _)) = mats.first() else {
+            return Ok(());
+        };
+        let layout = kernels_wgsl::Codec::Q8_2f
+            .act_layout()
+            .expect("q8_2f has an int8 layout");
+        let (step, acts) =
+            crate::ops::act8::prepare_shared(ctx, x, nt, first.cols, layout, table, mats.len())?;
+        self.items.push(Item::Step(step));
+        self.dispatches += 1;
+        for ((m, y), a) in mats.iter().zip(&acts) {
+            let plan = Plan::for_shape(ctx, m.rows, m.cols);
+            let p = matvec::prepare_with_acts(ctx, m, x, a, y, nt, plan, Epilogue::None)?;
+            self.dispatches += p.dispatches();
+            for s in p.into_steps() {
+                self.items.push(Item::Step(s));
+            }
+        }
+        Ok(())
+    }
+
     /// The grouped-experts matvec (see [`crate::ops::experts::prepare_grouped`]).
     #[allow(clippy::too_many_arguments)]
     pub fn grouped(

@@ -415,6 +415,53 @@ pub fn prepare_fused(
     plan: Plan,
     epilogue: Epilogue,
 ) -> Result<Prepared, GpuError> {
+    prepare_inner(ctx, m, x, y, nt, plan, epilogue, None)
+}
+
+/// [`prepare_fused`] on the int8 path with activations a shared quantiser has written
+/// (`act8::prepare_shared`): no quantiser step of its own. `x` is what they were quantised
+/// from (checked for size only).
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_with_acts(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    x: &wgpu::Buffer,
+    acts: &crate::ops::act8::ActBuffers,
+    y: &wgpu::Buffer,
+    nt: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<Prepared, GpuError> {
+    if acts.nt != nt || acts.cols != m.cols {
+        return Err(GpuError::BadLength {
+            what: "pre-quantised activations (token rows x columns)",
+            expected: nt * m.cols,
+            found: acts.nt * acts.cols,
+        });
+    }
+    prepare_inner(
+        ctx,
+        m,
+        x,
+        y,
+        nt,
+        plan.with_path(Path::Int8),
+        epilogue,
+        Some(acts),
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn prepare_inner(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    nt: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+    pre: Option<&crate::ops::act8::ActBuffers>,
+) -> Result<Prepared, GpuError> {
     let pair = epilogue == Epilogue::SiluGateUp;
     if pair && (!m.rows.is_multiple_of(2) || m.parts.len() != 1) {
         return Err(GpuError::UnsupportedFusion {
@@ -455,6 +502,7 @@ pub fn prepare_fused(
     let pipe = codec_pipeline(ctx, codec, nt, plan, epilogue)?;
     let mut steps = Vec::new();
     let acts = match (plan.path, codec.act_layout()) {
+        (Path::Int8, Some(layout)) if pre.is_some_and(|p| p.layout == layout) => pre.cloned(),
         (Path::Int8, Some(layout)) => {
             let acts = crate::ops::act8::ActBuffers::new(ctx, nt, m.cols, layout)?;
             let first = &m.parts[0];
@@ -529,15 +577,26 @@ pub(crate) fn bind_matvec(
             contents: bytemuck::cast_slice(params),
             usage: wgpu::BufferUsages::UNIFORM,
         });
+    let slice = |binding, buffer, offset, size| wgpu::BindGroupEntry {
+        binding,
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer,
+            offset,
+            size: std::num::NonZeroU64::new(size),
+        }),
+    };
     let mut entries = vec![
         entry(0, weights),
         entry(1, weights),
         entry(2, &ubuf),
-        entry(3, acts.map_or(x, |a| &a.xq)),
+        match acts {
+            Some(a) => slice(3, &a.xq, a.xq_offset, a.xq_bytes()),
+            None => entry(3, x),
+        },
         entry(4, y),
     ];
     if let Some(a) = acts {
-        entries.push(entry(5, &a.xd));
+        entries.push(slice(5, &a.xd, a.xd_offset, a.xd_bytes()));
     }
     if let Some(ids) = ids {
         entries.push(entry(6, ids));
