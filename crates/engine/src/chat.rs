@@ -60,6 +60,8 @@ pub struct Reply {
     pub text: String,
     /// Tokens generated.
     pub tokens: usize,
+    /// Why the reply ended.
+    pub finish: crate::generate::Finish,
     /// Prompt tokens prefilled this turn (after reuse).
     pub prefilled: usize,
     /// Prompt tokens reused from the previous turn's state.
@@ -76,7 +78,11 @@ pub struct Chat<'r> {
     env: minijinja::Environment<'static>,
     /// The conversation so far.
     pub messages: Vec<Message>,
-    stop: Vec<String>,
+    /// Strings that end a reply (the model's own, from its generation config; a caller may
+    /// add more).
+    pub stop: Vec<String>,
+    /// Cancels the reply being generated (a client that went away).
+    pub cancel: Option<crate::generate::CancelToken>,
     bos: String,
     eos: String,
     /// The rendered prompt's ids of the last turn and the state right after them.
@@ -167,6 +173,7 @@ impl<'r> Chat<'r> {
             stop,
             bos: special(runner, &h.config, "bos_token_id"),
             eos: special(runner, &h.config, "eos_token_id"),
+            cancel: None,
             saved: None,
             sampler: Sampler::new(sampling),
             ctx_limit: None,
@@ -212,6 +219,17 @@ impl<'r> Chat<'r> {
         reply
     }
 
+    /// Generates the assistant's turn after the conversation as it stands (`messages` set by
+    /// the caller, ending with a user or tool turn), without adding a user message; the reply
+    /// is appended to `messages`.
+    pub fn respond(
+        &mut self,
+        max_new: usize,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Reply, ChatError> {
+        self.generate_reply(max_new, on_text)
+    }
+
     fn generate_reply(
         &mut self,
         max_new: usize,
@@ -251,7 +269,7 @@ impl<'r> Chat<'r> {
         let opts = GenerateOptions {
             max_new,
             stop: self.stop.clone(),
-            cancel: None,
+            cancel: self.cancel.clone(),
             keep_prompt_state: true,
             prefill_chunk: self.prefill_chunk,
         };
@@ -276,6 +294,7 @@ impl<'r> Chat<'r> {
         Ok(Reply {
             text: g.text,
             tokens: g.tokens.len(),
+            finish: g.finish,
             prefilled: ids.len() - reused,
             reused,
             prompt_seconds: g.prompt_seconds,

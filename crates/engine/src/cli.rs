@@ -44,6 +44,35 @@ pub enum Command {
     Bench(BenchCommand),
     /// Write float32 logits [T, vocab] of every prompt position as .npy (CPU).
     Logits(LogitsArgs),
+    /// Serve the model over HTTP: OpenAI-compatible chat and text completions, streaming.
+    Serve(ServeArgs),
+}
+
+/// `cortiq serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// The model (default: the built-in demo).
+    #[command(flatten)]
+    pub model: ModelArg,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port, printed).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Require this key with every request (`Authorization: Bearer KEY` or `x-api-key`).
+    /// Default: $CORTIQ_API_KEY, else none.
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// The name `/v1/models` reports (default: the file's stem, or `cortiq-demo`).
+    #[arg(long, value_name = "NAME")]
+    pub alias: Option<String>,
+    /// Sampling defaults for requests that leave a field out, and the context (-c).
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
+    /// Threads, activations, backend, VRAM.
+    #[command(flatten)]
+    pub compute: ComputeArgs,
 }
 
 /// The model: positional, or `-m` as llama.cpp spells it.

@@ -32,6 +32,7 @@ pub mod model;
 pub mod perplexity;
 pub mod run;
 pub mod sampling;
+pub mod serve;
 
 /// The default model shipped in the binary: the Shakespeare demo, a 12.6 M-parameter qwen4_exp
 /// trained by `tools/demo-model` (`assets/shakespeare.cmf`, the q8 conversion of

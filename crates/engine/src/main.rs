@@ -18,8 +18,9 @@ use engine::{gpu_runtime, quant_codecs};
 
 fn main() -> ExitCode {
     let xdg = quiet_mesa();
-    init_logging();
-    let code = match cli::parse() {
+    let parsed = cli::parse();
+    init_logging(matches!(&parsed, Ok(c) if matches!(c.command, Command::Serve(_))));
+    let code = match parsed {
         Ok(cli) => run(cli),
         Err(e) => {
             // Usage errors exit 2, --help and --version 0, as clap's own exit would.
@@ -79,9 +80,15 @@ fn set_compute(args: &cli::ComputeArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn init_logging() {
+fn init_logging(serving: bool) {
+    // A server logs one line per request by default.
+    let default = if serving {
+        "warn,engine::serve=info"
+    } else {
+        "warn"
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -102,6 +109,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Run(args) => run_generate(args),
         Command::Chat(args) => run_chat(args),
         Command::Perplexity(args) => run_perplexity(args),
+        Command::Serve(args) => run_serve(args),
     };
     match result {
         Ok(code) => code,
@@ -657,6 +665,48 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
+    set_compute(&args.compute)?;
+    let ctx = generation_ctx(args.sampling.ctx, args.model.path()).unwrap_or(4096);
+    let place = placement(&args.compute, Some(ctx))?;
+    let runner = open_runner(args.model.path(), &place)?;
+    let mut defaults = sampling(&args.sampling, runner.generation_defaults());
+    defaults.seed = 0;
+    let name = args.alias.clone().unwrap_or_else(|| {
+        args.model
+            .path()
+            .and_then(|p| p.file_stem())
+            .map_or("cortiq-demo".to_string(), |s| {
+                s.to_string_lossy().into_owned()
+            })
+    });
+    let api_key = args
+        .api_key
+        .clone()
+        .or_else(|| std::env::var("CORTIQ_API_KEY").ok())
+        .filter(|k| !k.is_empty());
+    let backend = runner.model.model().backend_name().to_string();
+    let worker = engine::serve::worker::Worker::spawn(runner, ctx)?;
+    let state = engine::serve::ServerState::new(worker, &name, api_key, defaults);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+        let local = listener.local_addr()?;
+        eprintln!(
+            "cortiq serve: {name} on {backend}, context {ctx} tokens, listening on http://{local} \
+             (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health)"
+        );
+        engine::serve::serve(listener, state).await?;
+        anyhow::Ok(())
+    })?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -1,0 +1,378 @@
+//! `cortiq serve`: an OpenAI-compatible HTTP server (axum on tokio) over one model.
+//!
+//! Routes: `GET /health`, `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`,
+//! each answering as OpenAI does (streaming as server-sent events ending with `data: [DONE]`,
+//! `stream_options.include_usage` adding a usage chunk). Requests are checked field by field
+//! ([`api`]); generation runs on the model's own thread ([`worker`]), one request at a time in
+//! arrival order; a client that disconnects cancels its request before the next forward. One
+//! log line per request (method, path, status, prompt and completion tokens, milliseconds).
+
+pub mod api;
+pub mod worker;
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Json, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+
+use self::api::{BadRequest, Request, finish_reason};
+use self::worker::{Event, Job, Outcome, Worker};
+use crate::generate::CancelToken;
+use crate::sampling::Sampling;
+
+/// What the routes share.
+#[derive(Clone)]
+pub struct ServerState {
+    worker: Worker,
+    model: Arc<String>,
+    api_key: Option<Arc<String>>,
+    defaults: Sampling,
+    next_id: Arc<AtomicU64>,
+}
+
+impl ServerState {
+    /// The state for `worker` serving the model named `model`; `api_key` (when given) must
+    /// come with every request (`Authorization: Bearer KEY` or `x-api-key: KEY`);
+    /// `defaults` fill the sampling fields a request leaves out.
+    pub fn new(
+        worker: Worker,
+        model: &str,
+        api_key: Option<String>,
+        defaults: Sampling,
+    ) -> ServerState {
+        ServerState {
+            worker,
+            model: Arc::new(model.to_string()),
+            api_key: api_key.map(Arc::new),
+            defaults,
+            next_id: Arc::new(AtomicU64::new(1)),
+        }
+    }
+}
+
+/// The routes.
+pub fn router(state: ServerState) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/v1/models", get(models))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/completions", post(completions))
+        .with_state(state)
+}
+
+/// Serves `router(state)` on `listener` until the process ends.
+pub async fn serve(listener: tokio::net::TcpListener, state: ServerState) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).await
+}
+
+fn now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+fn error(status: StatusCode, message: &str, kind: &str) -> Response {
+    let body = json!({"error": {"message": message, "type": kind, "param": null, "code": null}});
+    (status, Json(body)).into_response()
+}
+
+fn bad_request(e: &BadRequest) -> Response {
+    (StatusCode::BAD_REQUEST, Json(e.body())).into_response()
+}
+
+fn authorised(state: &ServerState, headers: &HeaderMap) -> bool {
+    let Some(key) = &state.api_key else {
+        return true;
+    };
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let bearer = header("authorization").and_then(|v| v.strip_prefix("Bearer "));
+    bearer == Some(key.as_str()) || header("x-api-key") == Some(key.as_str())
+}
+
+fn log(path: &str, status: u16, outcome: Option<&Outcome>, t0: Instant) {
+    tracing::info!(
+        method = "POST",
+        path,
+        status,
+        prompt_tokens = outcome.map_or(0, |o| o.prompt_tokens),
+        completion_tokens = outcome.map_or(0, |o| o.completion_tokens),
+        ms = t0.elapsed().as_millis() as u64,
+        "request"
+    );
+}
+
+async fn health() -> Json<Value> {
+    tracing::info!(method = "GET", path = "/health", status = 200, "request");
+    Json(json!({"status": "ok"}))
+}
+
+async fn models(State(state): State<ServerState>, headers: HeaderMap) -> Response {
+    if !authorised(&state, &headers) {
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "invalid API key",
+            "authentication_error",
+        );
+    }
+    tracing::info!(method = "GET", path = "/v1/models", status = 200, "request");
+    Json(json!({"object": "list", "data": [{
+        "id": *state.model, "object": "model", "created": 0, "owned_by": "cortiq"
+    }]}))
+    .into_response()
+}
+
+/// Which endpoint's format a response takes.
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    Chat,
+    Text,
+}
+
+async fn chat_completions(
+    State(state): State<ServerState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let parsed = api::chat_request(&body, &state.defaults);
+    handle(state, headers, parsed, Kind::Chat).await
+}
+
+async fn completions(
+    State(state): State<ServerState>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let parsed = api::completion_request(&body, &state.defaults);
+    handle(state, headers, parsed, Kind::Text).await
+}
+
+async fn handle(
+    state: ServerState,
+    headers: HeaderMap,
+    parsed: Result<Request, BadRequest>,
+    kind: Kind,
+) -> Response {
+    let t0 = Instant::now();
+    let path = match kind {
+        Kind::Chat => "/v1/chat/completions",
+        Kind::Text => "/v1/completions",
+    };
+    if !authorised(&state, &headers) {
+        log(path, 401, None, t0);
+        return error(
+            StatusCode::UNAUTHORIZED,
+            "invalid API key",
+            "authentication_error",
+        );
+    }
+    let request = match parsed {
+        Ok(r) => r,
+        Err(e) => {
+            log(path, 400, None, t0);
+            return bad_request(&e);
+        }
+    };
+    let n = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let id = match kind {
+        Kind::Chat => format!("chatcmpl-{n}"),
+        Kind::Text => format!("cmpl-{n}"),
+    };
+    let model = request
+        .model
+        .clone()
+        .unwrap_or_else(|| (*state.model).clone());
+    let (stream, include_usage) = (request.stream, request.include_usage);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    let cancel = CancelToken::new();
+    let job = Job {
+        request,
+        events: tx,
+        cancel: cancel.clone(),
+    };
+    if !state.worker.submit(job) {
+        log(path, 503, None, t0);
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the model thread has stopped",
+            "server_error",
+        );
+    }
+    let shape = Shape {
+        id,
+        model,
+        created: now(),
+        kind,
+    };
+    if stream {
+        return stream_response(shape, rx, cancel, include_usage, path, t0);
+    }
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Text(t) => text.push_str(&t),
+            Event::Done(o) => {
+                log(path, 200, Some(&o), t0);
+                return Json(shape.whole(&text, &o)).into_response();
+            }
+            Event::Failed(status, message) => {
+                log(path, status, None, t0);
+                let code =
+                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+                let kind = if status == 400 {
+                    "invalid_request_error"
+                } else {
+                    "server_error"
+                };
+                return error(code, &message, kind);
+            }
+        }
+    }
+    log(path, 500, None, t0);
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "the generation ended without a result",
+        "server_error",
+    )
+}
+
+/// A response's identity and format.
+struct Shape {
+    id: String,
+    model: String,
+    created: u64,
+    kind: Kind,
+}
+
+fn usage(o: &Outcome) -> Value {
+    json!({
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens,
+    })
+}
+
+impl Shape {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Text, _) => "text_completion",
+        }
+    }
+
+    fn frame(&self, choices: Value, chunk: bool) -> Value {
+        json!({
+            "id": self.id,
+            "object": self.object(chunk),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        })
+    }
+
+    /// The non-streaming answer.
+    fn whole(&self, text: &str, o: &Outcome) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": finish_reason(o.finish),
+            }),
+            Kind::Text => json!({
+                "index": 0, "text": text, "logprobs": null,
+                "finish_reason": finish_reason(o.finish),
+            }),
+        };
+        let mut v = self.frame(json!([choice]), false);
+        v["usage"] = usage(o);
+        v
+    }
+
+    /// A chunk carrying `text` (and, at the end, the finish reason).
+    fn chunk(&self, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+        let choice = match self.kind {
+            Kind::Chat => {
+                let mut delta = json!({});
+                if first {
+                    delta["role"] = json!("assistant");
+                }
+                if let Some(t) = text {
+                    delta["content"] = json!(t);
+                }
+                json!({"index": 0, "delta": delta, "finish_reason": finish})
+            }
+            Kind::Text => json!({
+                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish,
+            }),
+        };
+        self.frame(json!([choice]), true)
+    }
+}
+
+fn stream_response(
+    shape: Shape,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    cancel: CancelToken,
+    include_usage: bool,
+    path: &'static str,
+    t0: Instant,
+) -> Response {
+    let (out, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
+    tokio::spawn(async move {
+        let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
+        let mut first = true;
+        // The chat format opens with the role.
+        if shape.kind == Kind::Chat && out.send(data(shape.chunk(Some(""), true, None))).is_err() {
+            cancel.cancel();
+            return;
+        }
+        first &= shape.kind != Kind::Chat;
+        while let Some(ev) = rx.recv().await {
+            let sent = match ev {
+                Event::Text(t) => {
+                    let r = out.send(data(shape.chunk(Some(&t), first, None)));
+                    first = false;
+                    r
+                }
+                Event::Done(o) => {
+                    let reason = finish_reason(o.finish);
+                    let _ = out.send(data(shape.chunk(None, first, Some(reason))));
+                    if include_usage {
+                        let mut u = shape.frame(json!([]), true);
+                        u["usage"] = usage(&o);
+                        let _ = out.send(data(u));
+                    }
+                    let _ = out.send(Ok(SseEvent::default().data("[DONE]")));
+                    log(path, 200, Some(&o), t0);
+                    return;
+                }
+                Event::Failed(status, message) => {
+                    // The status line has gone out: the error travels as an event.
+                    let body = json!({"error": {"message": message, "type": "server_error",
+                        "param": null, "code": status}});
+                    let _ = out.send(data(body));
+                    let _ = out.send(Ok(SseEvent::default().data("[DONE]")));
+                    log(path, status, None, t0);
+                    return;
+                }
+            };
+            if sent.is_err() {
+                // The client went away: stop generating.
+                cancel.cancel();
+                log(path, 499, None, t0);
+                return;
+            }
+        }
+    });
+    Sse::new(tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx)).into_response()
+}

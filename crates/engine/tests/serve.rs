@@ -1,0 +1,278 @@
+//! `cortiq serve` over real HTTP on a local port, with the built-in demo model on the CPU: the
+//! answers against the library's own generation of the same request (greedy, so the text is
+//! determined), streaming against non-streaming, and malformed requests against the errors
+//! they must get.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::sync::OnceLock;
+
+use engine::chat::{Chat, Message};
+use engine::generate::GenerateOptions;
+use engine::run::Runner;
+use engine::sampling::{Sampler, Sampling};
+use engine::serve::{ServerState, serve, worker::Worker};
+use serde_json::{Value, json};
+
+const CTX: usize = 512;
+
+fn runner() -> Runner {
+    Runner::from_cmf(engine::embedded_model().unwrap()).unwrap()
+}
+
+/// A server on a free port (one per API key), for the whole test binary.
+fn server(key: Option<&str>) -> u16 {
+    static OPEN: OnceLock<u16> = OnceLock::new();
+    static KEYED: OnceLock<u16> = OnceLock::new();
+    let cell = if key.is_some() { &KEYED } else { &OPEN };
+    *cell.get_or_init(|| {
+        let worker = Worker::spawn(runner(), CTX).unwrap();
+        let state = ServerState::new(worker, "demo", key.map(str::to_string), Sampling::default());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                tx.send(l.local_addr().unwrap().port()).unwrap();
+                serve(l, state).await.unwrap();
+            });
+        });
+        rx.recv().unwrap()
+    })
+}
+
+/// One HTTP/1.1 exchange: the status and the body (chunked transfer decoded).
+fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> (u16, String) {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    req.push_str(body);
+    s.write_all(req.as_bytes()).unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).unwrap();
+    let raw = String::from_utf8(raw).unwrap();
+    let (head, rest) = raw.split_once("\r\n\r\n").expect("a header block");
+    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let chunked = head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked");
+    let body = if chunked {
+        let mut out = String::new();
+        let mut rest = rest;
+        loop {
+            let (size, tail) = rest.split_once("\r\n").unwrap();
+            let n = usize::from_str_radix(size.trim(), 16).unwrap();
+            if n == 0 {
+                break;
+            }
+            out.push_str(&tail[..n]);
+            rest = &tail[n + 2..];
+        }
+        out
+    } else {
+        rest.to_string()
+    };
+    (status, body)
+}
+
+fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
+    let (status, text) = http(port, "POST", path, &body.to_string(), &[]);
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// The server-sent events' data lines.
+fn events(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+        .map(|d| d.trim().to_string())
+        .collect()
+}
+
+/// What the library generates greedily for a one-message conversation (the independent
+/// witness of the chat endpoint).
+fn witness_chat(user: &str, max_new: usize) -> (String, usize) {
+    let r = runner();
+    let mut chat = Chat::new(&r, None, Sampling::default()).unwrap();
+    chat.messages = vec![Message {
+        role: "user".into(),
+        content: user.into(),
+    }];
+    let reply = chat.respond(max_new, &mut |_| {}).unwrap();
+    (reply.text, reply.tokens)
+}
+
+#[test]
+fn health_and_models() {
+    let port = server(None);
+    let (status, body) = http(port, "GET", "/health", "", &[]);
+    assert_eq!(status, 200);
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["status"],
+        "ok"
+    );
+    let (status, body) = http(port, "GET", "/v1/models", "", &[]);
+    assert_eq!(status, 200);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["data"][0]["id"], "demo");
+    assert_eq!(http(port, "GET", "/v1/nothing", "", &[]).0, 404);
+}
+
+#[test]
+fn greedy_chat_is_the_libraries_reply_whole_and_streamed() {
+    let port = server(None);
+    let (want, tokens) = witness_chat("To be, or not to be", 24);
+    let req = json!({
+        "model": "demo",
+        "messages": [{"role": "user", "content": "To be, or not to be"}],
+        "temperature": 0, "max_tokens": 24,
+    });
+    let (status, v) = post(port, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], want.as_str());
+    assert_eq!(v["usage"]["completion_tokens"], tokens);
+    let reason = v["choices"][0]["finish_reason"].as_str().unwrap();
+    assert_eq!(reason, if tokens == 24 { "length" } else { "stop" });
+
+    let mut req = req;
+    req["stream"] = json!(true);
+    req["stream_options"] = json!({"include_usage": true});
+    let (status, body) = http(port, "POST", "/v1/chat/completions", &req.to_string(), &[]);
+    assert_eq!(status, 200);
+    let data = events(&body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(text, want);
+    let finish: Vec<&Value> = chunks
+        .iter()
+        .map(|c| &c["choices"][0]["finish_reason"])
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(finish, vec![&json!(reason)]);
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], tokens);
+    assert!(
+        chunks
+            .iter()
+            .all(|c| c["object"] == "chat.completion.chunk")
+    );
+}
+
+#[test]
+fn a_stop_string_ends_the_reply_before_it() {
+    let port = server(None);
+    let (full, _) = witness_chat("ROMEO:", 32);
+    let Some(cut) = full.find('e') else {
+        panic!("the witness reply has no 'e' to stop at: {full:?}")
+    };
+    let req = json!({
+        "messages": [{"role": "user", "content": "ROMEO:"}],
+        "temperature": 0, "max_tokens": 32, "stop": ["e"],
+    });
+    let (status, v) = post(port, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], &full[..cut]);
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+}
+
+#[test]
+fn greedy_text_completion_is_the_libraries() {
+    let port = server(None);
+    let r = runner();
+    let ids = r.encode("KING HENRY:").unwrap();
+    let mut st = r.model.model().new_state();
+    let mut sampler = Sampler::new(Sampling::default());
+    let g = r
+        .complete(
+            &mut st,
+            &ids,
+            &mut sampler,
+            &GenerateOptions::new(16),
+            &mut |_| {},
+        )
+        .unwrap();
+    let req = json!({"prompt": "KING HENRY:", "temperature": 0, "max_tokens": 16});
+    let (status, v) = post(port, "/v1/completions", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], g.text.as_str());
+    assert_eq!(v["usage"]["prompt_tokens"], ids.len());
+    assert_eq!(v["usage"]["completion_tokens"], g.tokens.len());
+}
+
+#[test]
+fn malformed_requests_get_a_400_naming_the_field() {
+    let port = server(None);
+    let (status, body) = http(port, "POST", "/v1/chat/completions", "{not json", &[]);
+    assert_eq!(status, 400);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    for (req, param) in [
+        (json!({"messages": []}), "messages"),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}], "n": 3}),
+            "n",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}], "temperature": "hot"}),
+            "temperature",
+        ),
+        (json!({"messages": [{"content": "a"}]}), "messages[0].role"),
+    ] {
+        let (status, v) = post(port, "/v1/chat/completions", &req);
+        assert_eq!(status, 400, "{req}");
+        assert_eq!(v["error"]["param"], param, "{req}: {v}");
+    }
+    let (status, v) = post(port, "/v1/completions", &json!({"max_tokens": 3}));
+    assert_eq!(status, 400);
+    assert_eq!(v["error"]["param"], "prompt");
+    // A prompt past the context is refused, not truncated.
+    let long = "the ".repeat(4 * CTX);
+    let (status, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": long, "max_tokens": 3}),
+    );
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("context"));
+}
+
+#[test]
+fn an_api_key_is_required_when_set() {
+    let port = server(Some("sesame"));
+    let req = json!({"prompt": "A", "max_tokens": 2, "temperature": 0}).to_string();
+    assert_eq!(http(port, "POST", "/v1/completions", &req, &[]).0, 401);
+    let wrong = [("Authorization", "Bearer nope")];
+    assert_eq!(http(port, "POST", "/v1/completions", &req, &wrong).0, 401);
+    let bearer = [("Authorization", "Bearer sesame")];
+    assert_eq!(http(port, "POST", "/v1/completions", &req, &bearer).0, 200);
+    let x_key = [("x-api-key", "sesame")];
+    assert_eq!(http(port, "GET", "/v1/models", "", &x_key).0, 200);
+    assert_eq!(http(port, "GET", "/health", "", &[]).0, 200);
+}
