@@ -673,8 +673,11 @@ fn run_serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     let ctx = generation_ctx(args.sampling.ctx, args.model.path()).unwrap_or(4096);
     let place = placement(&args.compute, Some(ctx))?;
     let runner = open_runner(args.model.path(), &place)?;
-    let mut defaults = sampling(&args.sampling, runner.generation_defaults());
-    defaults.seed = 0;
+    // Each request draws its own seed unless it gives one (a fixed default would make every
+    // request with the same prompt answer the same).
+    let mut args = args;
+    args.sampling.seed = Some(0);
+    let defaults = sampling(&args.sampling, runner.generation_defaults());
     let name = args.alias.clone().unwrap_or_else(|| {
         args.model
             .path()
