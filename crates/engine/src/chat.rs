@@ -230,13 +230,10 @@ impl<'r> Chat<'r> {
         self.generate_reply(max_new, on_text)
     }
 
-    fn generate_reply(
-        &mut self,
-        max_new: usize,
-        on_text: &mut dyn FnMut(&str),
-    ) -> Result<Reply, ChatError> {
+    /// The ids of the conversation as the template renders it for the assistant's turn.
+    pub fn prompt_ids(&self) -> Result<Vec<u32>, ChatError> {
         let prompt = self.render()?;
-        let ids = self
+        Ok(self
             .runner
             .tokenizer
             .encode(prompt.as_str(), false)
@@ -245,7 +242,15 @@ impl<'r> Chat<'r> {
                 message: e.to_string(),
             })?
             .get_ids()
-            .to_vec();
+            .to_vec())
+    }
+
+    fn generate_reply(
+        &mut self,
+        max_new: usize,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Reply, ChatError> {
+        let ids = self.prompt_ids()?;
         if ids.is_empty() {
             return Err(RunError::EmptyPrompt.into());
         }

@@ -707,10 +707,34 @@ fn run_serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
             "cortiq serve: {name} on {backend}, context {ctx} tokens, listening on http://{local} \
              (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health)"
         );
-        engine::serve::serve(listener, state).await?;
+        engine::serve::serve_until(listener, state, shutdown_signal()).await?;
+        eprintln!("cortiq serve: stopped");
         anyhow::Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Resolves at SIGINT (Ctrl-C) or, on Unix, SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    eprintln!("cortiq serve: shutting down (the requests in flight end now)");
 }
 
 fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {

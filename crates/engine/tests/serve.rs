@@ -60,9 +60,19 @@ fn http(
     }
     req.push_str("\r\n");
     req.push_str(body);
-    s.write_all(req.as_bytes()).unwrap();
+    // A server may answer (a 413) and close before taking a whole oversized body: what it
+    // sent is still read below.
+    let _ = s.write_all(req.as_bytes());
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).unwrap();
+    let mut buf = [0u8; 65536];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            Err(e) if raw.is_empty() => panic!("{method} {path}: {e}"),
+            Err(_) => break,
+        }
+    }
     let raw = String::from_utf8(raw).unwrap();
     let (head, rest) = raw.split_once("\r\n\r\n").expect("a header block");
     let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
@@ -275,4 +285,90 @@ fn an_api_key_is_required_when_set() {
     let x_key = [("x-api-key", "sesame")];
     assert_eq!(http(port, "GET", "/v1/models", "", &x_key).0, 200);
     assert_eq!(http(port, "GET", "/health", "", &[]).0, 200);
+}
+
+#[test]
+fn unserved_models_oversized_bodies_and_oversized_max_tokens_are_refused() {
+    let port = server(None);
+    let req = json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "a"}]});
+    let (status, v) = post(port, "/v1/chat/completions", &req);
+    assert_eq!(status, 404);
+    assert_eq!(v["error"]["param"], "model");
+    assert_eq!(v["error"]["code"], "model_not_found");
+    let big = format!(
+        "{{\"prompt\": \"{}\"}}",
+        "a".repeat(engine::serve::MAX_BODY + 1)
+    );
+    let (status, body) = http(port, "POST", "/v1/completions", &big, &[]);
+    assert_eq!(status, 413);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("body"));
+    let req = json!({"prompt": "A", "max_tokens": CTX});
+    let (status, v) = post(port, "/v1/completions", &req);
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_tokens")
+    );
+}
+
+/// SIGTERM while a stream is open: the stream ends with its finish chunk and `[DONE]`, the
+/// process exits 0.
+#[cfg(unix)]
+#[test]
+fn sigterm_ends_open_streams_cleanly_and_exits_0() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cortiq"))
+        .args(["serve", "--port", "0", "--backend", "cpu", "-c", "8192"])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut err = BufReader::new(child.stderr.take().unwrap());
+    let port: u16 = loop {
+        let mut line = String::new();
+        assert!(err.read_line(&mut line).unwrap() > 0, "serve exited early");
+        if let Some(rest) = line.split("http://127.0.0.1:").nth(1) {
+            break rest.split_whitespace().next().unwrap().parse().unwrap();
+        }
+    };
+    // Drain the log so the child never blocks on a full pipe.
+    std::thread::spawn(move || for _ in err.lines() {});
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    let body = json!({"prompt": "ROMEO:", "max_tokens": 6000, "stream": true}).to_string();
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).unwrap();
+    // Wait for the first event, then ask the server to stop.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = s.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream closed before its first event");
+        got.extend_from_slice(&buf[..n]);
+    }
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    s.read_to_end(&mut got).unwrap();
+    let text = String::from_utf8_lossy(&got);
+    assert!(
+        text.contains("[DONE]"),
+        "the stream did not end cleanly: ...{}",
+        &text[text.len().saturating_sub(300)..]
+    );
+    assert!(text.contains("\"finish_reason\":\"stop\""));
+    let status = child.wait().unwrap();
+    assert!(status.success(), "serve exited with {status}");
 }

@@ -10,14 +10,16 @@
 pub mod api;
 pub mod worker;
 
+use std::collections::HashMap;
 use std::convert::Infallible;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Json, Response};
@@ -38,6 +40,10 @@ pub struct ServerState {
     api_key: Option<Arc<String>>,
     defaults: Sampling,
     next_id: Arc<AtomicU64>,
+    /// The cancel tokens of the requests in flight (what a shutdown stops).
+    open: Arc<Mutex<HashMap<u64, CancelToken>>>,
+    /// Set once a shutdown began: new requests get a 503.
+    closing: CancelToken,
 }
 
 impl ServerState {
@@ -56,9 +62,39 @@ impl ServerState {
             api_key: api_key.map(Arc::new),
             defaults,
             next_id: Arc::new(AtomicU64::new(1)),
+            open: Arc::new(Mutex::new(HashMap::new())),
+            closing: CancelToken::new(),
+        }
+    }
+
+    /// Refuses new requests and cancels the ones in flight: their generations end at the next
+    /// token, streams close with their finish chunk and `[DONE]`.
+    pub fn close(&self) {
+        self.closing.cancel();
+        let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        for c in open.values() {
+            c.cancel();
         }
     }
 }
+
+/// Removes a request from the open set when its handling ends.
+struct Registered {
+    open: Arc<Mutex<HashMap<u64, CancelToken>>>,
+    id: u64,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        self.open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&self.id);
+    }
+}
+
+/// Largest request body (a long prompt is a few MB of JSON at most).
+pub const MAX_BODY: usize = 32 << 20;
 
 /// The routes.
 pub fn router(state: ServerState) -> Router {
@@ -67,12 +103,30 @@ pub fn router(state: ServerState) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
 }
 
 /// Serves `router(state)` on `listener` until the process ends.
 pub async fn serve(listener: tokio::net::TcpListener, state: ServerState) -> std::io::Result<()> {
     axum::serve(listener, router(state)).await
+}
+
+/// Serves until `stop` resolves (SIGINT or SIGTERM for the command): then no new connection is
+/// accepted, the requests in flight are cancelled ([`ServerState::close`]) and their responses
+/// finish before this returns.
+pub async fn serve_until(
+    listener: tokio::net::TcpListener,
+    state: ServerState,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let closer = state.clone();
+    axum::serve(listener, router(state))
+        .with_graceful_shutdown(async move {
+            stop.await;
+            closer.close();
+        })
+        .await
 }
 
 fn now() -> u64 {
@@ -138,11 +192,28 @@ enum Kind {
     Text,
 }
 
+/// The body, or the error response for one over [`MAX_BODY`] (or unreadable).
+fn body_or_error(body: Result<Bytes, BytesRejection>, path: &str) -> Result<Bytes, Box<Response>> {
+    body.map_err(|e| {
+        let status = e.status();
+        tracing::info!(method = "POST", path, status = status.as_u16(), "request");
+        let message = format!(
+            "the request body: {} (at most {MAX_BODY} bytes)",
+            e.body_text()
+        );
+        Box::new(error(status, &message, "invalid_request_error"))
+    })
+}
+
 async fn chat_completions(
     State(state): State<ServerState>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match body_or_error(body, "/v1/chat/completions") {
+        Ok(b) => b,
+        Err(r) => return *r,
+    };
     let parsed = api::chat_request(&body, &state.defaults);
     handle(state, headers, parsed, Kind::Chat).await
 }
@@ -150,8 +221,12 @@ async fn chat_completions(
 async fn completions(
     State(state): State<ServerState>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
+    let body = match body_or_error(body, "/v1/completions") {
+        Ok(b) => b,
+        Err(r) => return *r,
+    };
     let parsed = api::completion_request(&body, &state.defaults);
     handle(state, headers, parsed, Kind::Text).await
 }
@@ -182,6 +257,27 @@ async fn handle(
             return bad_request(&e);
         }
     };
+    if let Some(m) = request
+        .model
+        .as_deref()
+        .filter(|m| *m != state.model.as_str())
+    {
+        log(path, 404, None, t0);
+        let body = json!({"error": {
+            "message": format!("model {m:?} is not served here; this server serves {:?} \
+                                (GET /v1/models)", state.model),
+            "type": "invalid_request_error", "param": "model", "code": "model_not_found",
+        }});
+        return (StatusCode::NOT_FOUND, Json(body)).into_response();
+    }
+    if state.closing.is_cancelled() {
+        log(path, 503, None, t0);
+        return error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the server is shutting down",
+            "server_error",
+        );
+    }
     let n = state.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match kind {
         Kind::Chat => format!("chatcmpl-{n}"),
@@ -194,6 +290,15 @@ async fn handle(
     let (stream, include_usage) = (request.stream, request.include_usage);
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = CancelToken::new();
+    state
+        .open
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .insert(n, cancel.clone());
+    let registered = Registered {
+        open: state.open.clone(),
+        id: n,
+    };
     let job = Job {
         request,
         events: tx,
@@ -214,7 +319,7 @@ async fn handle(
         kind,
     };
     if stream {
-        return stream_response(shape, rx, cancel, include_usage, path, t0);
+        return stream_response(shape, rx, cancel, include_usage, path, t0, registered);
     }
     let mut text = String::new();
     while let Some(ev) = rx.recv().await {
@@ -326,9 +431,11 @@ fn stream_response(
     include_usage: bool,
     path: &'static str,
     t0: Instant,
+    registered: Registered,
 ) -> Response {
     let (out, out_rx) = mpsc::unbounded_channel::<Result<SseEvent, Infallible>>();
     tokio::spawn(async move {
+        let _registered = registered;
         let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
         let mut first = true;
         // The chat format opens with the role.

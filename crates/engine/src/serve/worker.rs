@@ -95,14 +95,25 @@ fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> 
             cancel_on_close.cancel();
         }
     };
+    // The prompt must leave room in the context, and an explicit max_tokens must fit beside
+    // it (as OpenAI answers); without one the reply may fill the rest.
     let limit = |prompt: usize| -> Result<usize, (u16, String)> {
         if prompt >= ctx {
             return Err((
                 400,
-                format!("the prompt is {prompt} tokens; the context is {ctx} (--ctx)"),
+                format!("the prompt is {prompt} tokens; the context is {ctx} tokens (--ctx)"),
             ));
         }
-        Ok(request.max_tokens.unwrap_or(ctx).min(ctx - prompt))
+        match request.max_tokens {
+            Some(m) if m > ctx - prompt => Err((
+                400,
+                format!(
+                    "max_tokens {m} with a prompt of {prompt} tokens passes the context of \
+                     {ctx} tokens (--ctx)"
+                ),
+            )),
+            m => Ok(m.unwrap_or(ctx - prompt)),
+        }
     };
     match &request.input {
         Input::Chat(messages) => {
@@ -114,7 +125,9 @@ fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> 
             chat.stop.extend(request.stop.iter().cloned());
             chat.cancel = Some(cancel);
             chat.ctx_limit = Some(ctx);
-            let reply = chat.respond(request.max_tokens.unwrap_or(ctx), &mut send);
+            let prompt = chat.prompt_ids().map_err(|e| (400, e.to_string()))?;
+            let max_new = limit(prompt.len())?;
+            let reply = chat.respond(max_new, &mut send);
             let reply = reply.map_err(|e| match &e {
                 ChatError::Context { .. } => (400, e.to_string()),
                 ChatError::Run(r) => (status_of_run(r), e.to_string()),
