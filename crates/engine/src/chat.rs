@@ -16,12 +16,35 @@ use crate::run::{RunError, Runner};
 use crate::sampling::{Sampler, Sampling};
 
 /// One message.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct Message {
-    /// `system`, `user` or `assistant`.
+    /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
     /// The text.
     pub content: String,
+    /// An assistant turn's tool calls (OpenAI's `tool_calls` objects, as templates read them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<serde_json::Value>,
+    /// A tool turn's answer to this call id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// A tool turn's function name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// An assistant turn's reasoning.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+}
+
+impl Message {
+    /// A message of `role` with `content` and nothing else.
+    pub fn new(role: &str, content: &str) -> Message {
+        Message {
+            role: role.to_string(),
+            content: content.to_string(),
+            ..Message::default()
+        }
+    }
 }
 
 /// Why a turn failed.
@@ -83,6 +106,8 @@ pub struct Chat<'r> {
     pub stop: Vec<String>,
     /// Cancels the reply being generated (a client that went away).
     pub cancel: Option<crate::generate::CancelToken>,
+    /// Tool definitions the template offers the model (OpenAI's `tools` list).
+    pub tools: Option<serde_json::Value>,
     bos: String,
     eos: String,
     /// The rendered prompt's ids of the last turn and the state right after them.
@@ -160,10 +185,7 @@ impl<'r> Chat<'r> {
             .filter(|s: &String| !s.is_empty())
             .collect();
         let messages = system
-            .map(|s| Message {
-                role: "system".into(),
-                content: s.into(),
-            })
+            .map(|s| Message::new("system", s))
             .into_iter()
             .collect();
         Ok(Chat {
@@ -174,6 +196,7 @@ impl<'r> Chat<'r> {
             bos: special(runner, &h.config, "bos_token_id"),
             eos: special(runner, &h.config, "eos_token_id"),
             cancel: None,
+            tools: None,
             saved: None,
             sampler: Sampler::new(sampling),
             ctx_limit: None,
@@ -186,6 +209,7 @@ impl<'r> Chat<'r> {
         let t = self.env.get_template("chat")?;
         Ok(t.render(minijinja::context! {
             messages => &self.messages,
+            tools => &self.tools,
             add_generation_prompt => true,
             bos_token => &self.bos,
             eos_token => &self.eos,
@@ -207,10 +231,7 @@ impl<'r> Chat<'r> {
         max_new: usize,
         on_text: &mut dyn FnMut(&str),
     ) -> Result<Reply, ChatError> {
-        self.messages.push(Message {
-            role: "user".into(),
-            content: user.into(),
-        });
+        self.messages.push(Message::new("user", user));
         let reply = self.generate_reply(max_new, on_text);
         if reply.is_err() {
             // A failed turn leaves the conversation as it was.
@@ -292,10 +313,7 @@ impl<'r> Chat<'r> {
         if let Some(prompt_state) = g.prompt_state {
             self.saved = Some((ids.clone(), prompt_state));
         }
-        self.messages.push(Message {
-            role: "assistant".into(),
-            content: g.text.clone(),
-        });
+        self.messages.push(Message::new("assistant", &g.text));
         Ok(Reply {
             text: g.text,
             tokens: g.tokens.len(),
@@ -323,8 +341,8 @@ mod tests {
             .unwrap()
             .render(minijinja::context! {
                 messages => vec![
-                    Message { role: "user".into(), content: "  hi  ".into() },
-                    Message { role: "assistant".into(), content: "<think>x</think> yo".into() },
+                    Message::new("user", "  hi  "),
+                    Message::new("assistant", "<think>x</think> yo"),
                 ],
                 add_generation_prompt => true,
             })

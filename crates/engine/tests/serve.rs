@@ -119,10 +119,7 @@ fn events(body: &str) -> Vec<String> {
 fn witness_chat(user: &str, max_new: usize) -> (String, usize) {
     let r = runner();
     let mut chat = Chat::new(&r, None, Sampling::default()).unwrap();
-    chat.messages = vec![Message {
-        role: "user".into(),
-        content: user.into(),
-    }];
+    chat.messages = vec![Message::new("user", user)];
     let reply = chat.respond(max_new, &mut |_| {}).unwrap();
     (reply.text, reply.tokens)
 }
@@ -371,4 +368,37 @@ fn sigterm_ends_open_streams_cleanly_and_exits_0() {
     assert!(text.contains("\"finish_reason\":\"stop\""));
     let status = child.wait().unwrap();
     assert!(status.success(), "serve exited with {status}");
+}
+
+#[test]
+fn tools_and_tool_turns_are_accepted_and_checked() {
+    let port = server(None);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]);
+    let req = json!({
+        "messages": [
+            {"role": "user", "content": "Weather in Verona?"},
+            {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"city\": \"Verona\"}"}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        ],
+        "tools": tools, "temperature": 0, "max_tokens": 8,
+    });
+    let (status, v) = post(port, "/v1/chat/completions", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    for (bad, param) in [
+        (json!({"tools": [{"type": "function"}]}), "tools[0]"),
+        (
+            json!({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+        ),
+        (json!({"tools": tools, "tool_choice": 3}), "tool_choice"),
+    ] {
+        let mut req = bad;
+        req["messages"] = json!([{"role": "user", "content": "a"}]);
+        let (status, v) = post(port, "/v1/chat/completions", &req);
+        assert_eq!(status, 400, "{req}");
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
 }

@@ -119,6 +119,9 @@ pub struct Request {
     pub stop: Vec<String>,
     /// The conversation (chat) or the prompt text (completions).
     pub input: Input,
+    /// Tool definitions for the template (chat; `None` when there are none or
+    /// `tool_choice` is `none`).
+    pub tools: Option<Value>,
 }
 
 /// The prompt of a request.
@@ -229,6 +232,7 @@ fn common(c: Common, input: Input, defaults: &Sampling) -> Result<Request, BadRe
         max_tokens,
         stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         input,
+        tools: None,
     })
 }
 
@@ -294,12 +298,116 @@ pub fn chat_request(body: &[u8], defaults: &Sampling) -> Result<Request, BadRequ
             m.get("content").unwrap_or(&Value::Null),
             &format!("{at}.content"),
         )?;
+        let text = |k: &str| -> Result<Option<String>, BadRequest> {
+            match m.get(k) {
+                None | Some(Value::Null) => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(_) => Err(BadRequest::new(&format!("{at}.{k}"), "expected a string")),
+            }
+        };
+        let tool_calls = match m.get("tool_calls") {
+            None | Some(Value::Null) => None,
+            Some(Value::Array(calls)) => Some(Value::Array(tool_calls_for_template(
+                calls,
+                &format!("{at}.tool_calls"),
+            )?)),
+            Some(_) => {
+                return Err(BadRequest::new(
+                    &format!("{at}.tool_calls"),
+                    "expected a list of tool calls",
+                ));
+            }
+        };
         messages.push(Message {
             role: role.to_string(),
             content,
+            tool_calls,
+            tool_call_id: text("tool_call_id")?,
+            name: text("name")?,
+            reasoning_content: text("reasoning_content")?,
         });
     }
-    common(c, Input::Chat(messages), defaults)
+    let tools = tools_offered(&obj)?;
+    let mut req = common(c, Input::Chat(messages), defaults)?;
+    req.tools = tools;
+    Ok(req)
+}
+
+/// The `tools` a request offers, narrowed by `tool_choice` (`none`: none; a named function:
+/// only it).
+fn tools_offered(obj: &serde_json::Map<String, Value>) -> Result<Option<Value>, BadRequest> {
+    const FUNCTION: &str = "expected {\"type\": \"function\", \"function\": {\"name\": ...}}";
+    let tools = match obj.get("tools") {
+        None | Some(Value::Null) => Vec::new(),
+        Some(Value::Array(t)) => {
+            for (i, tool) in t.iter().enumerate() {
+                if tool
+                    .pointer("/function/name")
+                    .and_then(Value::as_str)
+                    .is_none()
+                {
+                    return Err(BadRequest::new(&format!("tools[{i}]"), FUNCTION));
+                }
+            }
+            t.clone()
+        }
+        Some(_) => return Err(BadRequest::new("tools", "expected a list of tools")),
+    };
+    let tools = match obj.get("tool_choice") {
+        None | Some(Value::Null) => tools,
+        Some(Value::String(c)) if c == "none" => Vec::new(),
+        Some(Value::String(c)) if c == "auto" || c == "required" => tools,
+        Some(Value::Object(o)) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str)
+                .ok_or_else(|| BadRequest::new("tool_choice", FUNCTION))?;
+            let chosen: Vec<Value> = tools
+                .into_iter()
+                .filter(|t| t.pointer("/function/name").and_then(Value::as_str) == Some(name))
+                .collect();
+            if chosen.is_empty() {
+                return Err(BadRequest::new(
+                    "tool_choice",
+                    format!("function {name:?} is not among the tools"),
+                ));
+            }
+            chosen
+        }
+        Some(v) => {
+            return Err(BadRequest::new(
+                "tool_choice",
+                format!("tool_choice = {v}: expected none, auto, required or a function"),
+            ));
+        }
+    };
+    Ok((!tools.is_empty()).then_some(Value::Array(tools)))
+}
+
+/// An assistant message's `tool_calls` as templates read them: each call's `arguments`
+/// (a JSON string on the wire) parsed into an object where it is one.
+fn tool_calls_for_template(calls: &[Value], at: &str) -> Result<Vec<Value>, BadRequest> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let mut f = c
+                .get("function")
+                .ok_or_else(|| {
+                    BadRequest::new(&format!("{at}[{i}].function"), "expected a function call")
+                })?
+                .clone();
+            if let Some(Value::String(a)) = f.get("arguments")
+                && let Ok(v) = serde_json::from_str::<Value>(a)
+            {
+                f["arguments"] = v;
+            }
+            let mut c = c.clone();
+            c["function"] = f;
+            Ok(c)
+        })
+        .collect()
 }
 
 /// `POST /v1/completions`: `prompt` (a string, or a list of one string) and the common fields.

@@ -8,6 +8,7 @@
 //! log line per request (method, path, status, prompt and completion tokens, milliseconds).
 
 pub mod api;
+pub mod parse;
 pub mod worker;
 
 use std::collections::HashMap;
@@ -28,6 +29,7 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use self::api::{BadRequest, Request, finish_reason};
+use self::parse::{Piece, Splitter};
 use self::worker::{Event, Job, Outcome, Worker};
 use crate::generate::CancelToken;
 use crate::sampling::Sampling;
@@ -288,6 +290,7 @@ async fn handle(
         .clone()
         .unwrap_or_else(|| (*state.model).clone());
     let (stream, include_usage) = (request.stream, request.include_usage);
+    let tools = request.tools.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = CancelToken::new();
     state
@@ -317,17 +320,26 @@ async fn handle(
         model,
         created: now(),
         kind,
+        tools,
     };
     if stream {
         return stream_response(shape, rx, cancel, include_usage, path, t0, registered);
     }
-    let mut text = String::new();
+    let mut split = Splitter::new(false, false, false);
+    let mut pieces = Vec::new();
     while let Some(ev) = rx.recv().await {
         match ev {
-            Event::Text(t) => text.push_str(&t),
+            Event::Started {
+                reasoning,
+                in_think,
+            } => {
+                split = Splitter::new(reasoning, shape.tools, in_think);
+            }
+            Event::Text(t) => pieces.extend(split.push(&t)),
             Event::Done(o) => {
+                pieces.extend(split.finish());
                 log(path, 200, Some(&o), t0);
-                return Json(shape.whole(&text, &o)).into_response();
+                return Json(shape.whole(pieces, &o)).into_response();
             }
             Event::Failed(status, message) => {
                 log(path, status, None, t0);
@@ -356,6 +368,8 @@ struct Shape {
     model: String,
     created: u64,
     kind: Kind,
+    /// Tools were offered: `<tool_call>` blocks become `tool_calls`.
+    tools: bool,
 }
 
 fn usage(o: &Outcome) -> Value {
@@ -385,16 +399,55 @@ impl Shape {
         })
     }
 
+    fn call_id(&self, i: usize) -> String {
+        format!("call_{}_{i}", self.id)
+    }
+
+    fn call(&self, i: usize, name: &str, arguments: &str, index: bool) -> Value {
+        let mut c = json!({
+            "id": self.call_id(i), "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        });
+        if index {
+            c["index"] = json!(i);
+        }
+        c
+    }
+
+    /// The finish reason: `tool_calls` when the reply called a tool.
+    fn reason(&self, o: &Outcome, calls: usize) -> &'static str {
+        if calls > 0 {
+            "tool_calls"
+        } else {
+            finish_reason(o.finish)
+        }
+    }
+
     /// The non-streaming answer.
-    fn whole(&self, text: &str, o: &Outcome) -> Value {
+    fn whole(&self, pieces: Vec<Piece>, o: &Outcome) -> Value {
+        let (content, reasoning, calls) = parse::merge(pieces);
         let choice = match self.kind {
-            Kind::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": finish_reason(o.finish),
-            }),
+            Kind::Chat => {
+                let mut message = json!({"role": "assistant", "content": content});
+                if content.is_empty() && !calls.is_empty() {
+                    message["content"] = Value::Null;
+                }
+                if !reasoning.is_empty() {
+                    message["reasoning_content"] = json!(reasoning);
+                }
+                if !calls.is_empty() {
+                    let list: Vec<Value> = calls
+                        .iter()
+                        .enumerate()
+                        .map(|(i, (n, a))| self.call(i, n, a, false))
+                        .collect();
+                    message["tool_calls"] = json!(list);
+                }
+                json!({"index": 0, "message": message,
+                       "finish_reason": self.reason(o, calls.len())})
+            }
             Kind::Text => json!({
-                "index": 0, "text": text, "logprobs": null,
+                "index": 0, "text": content, "logprobs": null,
                 "finish_reason": finish_reason(o.finish),
             }),
         };
@@ -403,24 +456,29 @@ impl Shape {
         v
     }
 
-    /// A chunk carrying `text` (and, at the end, the finish reason).
-    fn chunk(&self, text: Option<&str>, first: bool, finish: Option<&str>) -> Value {
+    /// A chunk with `delta` (chat) or `text` (completions), and at the end the finish reason.
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> Value {
         let choice = match self.kind {
-            Kind::Chat => {
-                let mut delta = json!({});
-                if first {
-                    delta["role"] = json!("assistant");
-                }
-                if let Some(t) = text {
-                    delta["content"] = json!(t);
-                }
-                json!({"index": 0, "delta": delta, "finish_reason": finish})
-            }
+            Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": finish}),
             Kind::Text => json!({
-                "index": 0, "text": text.unwrap_or(""), "logprobs": null, "finish_reason": finish,
+                "index": 0, "text": delta.get("content").and_then(Value::as_str).unwrap_or(""),
+                "logprobs": null, "finish_reason": finish,
             }),
         };
         self.frame(json!([choice]), true)
+    }
+
+    /// The delta of one parsed piece (`calls` numbers the tool calls so far).
+    fn delta(&self, p: &Piece, calls: &mut usize) -> Value {
+        match p {
+            Piece::Content(t) => json!({"content": t}),
+            Piece::Reasoning(t) => json!({"reasoning_content": t}),
+            Piece::ToolCall { name, arguments } => {
+                let c = self.call(*calls, name, arguments, true);
+                *calls += 1;
+                json!({"tool_calls": [c]})
+            }
+        }
     }
 }
 
@@ -437,23 +495,30 @@ fn stream_response(
     tokio::spawn(async move {
         let _registered = registered;
         let data = |v: Value| Ok(SseEvent::default().data(v.to_string()));
-        let mut first = true;
         // The chat format opens with the role.
-        if shape.kind == Kind::Chat && out.send(data(shape.chunk(Some(""), true, None))).is_err() {
+        let opening = json!({"role": "assistant", "content": ""});
+        if shape.kind == Kind::Chat && out.send(data(shape.chunk(opening, None))).is_err() {
             cancel.cancel();
             return;
         }
-        first &= shape.kind != Kind::Chat;
+        let mut split = Splitter::new(false, false, false);
+        let mut calls = 0;
         while let Some(ev) = rx.recv().await {
-            let sent = match ev {
-                Event::Text(t) => {
-                    let r = out.send(data(shape.chunk(Some(&t), first, None)));
-                    first = false;
-                    r
+            let pieces = match ev {
+                Event::Started {
+                    reasoning,
+                    in_think,
+                } => {
+                    split = Splitter::new(reasoning, shape.tools, in_think);
+                    continue;
                 }
+                Event::Text(t) => split.push(&t),
                 Event::Done(o) => {
-                    let reason = finish_reason(o.finish);
-                    let _ = out.send(data(shape.chunk(None, first, Some(reason))));
+                    for p in split.finish() {
+                        let _ = out.send(data(shape.chunk(shape.delta(&p, &mut calls), None)));
+                    }
+                    let reason = shape.reason(&o, calls);
+                    let _ = out.send(data(shape.chunk(json!({}), Some(reason))));
                     if include_usage {
                         let mut u = shape.frame(json!([]), true);
                         u["usage"] = usage(&o);
@@ -473,13 +538,85 @@ fn stream_response(
                     return;
                 }
             };
-            if sent.is_err() {
-                // The client went away: stop generating.
-                cancel.cancel();
-                log(path, 499, None, t0);
-                return;
+            for p in pieces {
+                if out
+                    .send(data(shape.chunk(shape.delta(&p, &mut calls), None)))
+                    .is_err()
+                {
+                    // The client went away: stop generating.
+                    cancel.cancel();
+                    log(path, 499, None, t0);
+                    return;
+                }
             }
         }
     });
     Sse::new(tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx)).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::generate::Finish;
+
+    fn shape(tools: bool) -> Shape {
+        Shape {
+            id: "chatcmpl-7".into(),
+            model: "m".into(),
+            created: 1,
+            kind: Kind::Chat,
+            tools,
+        }
+    }
+
+    const OUTCOME: Outcome = Outcome {
+        finish: Finish::Eos,
+        prompt_tokens: 3,
+        completion_tokens: 9,
+    };
+
+    #[test]
+    fn a_whole_answer_carries_reasoning_and_tool_calls_apart() {
+        let pieces = vec![
+            Piece::Reasoning("weigh it".into()),
+            Piece::ToolCall {
+                name: "get_weather".into(),
+                arguments: r#"{"city":"Verona"}"#.into(),
+            },
+        ];
+        let v = shape(true).whole(pieces, &OUTCOME);
+        let m = &v["choices"][0]["message"];
+        assert_eq!(m["content"], Value::Null);
+        assert_eq!(m["reasoning_content"], "weigh it");
+        assert_eq!(m["tool_calls"][0]["id"], "call_chatcmpl-7_0");
+        assert_eq!(m["tool_calls"][0]["function"]["name"], "get_weather");
+        assert_eq!(
+            m["tool_calls"][0]["function"]["arguments"],
+            r#"{"city":"Verona"}"#
+        );
+        assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+        assert_eq!(v["usage"]["total_tokens"], 12);
+        let plain = shape(false).whole(vec![Piece::Content("hi".into())], &OUTCOME);
+        assert_eq!(plain["choices"][0]["message"]["content"], "hi");
+        assert!(plain["choices"][0]["message"].get("tool_calls").is_none());
+        assert_eq!(plain["choices"][0]["finish_reason"], "stop");
+    }
+
+    #[test]
+    fn streamed_tool_calls_have_stable_ids_and_indices() {
+        let s = shape(true);
+        let mut calls = 0;
+        let call = |n: &str| Piece::ToolCall {
+            name: n.into(),
+            arguments: "{}".into(),
+        };
+        let a = s.delta(&call("a"), &mut calls);
+        let b = s.delta(&call("b"), &mut calls);
+        assert_eq!(a["tool_calls"][0]["index"], 0);
+        assert_eq!(b["tool_calls"][0]["index"], 1);
+        assert_eq!(b["tool_calls"][0]["id"], s.call_id(1));
+        assert_eq!(s.reason(&OUTCOME, calls), "tool_calls");
+        let r = s.delta(&Piece::Reasoning("x".into()), &mut calls);
+        assert_eq!(r, json!({"reasoning_content": "x"}));
+    }
 }

@@ -16,6 +16,14 @@ use crate::sampling::Sampler;
 /// What a job reports, in order: text pieces, then one `Done` or `Failed`.
 #[derive(Debug, Clone)]
 pub enum Event {
+    /// Chat only, before any text: whether the model's template writes reasoning blocks, and
+    /// whether the prompt left one open (the reply starts inside it).
+    Started {
+        /// The template knows `<think>`.
+        reasoning: bool,
+        /// The rendered prompt ends inside a `<think>` block.
+        in_think: bool,
+    },
     /// Text that is final (never part of a stop string).
     Text(String),
     /// The generation ended.
@@ -90,6 +98,7 @@ fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> 
         cancel,
     } = job;
     let cancel_on_close = cancel.clone();
+    let started = events.clone();
     let mut send = move |t: &str| {
         if !t.is_empty() && events.send(Event::Text(t.to_string())).is_err() {
             cancel_on_close.cancel();
@@ -125,6 +134,13 @@ fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> 
             chat.stop.extend(request.stop.iter().cloned());
             chat.cancel = Some(cancel);
             chat.ctx_limit = Some(ctx);
+            chat.tools = request.tools.clone();
+            let rendered = chat.render().map_err(|e| (400, e.to_string()))?;
+            let template = runner.model.cmf().header().chat_template.clone();
+            let _ = started.send(Event::Started {
+                reasoning: template.is_some_and(|t| t.contains("</think>")),
+                in_think: super::parse::opens_reasoning(&rendered),
+            });
             let prompt = chat.prompt_ids().map_err(|e| (400, e.to_string()))?;
             let max_new = limit(prompt.len())?;
             let reply = chat.respond(max_new, &mut send);

@@ -1,0 +1,299 @@
+//! Splitting a reply into what the API returns apart: reasoning (`<think>...</think>`, returned
+//! as `reasoning_content`), tool calls (Qwen's `<tool_call>{"name": ..., "arguments": ...}
+//! </tool_call>` blocks, returned as structured `tool_calls`) and the answer text, as the
+//! text streams in. Text that could still be the start of a tag is held back until it is
+//! known; a tool call that is not valid JSON with a string `name` is returned as text, never
+//! an error.
+
+use serde_json::Value;
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const TOOL_OPEN: &str = "<tool_call>";
+const TOOL_CLOSE: &str = "</tool_call>";
+
+/// One parsed piece of a reply, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    /// Answer text.
+    Content(String),
+    /// Reasoning text.
+    Reasoning(String),
+    /// A complete tool call: its name and its arguments as a JSON string.
+    ToolCall {
+        /// The function's name.
+        name: String,
+        /// The arguments, serialised.
+        arguments: String,
+    },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Mode {
+    Content,
+    Think,
+    Tool,
+}
+
+/// The streaming splitter of one reply.
+#[derive(Debug, Clone)]
+pub struct Splitter {
+    mode: Mode,
+    /// Text not yet classified (a possible tag prefix, or an open tool call's body).
+    pending: String,
+    /// Whether tags are looked for at all (`tools` given or a reasoning model): without them
+    /// a reply is content as it comes.
+    reasoning: bool,
+    tools: bool,
+}
+
+/// The longest suffix of `s` that is a proper prefix of `tag` (held back: it may yet become
+/// the tag).
+fn partial_tag(s: &str, tag: &str) -> usize {
+    (1..tag.len().min(s.len() + 1))
+        .rev()
+        .find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..]))
+        .unwrap_or(0)
+}
+
+impl Splitter {
+    /// A splitter that finds reasoning (when `reasoning`) and tool calls (when `tools`);
+    /// `in_think` when the prompt already opened the reasoning block (a template that ends
+    /// its generation prompt with an open `<think>`: see [`opens_reasoning`]).
+    pub fn new(reasoning: bool, tools: bool, in_think: bool) -> Splitter {
+        Splitter {
+            mode: if in_think && reasoning {
+                Mode::Think
+            } else {
+                Mode::Content
+            },
+            pending: String::new(),
+            reasoning,
+            tools,
+        }
+    }
+
+    /// Adds released text; returns the pieces now known.
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.pending.push_str(text);
+        let mut out = Vec::new();
+        loop {
+            let tags: Vec<&str> = match self.mode {
+                Mode::Content => {
+                    let mut t = Vec::new();
+                    if self.reasoning {
+                        t.push(THINK_OPEN);
+                    }
+                    if self.tools {
+                        t.push(TOOL_OPEN);
+                    }
+                    t
+                }
+                Mode::Think => vec![THINK_CLOSE],
+                Mode::Tool => vec![TOOL_CLOSE],
+            };
+            // The earliest tag in the pending text.
+            let found = tags
+                .iter()
+                .filter_map(|t| self.pending.find(t).map(|i| (i, *t)))
+                .min_by_key(|(i, _)| *i);
+            match found {
+                Some((i, tag)) => {
+                    let before = self.pending[..i].to_string();
+                    let rest = self.pending[i + tag.len()..].to_string();
+                    match (self.mode, tag) {
+                        (Mode::Content, THINK_OPEN) => {
+                            push_text(&mut out, Mode::Content, before);
+                            self.mode = Mode::Think;
+                        }
+                        (Mode::Content, _) => {
+                            push_text(&mut out, Mode::Content, before);
+                            self.mode = Mode::Tool;
+                        }
+                        (Mode::Think, _) => {
+                            push_text(&mut out, Mode::Think, before);
+                            self.mode = Mode::Content;
+                        }
+                        (Mode::Tool, _) => {
+                            out.push(tool_call(&before));
+                            self.mode = Mode::Content;
+                        }
+                    }
+                    self.pending = rest;
+                }
+                None => {
+                    // Release all but a possible tag prefix (an open tool call keeps its
+                    // whole body until it closes).
+                    if self.mode == Mode::Tool {
+                        break;
+                    }
+                    let hold = tags
+                        .iter()
+                        .map(|t| partial_tag(&self.pending, t))
+                        .max()
+                        .unwrap_or(0);
+                    let cut = self.pending.len() - hold;
+                    let released = self.pending[..cut].to_string();
+                    self.pending.drain(..cut);
+                    push_text(&mut out, self.mode, released);
+                    break;
+                }
+            }
+        }
+        out
+    }
+
+    /// The end of the reply: what is still held back.
+    pub fn finish(&mut self) -> Vec<Piece> {
+        let rest = std::mem::take(&mut self.pending);
+        let mut out = Vec::new();
+        match self.mode {
+            // An unclosed tool call is text as the model wrote it.
+            Mode::Tool => push_text(&mut out, Mode::Content, format!("{TOOL_OPEN}{rest}")),
+            mode => push_text(&mut out, mode, rest),
+        }
+        out
+    }
+}
+
+/// Whether a rendered prompt leaves a reasoning block open (its last `<think>` is not
+/// closed), so the reply starts inside it.
+pub fn opens_reasoning(prompt: &str) -> bool {
+    match (prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)) {
+        (Some(o), Some(c)) => o > c,
+        (Some(_), None) => true,
+        _ => false,
+    }
+}
+
+fn push_text(out: &mut Vec<Piece>, mode: Mode, text: String) {
+    if text.is_empty() {
+        return;
+    }
+    out.push(match mode {
+        Mode::Think => Piece::Reasoning(text),
+        _ => Piece::Content(text),
+    });
+}
+
+/// A `<tool_call>` block's body as a call, or (not a JSON object with a string `name`) the
+/// block as text.
+fn tool_call(body: &str) -> Piece {
+    let parsed: Option<Value> = serde_json::from_str(body.trim()).ok();
+    match parsed {
+        Some(Value::Object(o)) => match o.get("name").and_then(Value::as_str) {
+            Some(name) => {
+                let arguments = match o.get("arguments").or_else(|| o.get("parameters")) {
+                    Some(Value::String(s)) => s.clone(),
+                    Some(v) => v.to_string(),
+                    None => "{}".to_string(),
+                };
+                Piece::ToolCall {
+                    name: name.to_string(),
+                    arguments,
+                }
+            }
+            None => Piece::Content(format!("{TOOL_OPEN}{body}{TOOL_CLOSE}")),
+        },
+        _ => Piece::Content(format!("{TOOL_OPEN}{body}{TOOL_CLOSE}")),
+    }
+}
+
+/// Adjacent pieces of one kind merged (what a whole, non-streamed answer holds).
+pub fn merge(pieces: Vec<Piece>) -> (String, String, Vec<(String, String)>) {
+    let (mut content, mut reasoning, mut calls) = (String::new(), String::new(), Vec::new());
+    for p in pieces {
+        match p {
+            Piece::Content(t) => content.push_str(&t),
+            Piece::Reasoning(t) => reasoning.push_str(&t),
+            Piece::ToolCall { name, arguments } => calls.push((name, arguments)),
+        }
+    }
+    (content, reasoning, calls)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The reply fed in every split into pieces of `n` bytes (on char boundaries), merged.
+    fn split_by(text: &str, n: usize, in_think: bool) -> (String, String, Vec<(String, String)>) {
+        let mut s = Splitter::new(true, true, in_think);
+        let mut pieces = Vec::new();
+        let chars: Vec<char> = text.chars().collect();
+        for chunk in chars.chunks(n) {
+            let c: String = chunk.iter().collect();
+            pieces.extend(s.push(&c));
+        }
+        pieces.extend(s.finish());
+        merge(pieces)
+    }
+
+    #[test]
+    fn reasoning_tool_calls_and_content_in_any_chunking() {
+        let reply = "<think>I should look it up.</think>Let me check.\n<tool_call>\n\
+                     {\"name\": \"get_weather\", \"arguments\": {\"city\": \"Verona\"}}\n\
+                     </tool_call>\n<tool_call>{\"name\": \"now\"}</tool_call>";
+        for n in [1, 2, 3, 5, 7, 1000] {
+            let (content, reasoning, calls) = split_by(reply, n, false);
+            assert_eq!(reasoning, "I should look it up.", "chunks of {n}");
+            assert_eq!(content, "Let me check.\n\n", "chunks of {n}");
+            assert_eq!(
+                calls,
+                vec![
+                    (
+                        "get_weather".to_string(),
+                        r#"{"city":"Verona"}"#.to_string()
+                    ),
+                    ("now".to_string(), "{}".to_string())
+                ],
+                "chunks of {n}"
+            );
+        }
+    }
+
+    #[test]
+    fn reasoning_the_prompt_opened_and_text_that_only_looks_like_a_tag() {
+        let (content, reasoning, calls) = split_by("hmm, 2 < 3</think>Yes: a <b> tag", 2, true);
+        assert_eq!(reasoning, "hmm, 2 < 3");
+        assert_eq!(content, "Yes: a <b> tag");
+        assert!(calls.is_empty());
+        // Reasoning is only what a tag (or the prompt) opened: a stray close is text.
+        let (content, reasoning, _) = split_by("thinking</think>answer", 3, false);
+        assert_eq!(content, "thinking</think>answer");
+        assert!(reasoning.is_empty());
+        // A trailing partial tag is text at the end.
+        let (content, _, _) = split_by("see <tool_ca", 4, false);
+        assert_eq!(content, "see <tool_ca");
+    }
+
+    #[test]
+    fn malformed_tool_calls_are_text() {
+        for bad in [
+            "<tool_call>{not json}</tool_call>",
+            "<tool_call>{\"arguments\": {}}</tool_call>",
+            "<tool_call>[1, 2]</tool_call>",
+        ] {
+            let (content, _, calls) = split_by(bad, 3, false);
+            assert!(calls.is_empty(), "{bad}");
+            assert_eq!(content, bad);
+        }
+        // Never closed: text as written.
+        let (content, _, calls) = split_by("<tool_call>{\"name\": \"x\"", 3, false);
+        assert!(calls.is_empty());
+        assert_eq!(content, "<tool_call>{\"name\": \"x\"");
+    }
+
+    #[test]
+    fn without_tools_or_reasoning_tags_are_text() {
+        let mut s = Splitter::new(false, false, false);
+        let mut p = s.push("<think>x</think><tool_call>{\"name\":\"a\"}</tool_call>");
+        p.extend(s.finish());
+        let (content, reasoning, calls) = merge(p);
+        assert_eq!(
+            content,
+            "<think>x</think><tool_call>{\"name\":\"a\"}</tool_call>"
+        );
+        assert!(reasoning.is_empty() && calls.is_empty());
+    }
+}
