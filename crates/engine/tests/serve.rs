@@ -402,3 +402,113 @@ fn tools_and_tool_turns_are_accepted_and_checked() {
         assert_eq!(v["error"]["param"], param, "{v}");
     }
 }
+
+#[test]
+fn anthropic_messages_whole_streamed_and_counted() {
+    let port = server(None);
+    let (want, tokens) = witness_chat("To be, or not to be", 24);
+    let req = json!({
+        "model": "demo", "max_tokens": 24, "temperature": 0,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "To be, or not to be"}]}],
+    });
+    let (status, v) = post(port, "/v1/messages", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["role"], "assistant");
+    assert_eq!(v["content"][0]["type"], "text");
+    assert_eq!(v["content"][0]["text"], want.as_str());
+    assert_eq!(v["usage"]["output_tokens"], tokens);
+    let reason = if tokens == 24 {
+        "max_tokens"
+    } else {
+        "end_turn"
+    };
+    assert_eq!(v["stop_reason"], reason);
+
+    let mut req = req;
+    req["stream"] = json!(true);
+    let (status, body) = http(port, "POST", "/v1/messages", &req.to_string(), &[]);
+    assert_eq!(status, 200);
+    let names: Vec<&str> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("event:").map(str::trim))
+        .collect();
+    assert_eq!(names.first(), Some(&"message_start"));
+    assert_eq!(names[1], "content_block_start");
+    assert_eq!(
+        &names[names.len() - 3..],
+        &["content_block_stop", "message_delta", "message_stop"]
+    );
+    let data: Vec<Value> = events(&body)
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let text: String = data
+        .iter()
+        .filter(|d| d["type"] == "content_block_delta")
+        .map(|d| d["delta"]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, want);
+    let delta = data.iter().find(|d| d["type"] == "message_delta").unwrap();
+    assert_eq!(delta["delta"]["stop_reason"], reason);
+    assert_eq!(delta["usage"]["output_tokens"], tokens);
+
+    // count_tokens: the rendered conversation's tokens, as the library counts them.
+    let r = runner();
+    let mut chat = Chat::new(&r, None, Sampling::default()).unwrap();
+    chat.messages = vec![
+        Message::new("system", "Be brief."),
+        Message::new("user", "Hello"),
+    ];
+    let n = chat.prompt_ids().unwrap().len();
+    let req = json!({"model": "demo", "system": "Be brief.", "messages": [{"role": "user", "content": "Hello"}]});
+    let (status, v) = post(port, "/v1/messages/count_tokens", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["input_tokens"], n);
+}
+
+#[test]
+fn anthropic_errors_and_tool_turns() {
+    let port = server(None);
+    let (status, v) = post(
+        port,
+        "/v1/messages",
+        &json!({"messages": [{"role": "user", "content": "a"}]}),
+    );
+    assert_eq!(status, 400);
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("max_tokens")
+    );
+    let image = json!({"max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]});
+    let (status, v) = post(port, "/v1/messages", &image);
+    assert_eq!(status, 400);
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("messages[0].content[0]")
+    );
+    let turns = json!({
+        "max_tokens": 4, "temperature": 0,
+        "tools": [{"name": "get_weather", "input_schema": {"type": "object"}}],
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Verona"}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
+        ],
+    });
+    let (status, v) = post(port, "/v1/messages", &turns);
+    assert_eq!(status, 200, "{v}");
+    let (status, v) = post(
+        port,
+        "/v1/messages",
+        &json!({"model": "claude-x", "max_tokens": 4, "messages": [{"role": "user", "content": "a"}]}),
+    );
+    assert_eq!(status, 404);
+    assert_eq!(v["error"]["type"], "not_found_error");
+}

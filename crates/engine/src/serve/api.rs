@@ -19,7 +19,7 @@ pub struct BadRequest {
 }
 
 impl BadRequest {
-    fn new(param: &str, message: impl Into<String>) -> BadRequest {
+    pub(crate) fn new(param: &str, message: impl Into<String>) -> BadRequest {
         BadRequest {
             message: message.into(),
             param: Some(param.to_string()),
@@ -39,18 +39,18 @@ impl BadRequest {
 
 /// The fields both endpoints share.
 #[derive(Debug, Clone, Default)]
-struct Common {
-    model: Option<String>,
-    stream: Option<bool>,
+pub(crate) struct Common {
+    pub(crate) model: Option<String>,
+    pub(crate) stream: Option<bool>,
     include_usage: bool,
     temperature: Option<f32>,
     top_p: Option<f32>,
     top_k: Option<i64>,
     min_p: Option<f32>,
     seed: Option<u64>,
-    max_tokens: Option<u64>,
+    pub(crate) max_tokens: Option<u64>,
     max_completion_tokens: Option<u64>,
-    stop: Option<Stop>,
+    pub(crate) stop: Option<Stop>,
     n: Option<u64>,
     repetition_penalty: Option<f32>,
 }
@@ -63,14 +63,14 @@ struct StreamOptions {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
-enum Stop {
+pub(crate) enum Stop {
     One(String),
     Many(Vec<String>),
 }
 
 /// Field `name` of `obj` as a `T` (absent or null: `None`); a value of another type is a 400
 /// naming the field.
-fn field<T: for<'de> Deserialize<'de>>(
+pub(crate) fn field<T: for<'de> Deserialize<'de>>(
     obj: &serde_json::Map<String, Value>,
     name: &str,
     expected: &str,
@@ -83,7 +83,7 @@ fn field<T: for<'de> Deserialize<'de>>(
     }
 }
 
-fn common_fields(obj: &serde_json::Map<String, Value>) -> Result<Common, BadRequest> {
+pub(crate) fn common_fields(obj: &serde_json::Map<String, Value>) -> Result<Common, BadRequest> {
     let opts: Option<StreamOptions> = field(obj, "stream_options", "an object")?;
     Ok(Common {
         model: field(obj, "model", "a string")?,
@@ -122,6 +122,8 @@ pub struct Request {
     /// Tool definitions for the template (chat; `None` when there are none or
     /// `tool_choice` is `none`).
     pub tools: Option<Value>,
+    /// Only count the prompt's tokens (`/v1/messages/count_tokens`).
+    pub count_only: bool,
 }
 
 /// The prompt of a request.
@@ -134,7 +136,7 @@ pub enum Input {
 }
 
 /// The body as a JSON object.
-fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, BadRequest> {
+pub(crate) fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, BadRequest> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(o)) => Ok(o),
         Ok(_) => Err(BadRequest {
@@ -148,7 +150,7 @@ fn object(body: &[u8]) -> Result<serde_json::Map<String, Value>, BadRequest> {
     }
 }
 
-fn common(c: Common, input: Input, defaults: &Sampling) -> Result<Request, BadRequest> {
+pub(crate) fn common(c: Common, input: Input, defaults: &Sampling) -> Result<Request, BadRequest> {
     if let Some(n) = c.n.filter(|&n| n != 1) {
         return Err(BadRequest::new(
             "n",
@@ -233,11 +235,12 @@ fn common(c: Common, input: Input, defaults: &Sampling) -> Result<Request, BadRe
         stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),
         input,
         tools: None,
+        count_only: false,
     })
 }
 
 /// A chat message's `content`: a string, or a list of `{"type": "text", "text": ...}` parts.
-fn content_text(v: &Value, at: &str) -> Result<String, BadRequest> {
+pub(crate) fn content_text(v: &Value, at: &str) -> Result<String, BadRequest> {
     match v {
         Value::String(s) => Ok(s.clone()),
         Value::Null => Ok(String::new()),

@@ -7,6 +7,7 @@
 //! arrival order; a client that disconnects cancels its request before the next forward. One
 //! log line per request (method, path, status, prompt and completion tokens, milliseconds).
 
+pub mod anthropic;
 pub mod api;
 pub mod parse;
 pub mod worker;
@@ -86,6 +87,21 @@ struct Registered {
     id: u64,
 }
 
+impl Registered {
+    /// Adds request `id` (cancelled by `cancel`) to the open set until the guard drops.
+    fn new(state: &ServerState, id: u64, cancel: &CancelToken) -> Registered {
+        state
+            .open
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, cancel.clone());
+        Registered {
+            open: state.open.clone(),
+            id,
+        }
+    }
+}
+
 impl Drop for Registered {
     fn drop(&mut self) {
         self.open
@@ -105,6 +121,8 @@ pub fn router(state: ServerState) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/completions", post(completions))
+        .route("/v1/messages", post(messages))
+        .route("/v1/messages/count_tokens", post(count_tokens))
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
 }
@@ -207,6 +225,56 @@ fn body_or_error(body: Result<Bytes, BytesRejection>, path: &str) -> Result<Byte
     })
 }
 
+async fn messages(
+    State(state): State<ServerState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    anthropic_route(state, headers, body, false).await
+}
+
+async fn count_tokens(
+    State(state): State<ServerState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    anthropic_route(state, headers, body, true).await
+}
+
+async fn anthropic_route(
+    state: ServerState,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    count: bool,
+) -> Response {
+    let path = if count {
+        "/v1/messages/count_tokens"
+    } else {
+        "/v1/messages"
+    };
+    if !authorised(&state, &headers) {
+        log(path, 401, None, Instant::now());
+        return anthropic::error(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid API key",
+        );
+    }
+    let body = match body {
+        Ok(b) => b,
+        Err(e) => {
+            log(path, e.status().as_u16(), None, Instant::now());
+            let msg = format!(
+                "the request body: {} (at most {MAX_BODY} bytes)",
+                e.body_text()
+            );
+            return anthropic::error(e.status(), "invalid_request_error", &msg);
+        }
+    };
+    let parsed = anthropic::messages_request(&body, &state.defaults, count);
+    anthropic::handle(state, parsed, count).await
+}
+
 async fn chat_completions(
     State(state): State<ServerState>,
     headers: HeaderMap,
@@ -293,15 +361,7 @@ async fn handle(
     let tools = request.tools.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let cancel = CancelToken::new();
-    state
-        .open
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .insert(n, cancel.clone());
-    let registered = Registered {
-        open: state.open.clone(),
-        id: n,
-    };
+    let registered = Registered::new(&state, n, &cancel);
     let job = Job {
         request,
         events: tx,
@@ -332,6 +392,7 @@ async fn handle(
             Event::Started {
                 reasoning,
                 in_think,
+                ..
             } => {
                 split = Splitter::new(reasoning, shape.tools, in_think);
             }
@@ -508,6 +569,7 @@ fn stream_response(
                 Event::Started {
                     reasoning,
                     in_think,
+                    ..
                 } => {
                     split = Splitter::new(reasoning, shape.tools, in_think);
                     continue;

@@ -23,6 +23,8 @@ pub enum Event {
         reasoning: bool,
         /// The rendered prompt ends inside a `<think>` block.
         in_think: bool,
+        /// Prompt tokens.
+        prompt_tokens: usize,
     },
     /// Text that is final (never part of a stop string).
     Text(String),
@@ -136,13 +138,21 @@ fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> 
             chat.ctx_limit = Some(ctx);
             chat.tools = request.tools.clone();
             let rendered = chat.render().map_err(|e| (400, e.to_string()))?;
+            let prompt = chat.prompt_ids().map_err(|e| (400, e.to_string()))?;
+            if request.count_only {
+                return Ok(Outcome {
+                    finish: Finish::Length,
+                    prompt_tokens: prompt.len(),
+                    completion_tokens: 0,
+                });
+            }
+            let max_new = limit(prompt.len())?;
             let template = runner.model.cmf().header().chat_template.clone();
             let _ = started.send(Event::Started {
                 reasoning: template.is_some_and(|t| t.contains("</think>")),
                 in_think: super::parse::opens_reasoning(&rendered),
+                prompt_tokens: prompt.len(),
             });
-            let prompt = chat.prompt_ids().map_err(|e| (400, e.to_string()))?;
-            let max_new = limit(prompt.len())?;
             let reply = chat.respond(max_new, &mut send);
             let reply = reply.map_err(|e| match &e {
                 ChatError::Context { .. } => (400, e.to_string()),
