@@ -268,6 +268,11 @@ fn malformed_requests_get_a_400_naming_the_field() {
     );
     assert_eq!(status, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("context"));
+    // Streamed too: the status line waits for the first event, so the error is a 400.
+    let chat = json!({"messages": [{"role": "user", "content": long}], "stream": true});
+    let (status, v) = post(port, "/v1/chat/completions", &chat);
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
 }
 
 #[test]
@@ -335,6 +340,9 @@ fn sigterm_ends_open_streams_cleanly_and_exits_0() {
     // Drain the log so the child never blocks on a full pipe.
     std::thread::spawn(move || for _ in err.lines() {});
     let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    // A stalled server fails the test instead of hanging it.
+    s.set_read_timeout(Some(std::time::Duration::from_secs(120)))
+        .unwrap();
     let body = json!({"prompt": "ROMEO:", "max_tokens": 6000, "stream": true}).to_string();
     let req = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
@@ -504,6 +512,18 @@ fn anthropic_errors_and_tool_turns() {
     });
     let (status, v) = post(port, "/v1/messages", &turns);
     assert_eq!(status, 200, "{v}");
+    // Anthropic takes more stop sequences than OpenAI's 4.
+    let many = json!({"max_tokens": 2, "stop_sequences": ["a", "b", "c", "d", "e", "f"],
+                      "messages": [{"role": "user", "content": "x"}]});
+    let (status, v) = post(port, "/v1/messages", &many);
+    assert_eq!(status, 200, "{v}");
+    // Streamed, a prompt past the context is a 400 before any event.
+    let long = "the ".repeat(4 * CTX);
+    let req =
+        json!({"max_tokens": 2, "stream": true, "messages": [{"role": "user", "content": long}]});
+    let (status, v) = post(port, "/v1/messages", &req);
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["type"], "error");
     let (status, v) = post(
         port,
         "/v1/messages",

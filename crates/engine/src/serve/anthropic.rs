@@ -22,6 +22,17 @@ use crate::chat::Message;
 use crate::generate::{CancelToken, Finish};
 use crate::sampling::Sampling;
 
+/// The response of a request the worker could not run.
+fn failed(status: u16, message: &str) -> Response {
+    let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let kind = if (400..500).contains(&status) {
+        "invalid_request_error"
+    } else {
+        "api_error"
+    };
+    error(code, kind, message)
+}
+
 /// Anthropic's error body.
 pub fn error(status: StatusCode, kind: &str, message: &str) -> Response {
     let body = json!({"type": "error", "error": {"type": kind, "message": message}});
@@ -127,6 +138,10 @@ fn convert(m: &Value, i: usize, out: &mut Vec<Message>) -> Result<(), BadRequest
                     b.get("content").unwrap_or(&Value::Null),
                     &format!("{bat}.content"),
                 )?;
+                // Text before the result keeps its place.
+                if !msg.content.is_empty() {
+                    out.push(std::mem::replace(&mut msg, Message::new(role, "")));
+                }
                 let mut t = Message::new("tool", &content);
                 t.tool_call_id = Some(id.to_string());
                 out.push(t);
@@ -195,9 +210,8 @@ pub fn messages_request(
             common.insert(k.to_string(), v.clone());
         }
     }
-    if let Some(v) = obj.get("stop_sequences") {
-        common.insert("stop".into(), v.clone());
-    }
+    let stop: Vec<String> =
+        api::field(&obj, "stop_sequences", "a list of strings")?.unwrap_or_default();
     let tools = match obj.get("tools") {
         None | Some(Value::Null) => Vec::new(),
         Some(Value::Array(t)) => t
@@ -245,6 +259,7 @@ pub fn messages_request(
     let mut req = api::common(c, Input::Chat(messages), defaults)?;
     req.tools = (!tools.is_empty()).then_some(Value::Array(tools));
     req.count_only = count;
+    req.stop = stop.into_iter().filter(|s| !s.is_empty()).collect();
     Ok(req)
 }
 
@@ -295,6 +310,12 @@ pub async fn handle(
         );
         return error(StatusCode::NOT_FOUND, "not_found_error", &msg);
     }
+    let n = state
+        .next_id
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let cancel = CancelToken::new();
+    // Registered before the check: a shutdown either sees this request or is seen by it.
+    let registered = Registered::new(&state, n, &cancel);
     if state.closing.is_cancelled() {
         return error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -302,9 +323,6 @@ pub async fn handle(
             "the server is shutting down",
         );
     }
-    let n = state
-        .next_id
-        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let (stream, tools, stop_given) = (
         request.stream,
         request.tools.is_some(),
@@ -315,8 +333,6 @@ pub async fn handle(
         .clone()
         .unwrap_or_else(|| (*state.model).clone());
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let cancel = CancelToken::new();
-    let registered = Registered::new(&state, n, &cancel);
     if !state.worker.submit(Job {
         request,
         events: tx,
@@ -330,9 +346,20 @@ pub async fn handle(
     }
     let id = format!("msg_{n:024}");
     if stream && !count {
-        return stream_messages(
-            id, model, tools, stop_given, rx, cancel, path, t0, registered,
-        );
+        // The first event decides the status line (a request that fails before generating
+        // gets its 4xx, not a 200 stream).
+        match rx.recv().await {
+            Some(Event::Failed(status, message)) => {
+                super::log(path, status, None, t0);
+                return failed(status, &message);
+            }
+            Some(first) => {
+                return stream_messages(
+                    id, n, model, tools, stop_given, first, rx, cancel, path, t0, registered,
+                );
+            }
+            None => {}
+        }
     }
     let mut split = Splitter::new(false, false, false);
     let mut pieces = Vec::new();
@@ -378,14 +405,7 @@ pub async fn handle(
             }
             Event::Failed(status, message) => {
                 super::log(path, status, None, t0);
-                let code =
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-                let kind = if status == 400 {
-                    "invalid_request_error"
-                } else {
-                    "api_error"
-                };
-                return error(code, kind, &message);
+                return failed(status, &message);
             }
         }
     }
@@ -427,9 +447,11 @@ enum Open {
 #[allow(clippy::too_many_arguments)]
 fn stream_messages(
     id: String,
+    n: u64,
     model: String,
     tools: bool,
     stop_given: bool,
+    first: Event,
     mut rx: mpsc::UnboundedReceiver<Event>,
     cancel: CancelToken,
     path: &'static str,
@@ -485,7 +507,7 @@ fn stream_messages(
                     ));
                 }
                 Piece::ToolCall { name, arguments } => {
-                    let block = json!({"type": "tool_use", "id": format!("toolu_{id}_{calls}"), "name": name, "input": {}});
+                    let block = json!({"type": "tool_use", "id": format!("toolu_{n}_{calls}"), "name": name, "input": {}});
                     sent.push(ev("content_block_start", json!({"type": "content_block_start", "index": *index, "content_block": block})));
                     let delta = json!({"type": "input_json_delta", "partial_json": input(&arguments).to_string()});
                     sent.push(ev(
@@ -502,7 +524,23 @@ fn stream_messages(
             }
             sent.into_iter().all(|e| out.send(e).is_ok())
         };
-        while let Some(e) = rx.recv().await {
+        let mut first = Some(first);
+        loop {
+            let e = match first.take() {
+                Some(e) => e,
+                // A client that goes away is noticed at once, not at the next piece sent.
+                None => tokio::select! {
+                    e = rx.recv() => match e {
+                        Some(e) => e,
+                        None => break,
+                    },
+                    _ = out.closed() => {
+                        cancel.cancel();
+                        super::log(path, 499, None, t0);
+                        return;
+                    }
+                },
+            };
             let pieces = match e {
                 Event::Started {
                     reasoning,

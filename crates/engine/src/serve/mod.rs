@@ -103,11 +103,12 @@ impl Registered {
 }
 
 impl Drop for Registered {
+    /// The request's handling ended (answered, or its client gone): its generation stops too.
     fn drop(&mut self) {
-        self.open
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&self.id);
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = open.remove(&self.id) {
+            c.cancel();
+        }
     }
 }
 
@@ -158,6 +159,21 @@ fn now() -> u64 {
 fn error(status: StatusCode, message: &str, kind: &str) -> Response {
     let body = json!({"error": {"message": message, "type": kind, "param": null, "code": null}});
     (status, Json(body)).into_response()
+}
+
+/// The error type OpenAI gives a status.
+fn error_kind(status: u16) -> &'static str {
+    if (400..500).contains(&status) {
+        "invalid_request_error"
+    } else {
+        "server_error"
+    }
+}
+
+/// The response of a request the worker could not run.
+fn failed(status: u16, message: &str) -> Response {
+    let code = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    error(code, message, error_kind(status))
 }
 
 fn bad_request(e: &BadRequest) -> Response {
@@ -340,6 +356,10 @@ async fn handle(
         }});
         return (StatusCode::NOT_FOUND, Json(body)).into_response();
     }
+    let n = state.next_id.fetch_add(1, Ordering::Relaxed);
+    let cancel = CancelToken::new();
+    // Registered before the check: a shutdown either sees this request or is seen by it.
+    let registered = Registered::new(&state, n, &cancel);
     if state.closing.is_cancelled() {
         log(path, 503, None, t0);
         return error(
@@ -348,7 +368,6 @@ async fn handle(
             "server_error",
         );
     }
-    let n = state.next_id.fetch_add(1, Ordering::Relaxed);
     let id = match kind {
         Kind::Chat => format!("chatcmpl-{n}"),
         Kind::Text => format!("cmpl-{n}"),
@@ -360,8 +379,6 @@ async fn handle(
     let (stream, include_usage) = (request.stream, request.include_usage);
     let tools = request.tools.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let cancel = CancelToken::new();
-    let registered = Registered::new(&state, n, &cancel);
     let job = Job {
         request,
         events: tx,
@@ -383,7 +400,27 @@ async fn handle(
         tools,
     };
     if stream {
-        return stream_response(shape, rx, cancel, include_usage, path, t0, registered);
+        // The first event decides the status line: a request that fails before generating
+        // (a prompt past the context, a template error) gets its 4xx, not a 200 stream.
+        match rx.recv().await {
+            Some(Event::Failed(status, message)) => {
+                log(path, status, None, t0);
+                return failed(status, &message);
+            }
+            Some(first) => {
+                return stream_response(
+                    shape,
+                    first,
+                    rx,
+                    cancel,
+                    include_usage,
+                    path,
+                    t0,
+                    registered,
+                );
+            }
+            None => {}
+        }
     }
     let mut split = Splitter::new(false, false, false);
     let mut pieces = Vec::new();
@@ -404,14 +441,7 @@ async fn handle(
             }
             Event::Failed(status, message) => {
                 log(path, status, None, t0);
-                let code =
-                    StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-                let kind = if status == 400 {
-                    "invalid_request_error"
-                } else {
-                    "server_error"
-                };
-                return error(code, &message, kind);
+                return failed(status, &message);
             }
         }
     }
@@ -543,8 +573,10 @@ impl Shape {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn stream_response(
     shape: Shape,
+    first: Event,
     mut rx: mpsc::UnboundedReceiver<Event>,
     cancel: CancelToken,
     include_usage: bool,
@@ -564,7 +596,23 @@ fn stream_response(
         }
         let mut split = Splitter::new(false, false, false);
         let mut calls = 0;
-        while let Some(ev) = rx.recv().await {
+        let mut first = Some(first);
+        loop {
+            let ev = match first.take() {
+                Some(e) => e,
+                // A client that goes away is noticed at once, not at the next piece sent.
+                None => tokio::select! {
+                    ev = rx.recv() => match ev {
+                        Some(e) => e,
+                        None => break,
+                    },
+                    _ = out.closed() => {
+                        cancel.cancel();
+                        log(path, 499, None, t0);
+                        return;
+                    }
+                },
+            };
             let pieces = match ev {
                 Event::Started {
                     reasoning,
@@ -592,8 +640,8 @@ fn stream_response(
                 }
                 Event::Failed(status, message) => {
                     // The status line has gone out: the error travels as an event.
-                    let body = json!({"error": {"message": message, "type": "server_error",
-                        "param": null, "code": status}});
+                    let body = json!({"error": {"message": message, "type": error_kind(status),
+                        "param": null, "code": null}});
                     let _ = out.send(data(body));
                     let _ = out.send(Ok(SseEvent::default().data("[DONE]")));
                     log(path, status, None, t0);

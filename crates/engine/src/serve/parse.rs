@@ -156,14 +156,11 @@ impl Splitter {
     }
 }
 
-/// Whether a rendered prompt leaves a reasoning block open (its last `<think>` is not
-/// closed), so the reply starts inside it.
+/// Whether a rendered prompt ends by opening a reasoning block (a template's generation
+/// prompt `...<think>\n`), so the reply starts inside it. Only the end counts: a `<think>` a
+/// user wrote in a message does not.
 pub fn opens_reasoning(prompt: &str) -> bool {
-    match (prompt.rfind(THINK_OPEN), prompt.rfind(THINK_CLOSE)) {
-        (Some(o), Some(c)) => o > c,
-        (Some(_), None) => true,
-        _ => false,
-    }
+    prompt.trim_end().ends_with(THINK_OPEN)
 }
 
 fn push_text(out: &mut Vec<Piece>, mode: Mode, text: String) {
@@ -265,6 +262,15 @@ mod tests {
         // A trailing partial tag is text at the end.
         let (content, _, _) = split_by("see <tool_ca", 4, false);
         assert_eq!(content, "see <tool_ca");
+    }
+
+    #[test]
+    fn only_a_prompt_that_ends_with_think_opens_reasoning() {
+        assert!(opens_reasoning("<|im_start|>assistant\n<think>\n"));
+        assert!(!opens_reasoning(
+            "user: what does <think> do?<|im_start|>assistant\n"
+        ));
+        assert!(!opens_reasoning("<think>\n\n</think>\n\n"));
     }
 
     #[test]

@@ -70,9 +70,14 @@ impl Worker {
             .spawn(move || {
                 for job in rx {
                     let events = job.events.clone();
-                    let ev = match run(&runner, ctx, job) {
-                        Ok(outcome) => Event::Done(outcome),
-                        Err((status, message)) => Event::Failed(status, message),
+                    // A panic in one request fails that request, not the server.
+                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        run(&runner, ctx, job)
+                    }));
+                    let ev = match result {
+                        Ok(Ok(outcome)) => Event::Done(outcome),
+                        Ok(Err((status, message))) => Event::Failed(status, message),
+                        Err(_) => Event::Failed(500, "internal error while generating".into()),
                     };
                     let _ = events.send(ev);
                 }
