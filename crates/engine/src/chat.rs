@@ -85,6 +85,8 @@ pub struct Reply {
     pub tokens: usize,
     /// Why the reply ended.
     pub finish: crate::generate::Finish,
+    /// The stop string that ended it.
+    pub stop_string: Option<String>,
     /// Prompt tokens prefilled this turn (after reuse).
     pub prefilled: usize,
     /// Prompt tokens reused from the previous turn's state.
@@ -318,6 +320,7 @@ impl<'r> Chat<'r> {
             text: g.text,
             tokens: g.tokens.len(),
             finish: g.finish,
+            stop_string: g.stop_string.clone(),
             prefilled: ids.len() - reused,
             reused,
             prompt_seconds: g.prompt_seconds,

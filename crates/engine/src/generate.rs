@@ -105,6 +105,8 @@ pub struct Generation {
     pub text: String,
     /// Why it ended.
     pub finish: Finish,
+    /// The stop string that ended it ([`Finish::Stop`]).
+    pub stop_string: Option<String>,
     /// Seconds spent on the prompt (prefill and the first sample).
     pub prompt_seconds: f64,
     /// Seconds spent generating after the prompt.
@@ -150,6 +152,7 @@ impl Runner {
             tokens: Vec::new(),
             text: String::new(),
             finish: Finish::Cancelled,
+            stop_string: None,
             prompt_seconds: 0.0,
             gen_seconds: 0.0,
             prompt_state: None,
@@ -200,9 +203,15 @@ impl Runner {
             }
             if let Some(piece) = stream.push(next) {
                 g.text.push_str(&piece);
-                let cut = stop.iter().filter_map(|s| g.text.find(s)).min();
-                if let Some(cut) = cut {
-                    g.text.truncate(cut);
+                // The earliest stop string (the first listed among equals) ends the text.
+                let found = stop
+                    .iter()
+                    .filter_map(|s| g.text.find(s).map(|i| (i, *s)))
+                    .min_by_key(|&(i, _)| i);
+                let cut = found.map(|(i, _)| i);
+                if let Some((i, s)) = found {
+                    g.text.truncate(i);
+                    g.stop_string = Some(s.to_string());
                 }
                 let mut safe = if cut.is_some() {
                     g.text.len()

@@ -512,6 +512,16 @@ fn anthropic_errors_and_tool_turns() {
     });
     let (status, v) = post(port, "/v1/messages", &turns);
     assert_eq!(status, 200, "{v}");
+    // A stop sequence ends the reply before it and is reported.
+    let (full, _) = witness_chat("ROMEO:", 32);
+    let cut = full.find('e').expect("the witness reply has an 'e'");
+    let req = json!({"max_tokens": 32, "temperature": 0, "stop_sequences": ["zzz", "e"],
+                     "messages": [{"role": "user", "content": "ROMEO:"}]});
+    let (status, v) = post(port, "/v1/messages", &req);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["content"][0]["text"], &full[..cut]);
+    assert_eq!(v["stop_reason"], "stop_sequence");
+    assert_eq!(v["stop_sequence"], "e");
     // Anthropic takes more stop sequences than OpenAI's 4.
     let many = json!({"max_tokens": 2, "stop_sequences": ["a", "b", "c", "d", "e", "f"],
                       "messages": [{"role": "user", "content": "x"}]});

@@ -263,13 +263,21 @@ pub fn messages_request(
     Ok(req)
 }
 
-fn stop_reason(o: &Outcome, calls: usize, stop_given: bool) -> &'static str {
+/// The request's stop sequence that ended the reply (not one of the model's own stop
+/// strings, which end a turn as its end-of-turn token does).
+fn matched<'a>(o: &'a Outcome, stops: &[String]) -> Option<&'a str> {
+    o.stop_string
+        .as_deref()
+        .filter(|s| stops.iter().any(|t| t == s))
+}
+
+fn stop_reason(o: &Outcome, calls: usize, stops: &[String]) -> &'static str {
     if calls > 0 {
         return "tool_use";
     }
     match o.finish {
         Finish::Length => "max_tokens",
-        Finish::Stop if stop_given => "stop_sequence",
+        Finish::Stop if matched(o, stops).is_some() => "stop_sequence",
         _ => "end_turn",
     }
 }
@@ -323,10 +331,10 @@ pub async fn handle(
             "the server is shutting down",
         );
     }
-    let (stream, tools, stop_given) = (
+    let (stream, tools, stops) = (
         request.stream,
         request.tools.is_some(),
-        !request.stop.is_empty(),
+        request.stop.clone(),
     );
     let model = request
         .model
@@ -355,7 +363,7 @@ pub async fn handle(
             }
             Some(first) => {
                 return stream_messages(
-                    id, n, model, tools, stop_given, first, rx, cancel, path, t0, registered,
+                    id, n, model, tools, stops, first, rx, cancel, path, t0, registered,
                 );
             }
             None => {}
@@ -398,7 +406,7 @@ pub async fn handle(
                 return Json(json!({
                     "id": id, "type": "message", "role": "assistant", "model": model,
                     "content": content,
-                    "stop_reason": stop_reason(&o, calls, stop_given), "stop_sequence": null,
+                    "stop_reason": stop_reason(&o, calls, &stops), "stop_sequence": matched(&o, &stops),
                     "usage": {"input_tokens": o.prompt_tokens, "output_tokens": o.completion_tokens},
                 }))
                 .into_response();
@@ -450,7 +458,7 @@ fn stream_messages(
     n: u64,
     model: String,
     tools: bool,
-    stop_given: bool,
+    stops: Vec<String>,
     first: Event,
     mut rx: mpsc::UnboundedReceiver<Event>,
     cancel: CancelToken,
@@ -570,7 +578,7 @@ fn stream_messages(
                         ));
                     }
                     let delta = json!({"type": "message_delta",
-                        "delta": {"stop_reason": stop_reason(&o, calls, stop_given), "stop_sequence": null},
+                        "delta": {"stop_reason": stop_reason(&o, calls, &stops), "stop_sequence": matched(&o, &stops)},
                         "usage": {"input_tokens": o.prompt_tokens, "output_tokens": o.completion_tokens}});
                     let _ = out.send(ev("message_delta", delta));
                     let _ = out.send(ev("message_stop", json!({"type": "message_stop"})));

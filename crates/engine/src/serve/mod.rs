@@ -681,6 +681,7 @@ mod tests {
 
     const OUTCOME: Outcome = Outcome {
         finish: Finish::Eos,
+        stop_string: None,
         prompt_tokens: 3,
         completion_tokens: 9,
     };

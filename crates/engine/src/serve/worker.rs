@@ -35,10 +35,12 @@ pub enum Event {
 }
 
 /// How a generation ended and what it counted.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Outcome {
     /// Why it ended.
     pub finish: Finish,
+    /// The stop string that ended it (one of the model's or the request's).
+    pub stop_string: Option<String>,
     /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Generated tokens.
@@ -147,6 +149,7 @@ fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> 
             if request.count_only {
                 return Ok(Outcome {
                     finish: Finish::Length,
+                    stop_string: None,
                     prompt_tokens: prompt.len(),
                     completion_tokens: 0,
                 });
@@ -166,6 +169,7 @@ fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> 
             })?;
             Ok(Outcome {
                 finish: reply.finish,
+                stop_string: reply.stop_string.clone(),
                 prompt_tokens: reply.prefilled + reply.reused,
                 completion_tokens: reply.tokens,
             })
@@ -193,6 +197,7 @@ fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> 
                 .map_err(|e| (status_of_run(&e), e.to_string()))?;
             Ok(Outcome {
                 finish: g.finish,
+                stop_string: g.stop_string.clone(),
                 prompt_tokens: ids.len(),
                 completion_tokens: g.tokens.len(),
             })
