@@ -92,10 +92,30 @@ impl CausalLm for Model<'_> {
         trace: &mut Trace<'_>,
         last_only: bool,
     ) -> Result<Vec<f32>, ForwardError> {
-        let c = &self.config;
+        self.run_many(&mut [(tokens, st)], trace, last_only)
+    }
+}
+
+impl Model<'_> {
+    /// Feeds several sequences at once, each its own tokens after whatever its state holds,
+    /// and returns each one's last logits row `[vocab]`. Row-wise work (the projections, the
+    /// hyper-connections, the experts, the head) runs once over the rows of all of them, so a
+    /// weight is read once per step rather than once per sequence; the conv, recurrence and
+    /// attention run per sequence on its own state. The same math as one forward per sequence.
+    pub fn forward_batch(
+        &self,
+        seqs: &mut [(&[u32], &mut SeqState)],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let v = self.config.vocab_size;
+        let logits = self.run_many(seqs, &mut |_, _, _| {}, true)?;
+        Ok(logits.chunks(v).map(<[f32]>::to_vec).collect())
+    }
+
+    fn check_state(&self, st: &SeqState) -> Result<(), ForwardError> {
         let w = &self.weights;
-        let t = tokens.len();
-        check_tokens(tokens, c.vocab_size)?;
         if st.layers.len() != w.layers.len() || st.ple_conv.len() != w.layers.len() {
             return Err(ForwardError::StateMismatch(
                 st.layers.len().min(w.layers.len()),
@@ -111,49 +131,107 @@ impl CausalLm for Model<'_> {
                 return Err(ForwardError::StateMismatch(il));
             }
         }
+        Ok(())
+    }
+
+    /// The forward over the rows of every sequence in `seqs` (in order); logits of every row,
+    /// or of each sequence's last row when `last_only`.
+    fn run_many(
+        &self,
+        seqs: &mut [(&[u32], &mut SeqState)],
+        trace: &mut Trace<'_>,
+        last_only: bool,
+    ) -> Result<Vec<f32>, ForwardError> {
+        let c = &self.config;
+        let w = &self.weights;
+        for (tokens, st) in seqs.iter() {
+            check_tokens(tokens, c.vocab_size)?;
+            self.check_state(st)?;
+        }
+        // Row offsets: sequence i owns rows starts[i]..starts[i + 1].
+        let mut starts = vec![0usize];
+        for (tokens, _) in seqs.iter() {
+            starts.push(starts.last().copied().unwrap_or(0) + tokens.len());
+        }
+        let t = *starts.last().unwrap_or(&0);
         let (h, d) = (c.hc_count, c.hidden_size);
+        let hd = h * d;
         let eps = c.rms_norm_eps as f32;
 
         // Embedding, repeated into the H streams.
-        let mut x = vec![0f32; t * h * d];
+        let mut x = vec![0f32; t * hd];
         let mut row = vec![0f32; d];
-        for (r, &id) in tokens.iter().enumerate() {
+        let all = seqs.iter().flat_map(|(tokens, _)| tokens.iter());
+        for (r, &id) in all.enumerate() {
             w.embed
                 .dequantize_row(id as usize, &mut row)
                 .expect("id checked");
             for k in 0..h {
-                x[r * h * d + k * d..r * h * d + (k + 1) * d].copy_from_slice(&row);
+                x[r * hd + k * d..r * hd + (k + 1) * d].copy_from_slice(&row);
             }
         }
 
         // N-gram rows for the PLE layers (same token history for every PLE module).
-        let mut history = st.ngram_ctx.clone();
-        history.extend(tokens.iter().map(|&id| id as i64));
+        let history: Vec<Vec<i64>> = seqs
+            .iter()
+            .map(|(tokens, st)| {
+                let mut hist = st.ngram_ctx.clone();
+                hist.extend(tokens.iter().map(|&id| id as i64));
+                hist
+            })
+            .collect();
 
         for (il, lw) in w.layers.iter().enumerate() {
             if let Some(pw) = &lw.ple {
-                let rows = ple::ngram_rows(
-                    &pw.hash,
-                    &history,
-                    t,
-                    c.ngram_size,
-                    c.heads_per_ngram,
-                    c.eos_id().expect("validated"),
-                );
-                ple::forward_cpu(pw, c, &mut x, &rows, t, &mut st.ple_conv[il]);
+                for (i, (tokens, st)) in seqs.iter_mut().enumerate() {
+                    let ts = tokens.len();
+                    let rows = ple::ngram_rows(
+                        &pw.hash,
+                        &history[i],
+                        ts,
+                        c.ngram_size,
+                        c.heads_per_ngram,
+                        c.eos_id().expect("validated"),
+                    );
+                    let xs = &mut x[starts[i] * hd..starts[i + 1] * hd];
+                    ple::forward_cpu(pw, c, xs, &rows, ts, &mut st.ple_conv[il]);
+                }
                 trace(PLE_STREAMS, il, &x);
             }
 
             let mix = hc::forward_cpu(&lw.attn_hc, &x, t, h, d, eps);
             trace(ATTN_INPUT, il, &mix.input);
-            let y = match (&lw.mixer, &mut st.layers[il]) {
-                (MixerWeights::Gdn(gw), LayerState::Gdn(gs)) => {
-                    gdn::forward_cpu(gw, c, &mix.input, t, gs)
+            let y = match &lw.mixer {
+                MixerWeights::Gdn(gw) => {
+                    let p = gdn::project(gw, &mix.input, t);
+                    let mut o = Vec::new();
+                    for (i, (tokens, st)) in seqs.iter_mut().enumerate() {
+                        let LayerState::Gdn(gs) = &mut st.layers[il] else {
+                            return Err(ForwardError::StateMismatch(il));
+                        };
+                        o.extend(gdn::recur(gw, c, &p, starts[i], tokens.len(), gs));
+                    }
+                    linear(&gw.out, &o, t)
                 }
-                (MixerWeights::Attn(aw), LayerState::Attn(as_)) => {
-                    qsa::forward_cpu(aw, c, &self.rope, &mix.input, t, as_)
+                MixerWeights::Attn(aw) => {
+                    let p = qsa::project(aw, &mix.input, t);
+                    let mut o = Vec::new();
+                    for (i, (tokens, st)) in seqs.iter_mut().enumerate() {
+                        let LayerState::Attn(as_) = &mut st.layers[il] else {
+                            return Err(ForwardError::StateMismatch(il));
+                        };
+                        o.extend(qsa::attend(
+                            aw,
+                            c,
+                            &self.rope,
+                            &p,
+                            starts[i],
+                            tokens.len(),
+                            as_,
+                        ));
+                    }
+                    linear(&aw.o, &o, t)
                 }
-                _ => return Err(ForwardError::StateMismatch(il)),
             };
             trace(ATTN_OUT, il, &y);
             hc::inject(&mut x, &y, &mix.inject, t, h, d);
@@ -168,16 +246,22 @@ impl CausalLm for Model<'_> {
         }
 
         let keep = c.ngram_size.saturating_sub(1);
-        st.ngram_ctx = history[history.len() - keep..].to_vec();
-        st.pos += t;
+        for (i, (tokens, st)) in seqs.iter_mut().enumerate() {
+            st.ngram_ctx = history[i][history[i].len() - keep..].to_vec();
+            st.pos += tokens.len();
+        }
 
         let nl = c.num_hidden_layers;
         let (x, t) = if last_only {
-            (&x[(t - 1) * h * d..], 1)
+            let mut last = Vec::with_capacity(seqs.len() * hd);
+            for &end in &starts[1..] {
+                last.extend_from_slice(&x[(end - 1) * hd..end * hd]);
+            }
+            (last, seqs.len())
         } else {
-            (&x[..], t)
+            (x, t)
         };
-        let mixed = hc::forward_cpu(&w.final_mixer, x, t, h, d, eps);
+        let mixed = hc::forward_cpu(&w.final_mixer, &x, t, h, d, eps);
         trace(HEAD_OUT, nl, &mixed.input);
         let logits = linear(&w.lm_head, &mixed.input, t);
         trace(LOGITS, nl, &logits);

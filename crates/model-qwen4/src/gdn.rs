@@ -42,22 +42,59 @@ pub fn forward_cpu(
     t: usize,
     st: &mut GdnState,
 ) -> Vec<f32> {
+    let p = project(w, u, t);
+    let o = recur(w, c, &p, 0, t, st);
+    linear(&w.out, &o, t)
+}
+
+/// The input projections of `t` rows (row-wise: rows of several sequences project together).
+pub struct GdnProj {
+    /// `[t, 2*Hk*dk + Hv*dv]`, before the conv.
+    pub qkv: Vec<f32>,
+    /// Gate `[t, Hv*dv]`.
+    pub z: Vec<f32>,
+    /// `[t, Hv]`.
+    pub b: Vec<f32>,
+    /// `[t, Hv]`.
+    pub a: Vec<f32>,
+}
+
+/// Projects block inputs `u` `[t, D]`.
+pub fn project(w: &GdnWeights<'_>, u: &[f32], t: usize) -> GdnProj {
+    GdnProj {
+        qkv: linear(&w.in_qkv, u, t),
+        z: linear(&w.in_z, u, t),
+        b: linear(&w.in_b, u, t),
+        a: linear(&w.in_a, u, t),
+    }
+}
+
+/// The conv and the recurrence of one sequence over rows `r0..r0+t` of `p` (its tokens, in
+/// order), advancing `st`; returns the gated, normalised heads `[t, Hv*dv]` (`out_proj`'s input).
+pub fn recur(
+    w: &GdnWeights<'_>,
+    c: &Qwen4ExpTextConfig,
+    p: &GdnProj,
+    r0: usize,
+    t: usize,
+    st: &mut GdnState,
+) -> Vec<f32> {
     let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
     let key_dim = hk * dk;
     let cdim = 2 * key_dim + hv * dv;
     let kk = c.linear_conv_kernel_dim;
     let eps = c.rms_norm_eps as f32;
-    let qkv = linear(&w.in_qkv, u, t);
-    let z = linear(&w.in_z, u, t);
-    let b = linear(&w.in_b, u, t);
-    let a = linear(&w.in_a, u, t);
+    let qkv = &p.qkv[r0 * cdim..(r0 + t) * cdim];
+    let z = &p.z[r0 * hv * dv..(r0 + t) * hv * dv];
+    let b = &p.b[r0 * hv..(r0 + t) * hv];
+    let a = &p.a[r0 * hv..(r0 + t) * hv];
     // Causal depthwise conv with the state as left context.
     if st.conv.len() != (kk - 1) * cdim {
         st.conv = vec![0f32; (kk - 1) * cdim];
     }
     let mut full = st.conv.clone();
-    full.extend_from_slice(&qkv);
+    full.extend_from_slice(qkv);
     let mut conv = vec![0f32; t * cdim];
     for r in 0..t {
         for ch in 0..cdim {
@@ -142,7 +179,7 @@ pub fn forward_cpu(
                 .copy_from_slice(&out_h[r * dv..(r + 1) * dv]);
         }
     }
-    linear(&w.out, &o, t)
+    o
 }
 
 /// One GDN layer's weights on the device.

@@ -46,16 +46,56 @@ pub fn forward_cpu(
     t: usize,
     st: &mut AttnState,
 ) -> Vec<f32> {
+    let p = project(w, u, t);
+    let o = attend(w, c, rp, &p, 0, t, st);
+    linear(&w.o, &o, t)
+}
+
+/// The projections of `t` rows (row-wise: rows of several sequences project together).
+pub struct AttnProj {
+    /// `[t, Hq * 2hd]`: per head `q | gate`.
+    pub qg: Vec<f32>,
+    /// `[t, Hkv*hd]`, before `k_norm` and RoPE.
+    pub k: Vec<f32>,
+    /// `[t, Hkv*hd]`.
+    pub v: Vec<f32>,
+    /// `[t, (n_I + 1) d_I]`: indexer queries, then the raw key.
+    pub qk_i: Vec<f32>,
+}
+
+/// Projects block inputs `u` `[t, D]`.
+pub fn project(w: &AttnWeights<'_>, u: &[f32], t: usize) -> AttnProj {
+    AttnProj {
+        qg: linear(&w.q, u, t),
+        k: linear(&w.k, u, t),
+        v: linear(&w.v, u, t),
+        qk_i: linear(&w.idx_qk, u, t),
+    }
+}
+
+/// Attention of one sequence's rows `r0..r0+t` of `p` (its next tokens, in order) over its
+/// cache, which they join; returns the gated heads `[t, Hq*hd]` (`o_proj`'s input).
+pub fn attend(
+    w: &AttnWeights<'_>,
+    c: &Qwen4ExpTextConfig,
+    rp: &Rope,
+    p: &AttnProj,
+    r0: usize,
+    t: usize,
+    st: &mut AttnState,
+) -> Vec<f32> {
     let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let qsa = c.qsa().expect("validated");
     let (ni, di) = (qsa.n_heads, qsa.head_dim);
     let eps = c.rms_norm_eps as f32;
     let kvd = hkv * hd;
     let past = st.k.len() / kvd;
-    let qg = linear(&w.q, u, t);
-    let mut k = linear(&w.k, u, t);
-    let v = linear(&w.v, u, t);
-    let qk_i = linear(&w.idx_qk, u, t);
+    let qkvd = hq * 2 * hd;
+    let qid = (ni + 1) * di;
+    let qg = &p.qg[r0 * qkvd..(r0 + t) * qkvd];
+    let mut k = p.k[r0 * kvd..(r0 + t) * kvd].to_vec();
+    let v = &p.v[r0 * kvd..(r0 + t) * kvd];
+    let qk_i = &p.qk_i[r0 * qid..(r0 + t) * qid];
     rms_norm_1p(&mut k, &w.k_norm, hd, eps);
     let mut q = vec![0f32; t * hq * hd];
     let mut gate = vec![0f32; t * hq * hd];
@@ -97,7 +137,7 @@ pub fn forward_cpu(
         }
     }
     st.k.extend_from_slice(&k);
-    st.v.extend_from_slice(&v);
+    st.v.extend_from_slice(v);
     let n = past + t;
     // Block keys of the complete blocks not yet pooled (independent of the query).
     let nblocks = n / qsa.ratio;
@@ -173,7 +213,7 @@ pub fn forward_cpu(
     for (a, g) in o.iter_mut().zip(&gate) {
         *a *= sigmoid(*g);
     }
-    linear(&w.o, &o, t)
+    o
 }
 
 /// One attention layer's weights on the device.
