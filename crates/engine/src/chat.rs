@@ -300,6 +300,7 @@ impl<'r> Chat<'r> {
             cancel: self.cancel.clone(),
             keep_prompt_state: true,
             prefill_chunk: self.prefill_chunk,
+            ..GenerateOptions::default()
         };
         let g = self.runner.complete(
             &mut st,

@@ -67,6 +67,13 @@ pub struct ServeArgs {
     /// The name `/v1/models` reports (default: the file's stem, or `cortiq-demo`).
     #[arg(long, value_name = "NAME")]
     pub alias: Option<String>,
+    /// Requests decoded together, their tokens batched into one forward step; more queue.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=64))]
+    pub parallel: u16,
+    /// Memory the prompt cache may keep in sequence states (host memory on the CPU, device
+    /// memory on the GPU); 0 turns it off.
+    #[arg(long, value_name = "MIB", default_value_t = 2048)]
+    pub cache_mb: u64,
     /// Sampling defaults for requests that leave a field out, and the context (-c).
     #[command(flatten)]
     pub sampling: SamplingArgs,

@@ -53,6 +53,8 @@ pub struct GenerateOptions {
     /// Prefill a prompt longer than this in chunks of this many tokens, reporting
     /// [`Event::Prefill`] after each (0: one call, no progress events).
     pub prefill_chunk: usize,
+    /// An EOS id does not end the reply (it is generated like any token).
+    pub ignore_eos: bool,
 }
 
 impl GenerateOptions {
@@ -131,19 +133,6 @@ impl Runner {
             return Err(RunError::EmptyPrompt);
         }
         let cancelled = || opts.cancel.as_ref().is_some_and(CancelToken::is_cancelled);
-        let stop: Vec<&str> = opts
-            .stop
-            .iter()
-            .map(String::as_str)
-            .filter(|s| !s.is_empty())
-            .collect();
-        // Hold back what could still become a stop string.
-        let hold = stop
-            .iter()
-            .map(|s| s.len())
-            .max()
-            .unwrap_or(1)
-            .saturating_sub(1);
         let model = self.model.model();
 
         let t0 = Instant::now();
@@ -189,63 +178,175 @@ impl Runner {
         g.prompt_seconds = t0.elapsed().as_secs_f64();
 
         let t1 = Instant::now();
-        let mut stream = TextStream::new(&self.tokenizer);
-        let mut shown = 0usize;
-        g.finish = loop {
-            if g.tokens.len() >= opts.max_new {
-                break Finish::Length;
-            }
-            g.tokens.push(next);
-            sampler.accept(next);
-            on_event(Event::Token(next));
-            if self.eos.contains(&next) {
-                break Finish::Eos;
-            }
-            if let Some(piece) = stream.push(next) {
-                g.text.push_str(&piece);
-                // The earliest stop string (the first listed among equals) ends the text.
-                let found = stop
-                    .iter()
-                    .filter_map(|s| g.text.find(s).map(|i| (i, *s)))
-                    .min_by_key(|&(i, _)| i);
-                let cut = found.map(|(i, _)| i);
-                if let Some((i, s)) = found {
-                    g.text.truncate(i);
-                    g.stop_string = Some(s.to_string());
-                }
-                let mut safe = if cut.is_some() {
-                    g.text.len()
-                } else {
-                    g.text.len().saturating_sub(hold)
-                };
-                while !g.text.is_char_boundary(safe) {
-                    safe -= 1;
-                }
-                if safe > shown {
-                    on_event(Event::Text(&g.text[shown..safe]));
-                    shown = safe;
-                }
-                if cut.is_some() {
-                    break Finish::Stop;
-                }
-            }
-            if g.tokens.len() == opts.max_new {
-                break Finish::Length;
-            }
-            if cancelled() {
-                break Finish::Cancelled;
-            }
+        let mut dec = Decoder::new(self, opts);
+        while let Some(token) = dec.push(next, sampler, on_event) {
             integrity.check()?;
-            let logits = model.forward(&[next], state)?;
+            let logits = model.forward(&[token], state)?;
             next = sampler.sample(&logits);
-        };
-        if shown < g.text.len() {
-            on_event(Event::Text(&g.text[shown..]));
         }
+        let d = dec.end(on_event);
         // A corrupt tensor found while the last tokens were made taints them too.
         integrity.check()?;
+        g.tokens = d.tokens;
+        g.text = d.text;
+        g.finish = d.finish;
+        g.stop_string = d.stop_string;
         g.gen_seconds = t1.elapsed().as_secs_f64();
         Ok(g)
+    }
+}
+
+/// How a [`Decoder`] ended.
+#[derive(Debug, Clone)]
+pub struct Decoded {
+    /// The generated ids (the EOS that ended it included).
+    pub tokens: Vec<u32>,
+    /// The generated text (a stop string and what followed it removed).
+    pub text: String,
+    /// Why it ended.
+    pub finish: Finish,
+    /// The stop string that ended it.
+    pub stop_string: Option<String>,
+}
+
+/// The body of the generation loop for one sequence, one sampled token at a time: it records
+/// the token, releases the text that can no longer become a stop string, and decides whether
+/// the sequence goes on. [`Runner::complete`] drives one; a server steps several, their
+/// forwards batched.
+pub struct Decoder<'r> {
+    runner: &'r Runner,
+    stop: Vec<String>,
+    hold: usize,
+    max_new: usize,
+    ignore_eos: bool,
+    cancel: Option<CancelToken>,
+    stream: TextStream<'r>,
+    shown: usize,
+    tokens: Vec<u32>,
+    text: String,
+    stop_string: Option<String>,
+    finish: Option<Finish>,
+}
+
+impl<'r> Decoder<'r> {
+    /// A generation as `opts` allows (`max_new`, `stop`, `cancel`).
+    pub fn new(runner: &'r Runner, opts: &GenerateOptions) -> Decoder<'r> {
+        let stop: Vec<String> = opts
+            .stop
+            .iter()
+            .filter(|s| !s.is_empty())
+            .cloned()
+            .collect();
+        // Hold back what could still become a stop string.
+        let hold = stop
+            .iter()
+            .map(String::len)
+            .max()
+            .unwrap_or(1)
+            .saturating_sub(1);
+        Decoder {
+            runner,
+            stop,
+            hold,
+            max_new: opts.max_new,
+            ignore_eos: opts.ignore_eos,
+            cancel: opts.cancel.clone(),
+            stream: TextStream::new(&runner.tokenizer),
+            shown: 0,
+            tokens: Vec::new(),
+            text: String::new(),
+            stop_string: None,
+            finish: None,
+        }
+    }
+
+    /// Takes `next`, the token sampled from the last logits: reports it and any text it
+    /// completes; returns the token to feed for the next logits, or `None` when the
+    /// generation ended (EOS, a stop string, the limit, a cancellation).
+    pub fn push(
+        &mut self,
+        next: u32,
+        sampler: &mut Sampler,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Option<u32> {
+        if self.finish.is_some() {
+            return None;
+        }
+        let finish = self.step(next, sampler, on_event);
+        self.finish = finish;
+        finish.is_none().then_some(next)
+    }
+
+    fn step(
+        &mut self,
+        next: u32,
+        sampler: &mut Sampler,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Option<Finish> {
+        if self.tokens.len() >= self.max_new {
+            return Some(Finish::Length);
+        }
+        self.tokens.push(next);
+        sampler.accept(next);
+        on_event(Event::Token(next));
+        if !self.ignore_eos && self.runner.eos.contains(&next) {
+            return Some(Finish::Eos);
+        }
+        if let Some(piece) = self.stream.push(next) {
+            self.text.push_str(&piece);
+            // The earliest stop string (the first listed among equals) ends the text.
+            let found = self
+                .stop
+                .iter()
+                .filter_map(|s| self.text.find(s.as_str()).map(|i| (i, s)))
+                .min_by_key(|&(i, _)| i);
+            let cut = found.map(|(i, _)| i);
+            if let Some((i, s)) = found {
+                self.stop_string = Some(s.clone());
+                self.text.truncate(i);
+            }
+            let mut safe = if cut.is_some() {
+                self.text.len()
+            } else {
+                self.text.len().saturating_sub(self.hold)
+            };
+            while !self.text.is_char_boundary(safe) {
+                safe -= 1;
+            }
+            if safe > self.shown {
+                on_event(Event::Text(&self.text[self.shown..safe]));
+                self.shown = safe;
+            }
+            if cut.is_some() {
+                return Some(Finish::Stop);
+            }
+        }
+        if self.tokens.len() == self.max_new {
+            return Some(Finish::Length);
+        }
+        if self.cancel.as_ref().is_some_and(CancelToken::is_cancelled) {
+            return Some(Finish::Cancelled);
+        }
+        None
+    }
+
+    /// Ends the generation (as it stands: one not finished counts as cancelled), releasing
+    /// the text held back.
+    pub fn end(self, on_event: &mut dyn FnMut(Event<'_>)) -> Decoded {
+        if self.shown < self.text.len() {
+            on_event(Event::Text(&self.text[self.shown..]));
+        }
+        Decoded {
+            tokens: self.tokens,
+            text: self.text,
+            finish: self.finish.unwrap_or(Finish::Cancelled),
+            stop_string: self.stop_string,
+        }
+    }
+
+    /// Tokens generated so far.
+    pub fn generated(&self) -> &[u32] {
+        &self.tokens
     }
 }
 

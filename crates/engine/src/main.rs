@@ -692,7 +692,10 @@ fn run_serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
         .or_else(|| std::env::var("CORTIQ_API_KEY").ok())
         .filter(|k| !k.is_empty());
     let backend = runner.model.model().backend_name().to_string();
-    let worker = engine::serve::worker::Worker::spawn(runner, ctx)?;
+    let mut wopts = engine::serve::worker::WorkerOptions::new(ctx);
+    wopts.parallel = usize::from(args.parallel);
+    wopts.cache_bytes = args.cache_mb << 20;
+    let worker = engine::serve::worker::Worker::spawn(runner, wopts)?;
     let state = engine::serve::ServerState::new(worker, &name, api_key, defaults);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -704,8 +707,10 @@ fn run_serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
             .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
         let local = listener.local_addr()?;
         eprintln!(
-            "cortiq serve: {name} on {backend}, context {ctx} tokens, listening on http://{local} \
-             (POST /v1/chat/completions, /v1/completions; GET /v1/models, /health)"
+            "cortiq serve: {name} on {backend}, context {ctx} tokens, {} parallel, listening on \
+             http://{local} (POST /v1/chat/completions, /v1/completions, /v1/messages; GET \
+             /v1/models, /health)",
+            args.parallel
         );
         engine::serve::serve_until(listener, state, shutdown_signal()).await?;
         eprintln!("cortiq serve: stopped");

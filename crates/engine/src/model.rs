@@ -271,9 +271,64 @@ impl<'a> AnyModel<'a> {
         }
     }
 
+    /// Feeds several sequences at once (each its own tokens after whatever its state holds) and
+    /// returns each one's last logits row. A CPU qwen4_exp model runs them as one batched step
+    /// (every weight read once for all their rows); other models feed them one after another.
+    pub fn forward_batch(
+        &self,
+        seqs: &mut [(&[u32], &mut AnyState)],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        if let AnyModel::Qwen4(m) = self {
+            let mut inner = Vec::with_capacity(seqs.len());
+            for (tokens, st) in seqs.iter_mut() {
+                match &mut **st {
+                    AnyState::Qwen4(s) => inner.push((*tokens, s)),
+                    _ => return Err(ForwardError::StateMismatch),
+                }
+            }
+            return Ok(m.forward_batch(&mut inner)?);
+        }
+        seqs.iter_mut()
+            .map(|(tokens, st)| self.forward_last(tokens, st))
+            .collect()
+    }
+
+    /// Makes `st` a copy of `snap` (a device state keeps its own buffers and recorded frames,
+    /// the snapshot's contents copied into them).
+    pub fn restore(&self, st: &mut AnyState, snap: &AnyState) -> Result<(), ForwardError> {
+        match (&mut *st, snap) {
+            (AnyState::Qwen4Gpu(s), AnyState::Qwen4Gpu(snap)) => Ok(s.restore(snap)?),
+            (AnyState::Qwen4Gpu(_), _) => Err(ForwardError::StateMismatch),
+            _ => {
+                *st = snap.clone();
+                Ok(())
+            }
+        }
+    }
+
     /// Logits `[T, vocab]` of every position of `tokens`, from an empty sequence.
     pub fn forward_prefill(&self, tokens: &[u32]) -> Result<Vec<f32>, ForwardError> {
         self.forward(tokens, &mut self.new_state())
+    }
+}
+
+impl AnyState {
+    /// Tokens the sequence holds.
+    pub fn pos(&self) -> usize {
+        match self {
+            AnyState::Qwen4(s) => s.pos,
+            AnyState::Dsv4(s) => s.pos,
+            AnyState::Qwen4Gpu(s) => s.pos,
+        }
+    }
+
+    /// Memory its caches take (host or device): what keeping a snapshot of it costs.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            AnyState::Qwen4(s) => s.bytes() as u64,
+            AnyState::Dsv4(s) => s.bytes() as u64,
+            AnyState::Qwen4Gpu(s) => s.bytes(),
+        }
     }
 }
 

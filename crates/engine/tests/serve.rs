@@ -11,7 +11,8 @@ use engine::chat::{Chat, Message};
 use engine::generate::GenerateOptions;
 use engine::run::Runner;
 use engine::sampling::{Sampler, Sampling};
-use engine::serve::{ServerState, serve, worker::Worker};
+use engine::serve::worker::{Worker, WorkerOptions};
+use engine::serve::{ServerState, serve};
 use serde_json::{Value, json};
 
 const CTX: usize = 512;
@@ -26,7 +27,7 @@ fn server(key: Option<&str>) -> u16 {
     static KEYED: OnceLock<u16> = OnceLock::new();
     let cell = if key.is_some() { &KEYED } else { &OPEN };
     *cell.get_or_init(|| {
-        let worker = Worker::spawn(runner(), CTX).unwrap();
+        let worker = Worker::spawn(runner(), WorkerOptions::new(CTX)).unwrap();
         let state = ServerState::new(worker, "demo", key.map(str::to_string), Sampling::default());
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
@@ -541,4 +542,144 @@ fn anthropic_errors_and_tool_turns() {
     );
     assert_eq!(status, 404);
     assert_eq!(v["error"]["type"], "not_found_error");
+}
+
+/// Requests running together (their tokens batched into shared forward steps, prompts of
+/// different lengths prefilled beside decoding ones) each get the reply they get alone: the
+/// library's greedy generation of the same prompt.
+#[test]
+fn concurrent_requests_each_get_their_own_reply() {
+    let port = server(None);
+    let prompts = [
+        "ROMEO:",
+        "To be, or not to be",
+        "Now is the winter of our discontent",
+        "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
+        "KING RICHARD III:",
+        "First Citizen:\nBefore we proceed any further, hear me speak.",
+    ];
+    let handles: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let req = json!({
+                "messages": [{"role": "user", "content": p}],
+                "temperature": 0, "max_tokens": 20,
+            });
+            std::thread::spawn(move || post(port, "/v1/chat/completions", &req))
+        })
+        .collect();
+    for (p, h) in prompts.iter().zip(handles) {
+        let (status, v) = h.join().unwrap();
+        assert_eq!(status, 200, "{v}");
+        let (want, tokens) = witness_chat(p, 20);
+        assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "{p}");
+        assert_eq!(v["usage"]["completion_tokens"], tokens, "{p}");
+    }
+}
+
+/// A conversation's second turn starts from the state the first left in the prompt cache
+/// (reported as cached prompt tokens) and answers exactly as a fresh prefill does (the
+/// library's own chat, which prefills what it does not hold); a repeated prompt is answered
+/// from the cache whole.
+#[test]
+fn the_prompt_cache_serves_later_turns_and_repeats_unchanged() {
+    let port = server(None);
+    let first = json!({
+        "messages": [{"role": "user", "content": "Speak, HAMLET:"}],
+        "temperature": 0, "max_tokens": 12,
+    });
+    let (status, v) = post(port, "/v1/chat/completions", &first);
+    assert_eq!(status, 200, "{v}");
+    let reply = v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let second_messages = vec![
+        Message::new("user", "Speak, HAMLET:"),
+        Message::new("assistant", &reply),
+        Message::new("user", "And then, OPHELIA?"),
+    ];
+    let second = json!({
+        "messages": serde_json::to_value(&second_messages).unwrap(),
+        "temperature": 0, "max_tokens": 12,
+    });
+    let (status, v) = post(port, "/v1/chat/completions", &second);
+    assert_eq!(status, 200, "{v}");
+    let prompt = v["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0 && cached < prompt, "cached {cached} of {prompt}");
+    let r = runner();
+    let mut chat = Chat::new(&r, None, Sampling::default()).unwrap();
+    chat.messages = second_messages;
+    let want = chat.respond(12, &mut |_| {}).unwrap();
+    assert_eq!(want.reused, 0, "the witness prefills from zero");
+    assert_eq!(v["choices"][0]["message"]["content"], want.text.as_str());
+
+    let (status, again) = post(port, "/v1/chat/completions", &second);
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"],
+        prompt
+    );
+    assert_eq!(again["choices"][0]["message"], v["choices"][0]["message"]);
+}
+
+/// A client that goes away mid-stream frees its slot: with one slot, a request sent after
+/// the disconnect is answered while the abandoned one could still have thousands of tokens
+/// to go.
+#[test]
+fn a_disconnected_client_frees_its_slot() {
+    let worker = Worker::spawn(
+        runner(),
+        WorkerOptions {
+            parallel: 1,
+            ..WorkerOptions::new(4096)
+        },
+    )
+    .unwrap();
+    let state = ServerState::new(worker, "demo", None, Sampling::default());
+    let watch = state.clone();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(l.local_addr().unwrap().port()).unwrap();
+            serve(l, state).await.unwrap();
+        });
+    });
+    let port = rx.recv().unwrap();
+    let long = json!({
+        "prompt": "ROMEO:", "max_tokens": 4000, "stream": true,
+        "temperature": 1.0, "seed": 7, "ignore_eos": true,
+    })
+    .to_string();
+    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n{long}",
+        long.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 256];
+    assert!(s.read(&mut buf).unwrap() > 0, "the stream started");
+    assert_eq!(watch.load().active, 1);
+    drop(s);
+    // The next request takes the one slot once the abandoned generation is cancelled (a
+    // generation that ran its 4000 tokens would end as `length`, not count as cancelled).
+    let (status, v) = post(
+        port,
+        "/v1/completions",
+        &json!({"prompt": "JULIET:", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(status, 200, "{v}");
+    let load = watch.load();
+    assert_eq!(
+        (load.cancelled, load.ended, load.active),
+        (1, 2, 0),
+        "{load:?}"
+    );
 }

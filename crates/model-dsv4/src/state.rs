@@ -59,6 +59,22 @@ impl SeqState {
         }
     }
 
+    /// Host memory the caches take (what a prompt cache entry of this state costs).
+    pub fn bytes(&self) -> usize {
+        let comp = |c: &crate::compressor::CompState| {
+            c.buffer_kv.len()
+                + c.buffer_gate.len()
+                + c.overlap_kv.len()
+                + c.overlap_gate.len()
+                + c.compressed_kv.len()
+        };
+        4 * self
+            .layers
+            .iter()
+            .map(|l| l.window.len() + comp(&l.comp) + comp(&l.index))
+            .sum::<usize>()
+    }
+
     /// The geometry this state was made for.
     pub fn shape(&self) -> &StateShape {
         &self.shape

@@ -671,6 +671,11 @@ impl GpuState {
         self.recorded
     }
 
+    /// Device memory the sequence's caches take (what a snapshot of it costs).
+    pub fn bytes(&self) -> u64 {
+        self.buffers().iter().map(|b| b.size()).sum()
+    }
+
     /// The buffers that make up the sequence, in a fixed order (what a snapshot copies).
     fn buffers(&self) -> Vec<&wgpu::Buffer> {
         let mut out = Vec::new();

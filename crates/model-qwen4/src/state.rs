@@ -45,6 +45,20 @@ impl SeqState {
         }
     }
 
+    /// Host memory the caches take (what a prompt cache entry of this state costs).
+    pub fn bytes(&self) -> usize {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                LayerState::Gdn(g) => g.conv.len() + g.s.len(),
+                LayerState::Attn(a) => a.k.len() + a.v.len() + a.raw.len() + a.block_keys.len(),
+            })
+            .sum();
+        let ple: usize = self.ple_conv.iter().map(Vec::len).sum();
+        4 * (layers + ple) + 8 * self.ngram_ctx.len()
+    }
+
     /// A copy to roll back to.
     pub fn snapshot(&self) -> SeqState {
         self.clone()

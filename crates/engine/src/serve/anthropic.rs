@@ -265,6 +265,16 @@ pub fn messages_request(
 
 /// The request's stop sequence that ended the reply (not one of the model's own stop
 /// strings, which end a turn as its end-of-turn token does).
+/// Anthropic's usage: `input_tokens` counts the prompt tokens not read from the cache.
+fn usage(o: &Outcome) -> Value {
+    json!({
+        "input_tokens": o.prompt_tokens - o.cached_tokens,
+        "cache_read_input_tokens": o.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": o.completion_tokens,
+    })
+}
+
 fn matched<'a>(o: &'a Outcome, stops: &[String]) -> Option<&'a str> {
     o.stop_string
         .as_deref()
@@ -407,7 +417,7 @@ pub async fn handle(
                     "id": id, "type": "message", "role": "assistant", "model": model,
                     "content": content,
                     "stop_reason": stop_reason(&o, calls, &stops), "stop_sequence": matched(&o, &stops),
-                    "usage": {"input_tokens": o.prompt_tokens, "output_tokens": o.completion_tokens},
+                    "usage": usage(&o),
                 }))
                 .into_response();
             }
@@ -579,7 +589,7 @@ fn stream_messages(
                     }
                     let delta = json!({"type": "message_delta",
                         "delta": {"stop_reason": stop_reason(&o, calls, &stops), "stop_sequence": matched(&o, &stops)},
-                        "usage": {"input_tokens": o.prompt_tokens, "output_tokens": o.completion_tokens}});
+                        "usage": usage(&o)});
                     let _ = out.send(ev("message_delta", delta));
                     let _ = out.send(ev("message_stop", json!({"type": "message_stop"})));
                     super::log(path, 200, Some(&o), t0);

@@ -53,6 +53,7 @@ pub(crate) struct Common {
     pub(crate) stop: Option<Stop>,
     n: Option<u64>,
     repetition_penalty: Option<f32>,
+    ignore_eos: Option<bool>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -99,6 +100,7 @@ pub(crate) fn common_fields(obj: &serde_json::Map<String, Value>) -> Result<Comm
         stop: field(obj, "stop", "a string or a list of strings")?,
         n: field(obj, "n", "an integer")?,
         repetition_penalty: field(obj, "repetition_penalty", "a number")?,
+        ignore_eos: field(obj, "ignore_eos", "true or false")?,
     })
 }
 
@@ -124,6 +126,9 @@ pub struct Request {
     pub tools: Option<Value>,
     /// Only count the prompt's tokens (`/v1/messages/count_tokens`).
     pub count_only: bool,
+    /// Generate past end-of-sequence tokens (llama-server's and vLLM's `ignore_eos`: fixed
+    /// lengths for benchmarks and load tests).
+    pub ignore_eos: bool,
 }
 
 /// The prompt of a request.
@@ -236,6 +241,7 @@ pub(crate) fn common(c: Common, input: Input, defaults: &Sampling) -> Result<Req
         input,
         tools: None,
         count_only: false,
+        ignore_eos: c.ignore_eos.unwrap_or(false),
     })
 }
 

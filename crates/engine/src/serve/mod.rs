@@ -9,6 +9,7 @@
 
 pub mod anthropic;
 pub mod api;
+pub mod cache;
 pub mod parse;
 pub mod worker;
 
@@ -201,9 +202,17 @@ fn log(path: &str, status: u16, outcome: Option<&Outcome>, t0: Instant) {
     );
 }
 
-async fn health() -> Json<Value> {
+async fn health(State(state): State<ServerState>) -> Json<Value> {
     tracing::info!(method = "GET", path = "/health", status = 200, "request");
-    Json(json!({"status": "ok"}))
+    let load = state.worker.load();
+    Json(json!({"status": "ok", "slots_busy": load.active, "queued": load.queued}))
+}
+
+impl ServerState {
+    /// What the model thread is doing.
+    pub fn load(&self) -> worker::Load {
+        self.worker.load()
+    }
 }
 
 async fn models(State(state): State<ServerState>, headers: HeaderMap) -> Response {
@@ -468,6 +477,7 @@ fn usage(o: &Outcome) -> Value {
         "prompt_tokens": o.prompt_tokens,
         "completion_tokens": o.completion_tokens,
         "total_tokens": o.prompt_tokens + o.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
     })
 }
 
@@ -683,6 +693,7 @@ mod tests {
         finish: Finish::Eos,
         stop_string: None,
         prompt_tokens: 3,
+        cached_tokens: 0,
         completion_tokens: 9,
     };
 

@@ -1,15 +1,25 @@
-//! The thread that owns the model: requests queue in order and run one at a time through the
-//! one generation loop (`Runner::complete`, via `Chat::respond` for chat), each piece of text
-//! sent back as it is released. A request whose client went away (its event channel closed) is
-//! cancelled before the next forward.
+//! The thread that owns the model and schedules the requests on it: up to `parallel`
+//! sequences are active at once, and every step feeds all of them together in one batched
+//! forward ([`crate::model::AnyModel::forward_batch`]): a decoding sequence its next token, a
+//! new one the next chunk of its prompt. Further requests queue in arrival order. Each
+//! sequence's tokens go through the one generation loop's body ([`Decoder`]), its text sent
+//! back as it is released. A request whose client went away (its event channel closed, its
+//! cancel token set) ends before the next step and frees its slot.
+//!
+//! Prompts start from the [`PromptCache`] where an earlier prompt or reply is a prefix of
+//! theirs; the states after each prompt and at the end of each reply go back into it.
 
-use std::sync::mpsc;
+use std::sync::mpsc::{self, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{Input, Request};
+use super::cache::PromptCache;
 use crate::chat::{Chat, ChatError};
-use crate::generate::{CancelToken, Event as GenEvent, Finish, GenerateOptions};
+use crate::generate::{CancelToken, Decoder, Event as GenEvent, Finish, GenerateOptions};
+use crate::model::{AnyModel, AnyState};
 use crate::run::{RunError, Runner};
 use crate::sampling::Sampler;
 
@@ -43,6 +53,8 @@ pub struct Outcome {
     pub stop_string: Option<String>,
     /// Prompt tokens.
     pub prompt_tokens: usize,
+    /// Prompt tokens taken from the prompt cache instead of prefilled.
+    pub cached_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
 }
@@ -57,39 +69,482 @@ pub struct Job {
     pub cancel: CancelToken,
 }
 
+/// How the model thread schedules.
+#[derive(Debug, Clone, Copy)]
+pub struct WorkerOptions {
+    /// Tokens a sequence may hold, prompt plus reply.
+    pub ctx: usize,
+    /// Sequences decoded together (at least 1).
+    pub parallel: usize,
+    /// Prompt tokens a sequence feeds per step while others decode (a long prompt is
+    /// prefilled in chunks so it does not stall them).
+    pub prefill_chunk: usize,
+    /// Bytes of sequence states the prompt cache may keep (0: off).
+    pub cache_bytes: u64,
+}
+
+impl WorkerOptions {
+    /// Context `ctx`, 4 sequences, 512-token prefill chunks, a 2 GiB prompt cache.
+    pub fn new(ctx: usize) -> WorkerOptions {
+        WorkerOptions {
+            ctx,
+            parallel: 4,
+            prefill_chunk: 512,
+            cache_bytes: 2 << 30,
+        }
+    }
+}
+
+/// What the model thread is doing.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Sequences being generated.
+    pub active: usize,
+    /// Requests waiting for a slot.
+    pub queued: usize,
+    /// Sequences ended so far because they were cancelled (a client gone, a shutdown).
+    pub cancelled: u64,
+    /// Sequences ended so far in any way.
+    pub ended: u64,
+}
+
 /// The handle requests are submitted through (cheap to clone).
 #[derive(Clone)]
 pub struct Worker {
     tx: mpsc::Sender<Job>,
+    load: Arc<Mutex<Load>>,
 }
 
 impl Worker {
-    /// Starts the model thread; `ctx` bounds prompt plus reply.
-    pub fn spawn(runner: Runner, ctx: usize) -> std::io::Result<Worker> {
+    /// Starts the model thread.
+    pub fn spawn(runner: Runner, opts: WorkerOptions) -> std::io::Result<Worker> {
         let (tx, rx) = mpsc::channel::<Job>();
+        let load = Arc::new(Mutex::new(Load::default()));
+        let shared = load.clone();
         std::thread::Builder::new()
             .name("cortiq-model".into())
-            .spawn(move || {
-                for job in rx {
-                    let events = job.events.clone();
-                    // A panic in one request fails that request, not the server.
-                    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        run(&runner, ctx, job)
-                    }));
-                    let ev = match result {
-                        Ok(Ok(outcome)) => Event::Done(outcome),
-                        Ok(Err((status, message))) => Event::Failed(status, message),
-                        Err(_) => Event::Failed(500, "internal error while generating".into()),
-                    };
-                    let _ = events.send(ev);
-                }
-            })?;
-        Ok(Worker { tx })
+            .spawn(move || Scheduler::new(&runner, opts, shared).run(&rx))?;
+        Ok(Worker { tx, load })
     }
 
     /// Queues `job`; `false` when the model thread is gone.
     pub fn submit(&self, job: Job) -> bool {
-        self.tx.send(job).is_ok()
+        // Counted before it is sent: the model thread may take it at once.
+        lock(&self.load).queued += 1;
+        let sent = self.tx.send(job).is_ok();
+        if !sent {
+            lock(&self.load).queued -= 1;
+        }
+        sent
+    }
+
+    /// What the model thread is doing now.
+    pub fn load(&self) -> Load {
+        *lock(&self.load)
+    }
+}
+
+fn lock(load: &Mutex<Load>) -> std::sync::MutexGuard<'_, Load> {
+    load.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// An active sequence.
+struct Slot<'r> {
+    events: UnboundedSender<Event>,
+    cancel: CancelToken,
+    state: AnyState,
+    sampler: Sampler,
+    decoder: Decoder<'r>,
+    /// The prompt's ids.
+    prompt: Vec<u32>,
+    /// The ids the state holds (prompt ids fed so far, then fed reply tokens).
+    held: Vec<u32>,
+    /// Prompt ids reused from the cache.
+    cached: usize,
+    /// The token to feed next, once the prompt is in.
+    next: Option<u32>,
+    /// The logits after the whole prompt, when the cache had them (no forward needed).
+    ready: Option<Vec<f32>>,
+    t0: Instant,
+}
+
+impl Slot<'_> {
+    /// The ids this step feeds.
+    fn feed(&self, chunk: usize) -> Vec<u32> {
+        match self.next {
+            Some(t) => vec![t],
+            None => {
+                let done = self.held.len();
+                self.prompt[done..(done + chunk).min(self.prompt.len())].to_vec()
+            }
+        }
+    }
+}
+
+struct Scheduler<'r> {
+    runner: &'r Runner,
+    opts: WorkerOptions,
+    cache: PromptCache,
+    /// States of finished sequences, kept for reuse (a device state keeps its buffers and
+    /// recorded frames).
+    pool: Vec<AnyState>,
+    load: Arc<Mutex<Load>>,
+}
+
+impl<'r> Scheduler<'r> {
+    fn new(runner: &'r Runner, opts: WorkerOptions, load: Arc<Mutex<Load>>) -> Scheduler<'r> {
+        Scheduler {
+            runner,
+            opts,
+            cache: PromptCache::new(opts.cache_bytes),
+            pool: Vec::new(),
+            load,
+        }
+    }
+
+    fn model(&self) -> &'r AnyModel<'r> {
+        self.runner.model.model()
+    }
+
+    fn run(&mut self, rx: &mpsc::Receiver<Job>) {
+        let mut slots: Vec<Slot<'r>> = Vec::new();
+        let mut open = true;
+        while open || !slots.is_empty() {
+            // Wait for work when idle; take what is queued while slots are free.
+            if slots.is_empty() {
+                match rx.recv() {
+                    Ok(job) => self.admit(job, &mut slots),
+                    Err(_) => break,
+                }
+            }
+            while slots.len() < self.opts.parallel.max(1) {
+                match rx.try_recv() {
+                    Ok(job) => self.admit(job, &mut slots),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => {
+                        open = false;
+                        break;
+                    }
+                }
+            }
+            if !slots.is_empty() {
+                self.step(&mut slots);
+            }
+        }
+    }
+
+    /// Takes a request: checks and renders it, then makes it a slot (or answers it at once).
+    fn admit(&mut self, job: Job, slots: &mut Vec<Slot<'r>>) {
+        let events = job.events.clone();
+        {
+            let mut load = lock(&self.load);
+            load.queued = load.queued.saturating_sub(1);
+        }
+        let prepared = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.prepare(job)));
+        match prepared {
+            Ok(Ok(Some(slot))) => {
+                slots.push(slot);
+                lock(&self.load).active += 1;
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err((status, message))) => {
+                let _ = events.send(Event::Failed(status, message));
+            }
+            Err(_) => {
+                let _ = events.send(Event::Failed(500, "internal error while preparing".into()));
+            }
+        }
+    }
+
+    fn prepare(&mut self, job: Job) -> Result<Option<Slot<'r>>, (u16, String)> {
+        let Job {
+            request,
+            events,
+            cancel,
+        } = job;
+        let runner = self.runner;
+        let ctx = self.opts.ctx;
+        // The prompt must leave room in the context, and an explicit max_tokens must fit beside
+        // it (as OpenAI answers); without one the reply may fill the rest.
+        let limit = |prompt: usize| -> Result<usize, (u16, String)> {
+            if prompt >= ctx {
+                return Err((
+                    400,
+                    format!("the prompt is {prompt} tokens; the context is {ctx} tokens (--ctx)"),
+                ));
+            }
+            match request.max_tokens {
+                Some(m) if m > ctx - prompt => Err((
+                    400,
+                    format!(
+                        "max_tokens {m} with a prompt of {prompt} tokens passes the context of \
+                         {ctx} tokens (--ctx)"
+                    ),
+                )),
+                m => Ok(m.unwrap_or(ctx - prompt)),
+            }
+        };
+        let (prompt, mut stop, started) = match &request.input {
+            Input::Chat(messages) => {
+                let mut chat = Chat::new(runner, None, request.sampling).map_err(|e| match e {
+                    ChatError::NoTemplate { .. } => (400, format!("{e}: use /v1/completions")),
+                    e => (500, e.to_string()),
+                })?;
+                chat.messages = messages.clone();
+                chat.tools = request.tools.clone();
+                let rendered = chat.render().map_err(|e| (400, e.to_string()))?;
+                let prompt = chat.prompt_ids().map_err(|e| (400, e.to_string()))?;
+                let template = runner.model.cmf().header().chat_template.clone();
+                let started = Event::Started {
+                    reasoning: template.is_some_and(|t| t.contains("</think>")),
+                    in_think: super::parse::opens_reasoning(&rendered),
+                    prompt_tokens: prompt.len(),
+                };
+                (prompt, chat.stop, Some(started))
+            }
+            Input::Text(text) => (
+                runner
+                    .encode(text)
+                    .map_err(|e| (status_of_run(&e), e.to_string()))?,
+                Vec::new(),
+                None,
+            ),
+        };
+        if request.count_only {
+            let _ = events.send(Event::Done(Outcome {
+                finish: Finish::Length,
+                stop_string: None,
+                prompt_tokens: prompt.len(),
+                cached_tokens: 0,
+                completion_tokens: 0,
+            }));
+            return Ok(None);
+        }
+        if prompt.is_empty() {
+            return Err((400, RunError::EmptyPrompt.to_string()));
+        }
+        let max_new = limit(prompt.len())?;
+        // The first event decides a stream's status: only a request that will run starts.
+        if let Some(started) = started {
+            let _ = events.send(started);
+        }
+        stop.extend(request.stop.iter().cloned());
+
+        let model = self.model();
+        let mut state = self.pool.pop().unwrap_or_else(|| model.new_state());
+        let mut held = Vec::new();
+        let mut ready = None;
+        let restored = match self.cache.lookup(&prompt) {
+            Some((n, snap, logits)) => {
+                ready = logits.map(<[f32]>::to_vec);
+                model.restore(&mut state, snap).map(|()| n)
+            }
+            None => Ok(0),
+        };
+        match restored {
+            Ok(n) if n > 0 => held.extend_from_slice(&prompt[..n]),
+            // A snapshot that does not restore is only a lost shortcut.
+            _ => {
+                ready = None;
+                model.reset(&mut state);
+            }
+        }
+        let cached = held.len();
+        let mut sampler = Sampler::new(request.sampling);
+        for &id in &held {
+            sampler.accept(id);
+        }
+        let opts = GenerateOptions {
+            max_new,
+            stop,
+            cancel: Some(cancel.clone()),
+            ignore_eos: request.ignore_eos,
+            ..GenerateOptions::default()
+        };
+        Ok(Some(Slot {
+            events,
+            cancel,
+            state,
+            sampler,
+            decoder: Decoder::new(runner, &opts),
+            prompt,
+            held,
+            cached,
+            next: None,
+            ready,
+            t0: Instant::now(),
+        }))
+    }
+
+    /// One batched forward over every active sequence, then each one's token.
+    fn step(&mut self, slots: &mut Vec<Slot<'r>>) {
+        // Requests cancelled (or whose client left) end before the forward.
+        let mut i = 0;
+        while i < slots.len() {
+            if slots[i].cancel.is_cancelled() || slots[i].events.is_closed() {
+                let slot = slots.swap_remove(i);
+                self.finish(slot, None);
+            } else {
+                i += 1;
+            }
+        }
+        if slots.is_empty() {
+            return;
+        }
+        if let Err(e) = self.runner.model.integrity().check() {
+            for slot in slots.drain(..) {
+                self.finish(slot, Some((500, e.to_string())));
+            }
+            return;
+        }
+        let chunk = self.opts.prefill_chunk.max(1);
+        // A slot whose prompt the cache answered whole has its logits already.
+        let feeds: Vec<Vec<u32>> = slots
+            .iter()
+            .map(|s| {
+                if s.ready.is_some() {
+                    Vec::new()
+                } else {
+                    s.feed(chunk)
+                }
+            })
+            .collect();
+        let model = self.model();
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut seqs: Vec<(&[u32], &mut AnyState)> = feeds
+                .iter()
+                .map(Vec::as_slice)
+                .zip(slots.iter_mut().map(|s| &mut s.state))
+                .filter(|(f, _)| !f.is_empty())
+                .collect();
+            model.forward_batch(&mut seqs)
+        }));
+        let mut logits = match result {
+            Ok(Ok(l)) => l.into_iter(),
+            Ok(Err(e)) => {
+                let message = e.to_string();
+                for slot in slots.drain(..) {
+                    self.finish(slot, Some((500, message.clone())));
+                }
+                return;
+            }
+            Err(_) => {
+                for slot in slots.drain(..) {
+                    self.finish(slot, Some((500, "internal error while generating".into())));
+                }
+                return;
+            }
+        };
+        let mut ended = Vec::new();
+        for (i, (slot, fed)) in slots.iter_mut().zip(feeds).enumerate() {
+            let logits = match slot.ready.take() {
+                Some(l) => l,
+                None => logits.next().expect("one logits row per fed sequence"),
+            };
+            slot.held.extend_from_slice(&fed);
+            if slot.next.is_none() && slot.held.len() < slot.prompt.len() {
+                continue;
+            }
+            if slot.next.is_none() {
+                // The prompt is in: its state (and these logits) is what a later prompt may
+                // extend or repeat.
+                for &id in &slot.prompt[slot.cached..] {
+                    slot.sampler.accept(id);
+                }
+                if !fed.is_empty() && self.cache.takes(slot.state.bytes()) {
+                    let l = Some(logits.clone());
+                    self.cache.insert(slot.held.clone(), slot.state.clone(), l);
+                }
+            }
+            let token = slot.sampler.sample(&logits);
+            let (events, cancel) = (&slot.events, &slot.cancel);
+            let mut on_event = |e: GenEvent<'_>| {
+                if let GenEvent::Text(t) = e
+                    && !t.is_empty()
+                    && events.send(Event::Text(t.to_string())).is_err()
+                {
+                    cancel.cancel();
+                }
+            };
+            slot.next = slot.decoder.push(token, &mut slot.sampler, &mut on_event);
+            if slot.next.is_none() {
+                ended.push(i);
+            }
+        }
+        for &i in ended.iter().rev() {
+            let slot = slots.swap_remove(i);
+            self.finish(slot, None);
+        }
+    }
+
+    /// Ends a sequence: its last text and outcome (or `failure`) go out, its state goes to the
+    /// prompt cache, its buffers back to the pool.
+    fn finish(&mut self, slot: Slot<'r>, failure: Option<(u16, String)>) {
+        let Slot {
+            events,
+            cancel,
+            state,
+            decoder,
+            prompt,
+            held,
+            cached,
+            t0,
+            ..
+        } = slot;
+        let mut on_event = |e: GenEvent<'_>| {
+            if let GenEvent::Text(t) = e
+                && !t.is_empty()
+                && events.send(Event::Text(t.to_string())).is_err()
+            {
+                cancel.cancel();
+            }
+        };
+        let d = decoder.end(&mut on_event);
+        {
+            let mut load = lock(&self.load);
+            load.active = load.active.saturating_sub(1);
+            load.ended += 1;
+            load.cancelled += u64::from(failure.is_none() && d.finish == Finish::Cancelled);
+        }
+        // A corrupt tensor found while the last tokens were made taints them too.
+        let failure = failure.or_else(|| {
+            self.runner
+                .model
+                .integrity()
+                .check()
+                .err()
+                .map(|e| (500, e.to_string()))
+        });
+        let ev = match failure {
+            Some((status, message)) => Event::Failed(status, message),
+            None => Event::Done(Outcome {
+                finish: d.finish,
+                stop_string: d.stop_string,
+                prompt_tokens: prompt.len(),
+                cached_tokens: cached,
+                completion_tokens: d.tokens.len(),
+            }),
+        };
+        let _ = events.send(ev);
+        tracing::debug!(
+            prompt = prompt.len(),
+            cached,
+            generated = d.tokens.len(),
+            ms = t0.elapsed().as_millis() as u64,
+            "sequence ended"
+        );
+        // The state holds `held` whatever happened (a failed forward aside).
+        let reusable = !held.is_empty() && held.len() == state.pos();
+        match state {
+            AnyState::Qwen4Gpu(_) => {
+                if reusable && self.cache.takes(state.bytes()) {
+                    self.cache.insert(held, state.clone(), None);
+                }
+                self.pool.push(state);
+            }
+            state if reusable => self.cache.insert(held, state, None),
+            _ => {}
+        }
     }
 }
 
@@ -97,110 +552,5 @@ fn status_of_run(e: &RunError) -> u16 {
     match e {
         RunError::EmptyPrompt | RunError::Tokenizer { .. } => 400,
         _ => 500,
-    }
-}
-
-fn run(runner: &Runner, ctx: usize, job: Job) -> Result<Outcome, (u16, String)> {
-    let Job {
-        request,
-        events,
-        cancel,
-    } = job;
-    let cancel_on_close = cancel.clone();
-    let started = events.clone();
-    let mut send = move |t: &str| {
-        if !t.is_empty() && events.send(Event::Text(t.to_string())).is_err() {
-            cancel_on_close.cancel();
-        }
-    };
-    // The prompt must leave room in the context, and an explicit max_tokens must fit beside
-    // it (as OpenAI answers); without one the reply may fill the rest.
-    let limit = |prompt: usize| -> Result<usize, (u16, String)> {
-        if prompt >= ctx {
-            return Err((
-                400,
-                format!("the prompt is {prompt} tokens; the context is {ctx} tokens (--ctx)"),
-            ));
-        }
-        match request.max_tokens {
-            Some(m) if m > ctx - prompt => Err((
-                400,
-                format!(
-                    "max_tokens {m} with a prompt of {prompt} tokens passes the context of \
-                     {ctx} tokens (--ctx)"
-                ),
-            )),
-            m => Ok(m.unwrap_or(ctx - prompt)),
-        }
-    };
-    match &request.input {
-        Input::Chat(messages) => {
-            let mut chat = Chat::new(runner, None, request.sampling).map_err(|e| match e {
-                ChatError::NoTemplate { .. } => (400, format!("{e}: use /v1/completions")),
-                e => (500, e.to_string()),
-            })?;
-            chat.messages = messages.clone();
-            chat.stop.extend(request.stop.iter().cloned());
-            chat.cancel = Some(cancel);
-            chat.ctx_limit = Some(ctx);
-            chat.tools = request.tools.clone();
-            let rendered = chat.render().map_err(|e| (400, e.to_string()))?;
-            let prompt = chat.prompt_ids().map_err(|e| (400, e.to_string()))?;
-            if request.count_only {
-                return Ok(Outcome {
-                    finish: Finish::Length,
-                    stop_string: None,
-                    prompt_tokens: prompt.len(),
-                    completion_tokens: 0,
-                });
-            }
-            let max_new = limit(prompt.len())?;
-            let template = runner.model.cmf().header().chat_template.clone();
-            let _ = started.send(Event::Started {
-                reasoning: template.is_some_and(|t| t.contains("</think>")),
-                in_think: super::parse::opens_reasoning(&rendered),
-                prompt_tokens: prompt.len(),
-            });
-            let reply = chat.respond(max_new, &mut send);
-            let reply = reply.map_err(|e| match &e {
-                ChatError::Context { .. } => (400, e.to_string()),
-                ChatError::Run(r) => (status_of_run(r), e.to_string()),
-                _ => (500, e.to_string()),
-            })?;
-            Ok(Outcome {
-                finish: reply.finish,
-                stop_string: reply.stop_string.clone(),
-                prompt_tokens: reply.prefilled + reply.reused,
-                completion_tokens: reply.tokens,
-            })
-        }
-        Input::Text(prompt) => {
-            let ids = runner
-                .encode(prompt)
-                .map_err(|e| (status_of_run(&e), e.to_string()))?;
-            let max_new = limit(ids.len())?;
-            let model = runner.model.model();
-            let mut st = model.new_state();
-            let opts = GenerateOptions {
-                max_new,
-                stop: request.stop.clone(),
-                cancel: Some(cancel),
-                ..GenerateOptions::default()
-            };
-            let mut sampler = Sampler::new(request.sampling);
-            let g = runner
-                .complete(&mut st, &ids, &mut sampler, &opts, &mut |e| {
-                    if let GenEvent::Text(t) = e {
-                        send(t);
-                    }
-                })
-                .map_err(|e| (status_of_run(&e), e.to_string()))?;
-            Ok(Outcome {
-                finish: g.finish,
-                stop_string: g.stop_string.clone(),
-                prompt_tokens: ids.len(),
-                completion_tokens: g.tokens.len(),
-            })
-        }
     }
 }
