@@ -447,6 +447,7 @@ fn sampling(
             .unwrap_or(1.0),
         repeat_last_n: args.repeat_last_n,
         seed,
+        ..engine::sampling::Sampling::default()
     }
 }
 

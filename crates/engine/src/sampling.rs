@@ -19,8 +19,13 @@ pub struct Sampling {
     /// Divide positive logits (multiply negative ones) of recently seen tokens by this
     /// (1 = off; the CTRL / transformers `repetition_penalty` rule).
     pub repeat_penalty: f32,
-    /// How many of the most recent tokens (prompt included) the penalty looks at.
+    /// How many of the most recent tokens (prompt included) the penalties look at.
     pub repeat_last_n: usize,
+    /// Subtracted from the logit of every recent token (OpenAI's `presence_penalty`; 0 = off).
+    pub presence_penalty: f32,
+    /// Subtracted from a recent token's logit once per occurrence (OpenAI's
+    /// `frequency_penalty`; 0 = off).
+    pub frequency_penalty: f32,
     /// Seed of the generator.
     pub seed: u64,
 }
@@ -34,6 +39,8 @@ impl Default for Sampling {
             min_p: 0.0,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -136,7 +143,7 @@ impl Sampler {
 
     /// Records a token of the sequence (prompt or generated) for the repetition penalty.
     pub fn accept(&mut self, id: u32) {
-        if self.cfg.repeat_penalty == 1.0 || self.cfg.repeat_last_n == 0 {
+        if !self.penalises() || self.cfg.repeat_last_n == 0 {
             return;
         }
         if self.recent.len() == self.cfg.repeat_last_n {
@@ -150,19 +157,30 @@ impl Sampler {
         self.recent.clear();
     }
 
-    /// `logits` with the repetition penalty applied to every recent token (once each).
+    fn penalises(&self) -> bool {
+        self.cfg.repeat_penalty != 1.0
+            || self.cfg.presence_penalty != 0.0
+            || self.cfg.frequency_penalty != 0.0
+    }
+
+    /// `logits` with the penalties applied to every recent token: the repetition penalty and
+    /// the presence penalty once per token, the frequency penalty once per occurrence.
     fn penalised<'l>(&self, logits: &'l [f32]) -> std::borrow::Cow<'l, [f32]> {
-        let p = self.cfg.repeat_penalty;
-        if p == 1.0 || self.recent.is_empty() {
+        let (p, presence, frequency) = (
+            self.cfg.repeat_penalty,
+            self.cfg.presence_penalty,
+            self.cfg.frequency_penalty,
+        );
+        if !self.penalises() || self.recent.is_empty() {
             return std::borrow::Cow::Borrowed(logits);
         }
         let mut out = logits.to_vec();
         let mut seen: Vec<u32> = self.recent.iter().copied().collect();
         seen.sort_unstable();
-        seen.dedup();
-        for id in seen {
-            if let Some(l) = out.get_mut(id as usize) {
+        for run in seen.chunk_by(|a, b| a == b) {
+            if let Some(l) = out.get_mut(run[0] as usize) {
                 *l = if *l > 0.0 { *l / p } else { *l * p };
+                *l -= presence + frequency * run.len() as f32;
             }
         }
         std::borrow::Cow::Owned(out)
@@ -269,6 +287,23 @@ mod tests {
         let mut s = Sampler::new(Sampling::default());
         assert_eq!(s.sample(&[0.1, 3.0, 3.0, -1.0]), 1);
         assert_eq!(argmax(&[f32::NAN, 1.0, 0.5]), 1);
+    }
+
+    #[test]
+    fn presence_and_frequency_penalties_follow_openai() {
+        // logit - presence * [count > 0] - frequency * count, over the recent window.
+        let mut s = Sampler::new(Sampling {
+            presence_penalty: 0.5,
+            frequency_penalty: 0.25,
+            ..Sampling::default()
+        });
+        for id in [1, 1, 1, 2] {
+            s.accept(id);
+        }
+        let out = s.penalised(&[3.0, 3.0, 3.0, 1.0]);
+        assert_eq!(&out[..], &[3.0, 3.0 - 0.5 - 0.75, 3.0 - 0.5 - 0.25, 1.0]);
+        // Greedy picks what the penalties leave on top.
+        assert_eq!(s.sample(&[3.0, 3.1, 3.0, 1.0]), 0);
     }
 
     #[test]

@@ -8,23 +8,20 @@
 //! skipped, unless `CORTIQ_REQUIRE_PYCLIENTS=1` (set by `.ci/run`, which installs them in a
 //! virtual environment): then it fails.
 
+mod common;
+
 use std::path::Path;
 use std::process::Command;
 
+use common::{runner, spawn_server};
 use engine::chat::{Chat, Message};
 use engine::generate::GenerateOptions;
-use engine::run::Runner;
 use engine::sampling::{Sampler, Sampling};
-use engine::serve::worker::{Worker, WorkerOptions};
-use engine::serve::{ServerState, serve};
+use engine::serve::worker::WorkerOptions;
 use serde_json::json;
 
 const KEY: &str = "sk-cortiq-test";
 const MAX: usize = 16;
-
-fn runner() -> Runner {
-    Runner::from_cmf(engine::embedded_model().unwrap()).unwrap()
-}
 
 fn python() -> Option<String> {
     let py = std::env::var("CORTIQ_PYTHON").unwrap_or_else(|_| "python3".into());
@@ -75,18 +72,7 @@ fn the_official_python_clients_work_against_the_server() {
     let file = dir.path().join("expected.json");
     std::fs::write(&file, expected.to_string()).unwrap();
 
-    let worker = Worker::spawn(r, WorkerOptions::new(512)).unwrap();
-    let state = ServerState::new(worker, "demo", Some(KEY.into()), Sampling::default());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap().port()).unwrap();
-            serve(l, state).await.unwrap();
-        });
-    });
-    let port = rx.recv().unwrap();
+    let (port, _) = spawn_server(r, WorkerOptions::new(512), Some(KEY));
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/clients/clients.py");
     let out = Command::new(&py)
         .arg(&script)

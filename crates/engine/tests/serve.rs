@@ -3,100 +3,28 @@
 //! determined), streaming against non-streaming, and malformed requests against the errors
 //! they must get.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::OnceLock;
 
+use common::{http, runner, spawn_server};
+
 use engine::chat::{Chat, Message};
 use engine::generate::GenerateOptions;
-use engine::run::Runner;
 use engine::sampling::{Sampler, Sampling};
-use engine::serve::worker::{Worker, WorkerOptions};
-use engine::serve::{ServerState, serve};
+use engine::serve::worker::WorkerOptions;
 use serde_json::{Value, json};
 
 const CTX: usize = 512;
-
-fn runner() -> Runner {
-    Runner::from_cmf(engine::embedded_model().unwrap()).unwrap()
-}
 
 /// A server on a free port (one per API key), for the whole test binary.
 fn server(key: Option<&str>) -> u16 {
     static OPEN: OnceLock<u16> = OnceLock::new();
     static KEYED: OnceLock<u16> = OnceLock::new();
     let cell = if key.is_some() { &KEYED } else { &OPEN };
-    *cell.get_or_init(|| {
-        let worker = Worker::spawn(runner(), WorkerOptions::new(CTX)).unwrap();
-        let state = ServerState::new(worker, "demo", key.map(str::to_string), Sampling::default());
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            rt.block_on(async move {
-                let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-                tx.send(l.local_addr().unwrap().port()).unwrap();
-                serve(l, state).await.unwrap();
-            });
-        });
-        rx.recv().unwrap()
-    })
-}
-
-/// One HTTP/1.1 exchange: the status and the body (chunked transfer decoded).
-fn http(
-    port: u16,
-    method: &str,
-    path: &str,
-    body: &str,
-    headers: &[(&str, &str)],
-) -> (u16, String) {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).unwrap();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\
-         Content-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    req.push_str(body);
-    // A server may answer (a 413) and close before taking a whole oversized body: what it
-    // sent is still read below.
-    let _ = s.write_all(req.as_bytes());
-    let mut raw = Vec::new();
-    let mut buf = [0u8; 65536];
-    loop {
-        match s.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => raw.extend_from_slice(&buf[..n]),
-            Err(e) if raw.is_empty() => panic!("{method} {path}: {e}"),
-            Err(_) => break,
-        }
-    }
-    let raw = String::from_utf8(raw).unwrap();
-    let (head, rest) = raw.split_once("\r\n\r\n").expect("a header block");
-    let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
-    let chunked = head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked");
-    let body = if chunked {
-        let mut out = String::new();
-        let mut rest = rest;
-        loop {
-            let (size, tail) = rest.split_once("\r\n").unwrap();
-            let n = usize::from_str_radix(size.trim(), 16).unwrap();
-            if n == 0 {
-                break;
-            }
-            out.push_str(&tail[..n]);
-            rest = &tail[n + 2..];
-        }
-        out
-    } else {
-        rest.to_string()
-    };
-    (status, body)
+    *cell.get_or_init(|| spawn_server(runner(), WorkerOptions::new(CTX), key).0)
 }
 
 fn post(port: u16, path: &str, body: &Value) -> (u16, Value) {
@@ -252,6 +180,18 @@ fn malformed_requests_get_a_400_naming_the_field() {
             "temperature",
         ),
         (json!({"messages": [{"content": "a"}]}), "messages[0].role"),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}], "presence_penalty": 3}),
+            "presence_penalty",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}], "frequency_penalty": "x"}),
+            "frequency_penalty",
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "a"}], "ignore_eos": 1}),
+            "ignore_eos",
+        ),
     ] {
         let (status, v) = post(port, "/v1/chat/completions", &req);
         assert_eq!(status, 400, "{req}");
@@ -631,26 +571,11 @@ fn the_prompt_cache_serves_later_turns_and_repeats_unchanged() {
 /// to go.
 #[test]
 fn a_disconnected_client_frees_its_slot() {
-    let worker = Worker::spawn(
-        runner(),
-        WorkerOptions {
-            parallel: 1,
-            ..WorkerOptions::new(4096)
-        },
-    )
-    .unwrap();
-    let state = ServerState::new(worker, "demo", None, Sampling::default());
-    let watch = state.clone();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Runtime::new().unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap().port()).unwrap();
-            serve(l, state).await.unwrap();
-        });
-    });
-    let port = rx.recv().unwrap();
+    let opts = WorkerOptions {
+        parallel: 1,
+        ..WorkerOptions::new(4096)
+    };
+    let (port, watch) = spawn_server(runner(), opts, None);
     let long = json!({
         "prompt": "ROMEO:", "max_tokens": 4000, "stream": true,
         "temperature": 1.0, "seed": 7, "ignore_eos": true,

@@ -386,8 +386,9 @@ pub async fn handle(
             Event::Started {
                 reasoning,
                 in_think,
+                tool_format,
                 ..
-            } => split = Splitter::new(reasoning, tools, in_think),
+            } => split = Splitter::with_format(reasoning, tools, in_think, tool_format),
             Event::Text(t) => pieces.extend(split.push(&t)),
             Event::Done(o) => {
                 pieces.extend(split.finish());
@@ -563,9 +564,10 @@ fn stream_messages(
                 Event::Started {
                     reasoning,
                     in_think,
+                    tool_format,
                     prompt_tokens,
                 } => {
-                    split = Splitter::new(reasoning, tools, in_think);
+                    split = Splitter::with_format(reasoning, tools, in_think, tool_format);
                     let start = json!({"type": "message_start", "message": {
                         "id": id, "type": "message", "role": "assistant", "model": model,
                         "content": [], "stop_reason": null, "stop_sequence": null,

@@ -53,6 +53,8 @@ pub(crate) struct Common {
     pub(crate) stop: Option<Stop>,
     n: Option<u64>,
     repetition_penalty: Option<f32>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
     ignore_eos: Option<bool>,
 }
 
@@ -100,6 +102,8 @@ pub(crate) fn common_fields(obj: &serde_json::Map<String, Value>) -> Result<Comm
         stop: field(obj, "stop", "a string or a list of strings")?,
         n: field(obj, "n", "an integer")?,
         repetition_penalty: field(obj, "repetition_penalty", "a number")?,
+        presence_penalty: field(obj, "presence_penalty", "a number")?,
+        frequency_penalty: field(obj, "frequency_penalty", "a number")?,
         ignore_eos: field(obj, "ignore_eos", "true or false")?,
     })
 }
@@ -201,6 +205,17 @@ pub(crate) fn common(c: Common, input: Input, defaults: &Sampling) -> Result<Req
             format!("repetition_penalty = {repeat_penalty}: expected more than 0"),
         ));
     }
+    // OpenAI's range for both.
+    let penalty = |name: &str, v: Option<f32>| match v {
+        None => Ok(0.0),
+        Some(x) if (-2.0..=2.0).contains(&x) => Ok(x),
+        Some(x) => Err(BadRequest::new(
+            name,
+            format!("{name} = {x}: expected -2 to 2"),
+        )),
+    };
+    let presence_penalty = penalty("presence_penalty", c.presence_penalty)?;
+    let frequency_penalty = penalty("frequency_penalty", c.frequency_penalty)?;
     let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
         Some(0) => {
             let field = if c.max_completion_tokens.is_some() {
@@ -235,6 +250,8 @@ pub(crate) fn common(c: Common, input: Input, defaults: &Sampling) -> Result<Req
             repeat_penalty,
             seed: c.seed.unwrap_or_else(crate::sampling::fresh_seed),
             repeat_last_n: defaults.repeat_last_n,
+            presence_penalty,
+            frequency_penalty,
         },
         max_tokens,
         stop: stop.into_iter().filter(|s| !s.is_empty()).collect(),

@@ -438,9 +438,10 @@ async fn handle(
             Event::Started {
                 reasoning,
                 in_think,
+                tool_format,
                 ..
             } => {
-                split = Splitter::new(reasoning, shape.tools, in_think);
+                split = Splitter::with_format(reasoning, shape.tools, in_think, tool_format);
             }
             Event::Text(t) => pieces.extend(split.push(&t)),
             Event::Done(o) => {
@@ -627,9 +628,10 @@ fn stream_response(
                 Event::Started {
                     reasoning,
                     in_think,
+                    tool_format,
                     ..
                 } => {
-                    split = Splitter::new(reasoning, shape.tools, in_think);
+                    split = Splitter::with_format(reasoning, shape.tools, in_think, tool_format);
                     continue;
                 }
                 Event::Text(t) => split.push(&t),

@@ -1,9 +1,11 @@
 //! Splitting a reply into what the API returns apart: reasoning (`<think>...</think>`, returned
-//! as `reasoning_content`), tool calls (Qwen's `<tool_call>{"name": ..., "arguments": ...}
-//! </tool_call>` blocks, returned as structured `tool_calls`) and the answer text, as the
-//! text streams in. Text that could still be the start of a tag is held back until it is
-//! known; a tool call that is not valid JSON with a string `name` is returned as text, never
-//! an error.
+//! as `reasoning_content`), tool calls (returned as structured `tool_calls`) and the answer
+//! text, as the text streams in. Tool calls come in the model family's own format
+//! ([`ToolFormat`]): Qwen's `<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks, or
+//! DeepSeek's DSML (`<｜DSML｜tool_calls>` holding `<｜DSML｜invoke name="...">` elements whose
+//! `<｜DSML｜parameter name="..." string="true|false">` children are the arguments: raw strings,
+//! or JSON values). Text that could still be the start of a tag is held back until it is
+//! known; a tool call that does not parse is returned as text, never an error.
 
 use serde_json::Value;
 
@@ -11,6 +13,47 @@ const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 const TOOL_OPEN: &str = "<tool_call>";
 const TOOL_CLOSE: &str = "</tool_call>";
+const DSML_OPEN: &str = "<｜DSML｜tool_calls>";
+const DSML_CLOSE: &str = "</｜DSML｜tool_calls>";
+const DSML_INVOKE: &str = "<｜DSML｜invoke name=\"";
+const DSML_INVOKE_CLOSE: &str = "</｜DSML｜invoke>";
+const DSML_PARAM: &str = "<｜DSML｜parameter name=\"";
+const DSML_PARAM_CLOSE: &str = "</｜DSML｜parameter>";
+
+/// How a model family writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ToolFormat {
+    /// Qwen's `<tool_call>` JSON blocks.
+    #[default]
+    Qwen,
+    /// DeepSeek's DSML markup.
+    Dsml,
+}
+
+impl ToolFormat {
+    /// The format a chat template writes tool calls in (DSML where it mentions it).
+    pub fn of_template(template: &str) -> ToolFormat {
+        if template.contains("DSML") {
+            ToolFormat::Dsml
+        } else {
+            ToolFormat::Qwen
+        }
+    }
+
+    fn open(self) -> &'static str {
+        match self {
+            ToolFormat::Qwen => TOOL_OPEN,
+            ToolFormat::Dsml => DSML_OPEN,
+        }
+    }
+
+    fn close(self) -> &'static str {
+        match self {
+            ToolFormat::Qwen => TOOL_CLOSE,
+            ToolFormat::Dsml => DSML_CLOSE,
+        }
+    }
+}
 
 /// One parsed piece of a reply, in order.
 #[derive(Debug, Clone, PartialEq)]
@@ -45,6 +88,7 @@ pub struct Splitter {
     /// a reply is content as it comes.
     reasoning: bool,
     tools: bool,
+    format: ToolFormat,
 }
 
 /// The longest suffix of `s` that is a proper prefix of `tag` (held back: it may yet become
@@ -61,6 +105,16 @@ impl Splitter {
     /// `in_think` when the prompt already opened the reasoning block (a template that ends
     /// its generation prompt with an open `<think>`: see [`opens_reasoning`]).
     pub fn new(reasoning: bool, tools: bool, in_think: bool) -> Splitter {
+        Self::with_format(reasoning, tools, in_think, ToolFormat::Qwen)
+    }
+
+    /// [`Splitter::new`] for tool calls written in `format`.
+    pub fn with_format(
+        reasoning: bool,
+        tools: bool,
+        in_think: bool,
+        format: ToolFormat,
+    ) -> Splitter {
         Splitter {
             mode: if in_think && reasoning {
                 Mode::Think
@@ -70,6 +124,7 @@ impl Splitter {
             pending: String::new(),
             reasoning,
             tools,
+            format,
         }
     }
 
@@ -85,12 +140,12 @@ impl Splitter {
                         t.push(THINK_OPEN);
                     }
                     if self.tools {
-                        t.push(TOOL_OPEN);
+                        t.push(self.format.open());
                     }
                     t
                 }
                 Mode::Think => vec![THINK_CLOSE],
-                Mode::Tool => vec![TOOL_CLOSE],
+                Mode::Tool => vec![self.format.close()],
             };
             // The earliest tag in the pending text.
             let found = tags
@@ -115,7 +170,7 @@ impl Splitter {
                             self.mode = Mode::Content;
                         }
                         (Mode::Tool, _) => {
-                            out.push(tool_call(&before));
+                            out.extend(tool_calls(self.format, &before));
                             self.mode = Mode::Content;
                         }
                     }
@@ -149,7 +204,11 @@ impl Splitter {
         let mut out = Vec::new();
         match self.mode {
             // An unclosed tool call is text as the model wrote it.
-            Mode::Tool => push_text(&mut out, Mode::Content, format!("{TOOL_OPEN}{rest}")),
+            Mode::Tool => push_text(
+                &mut out,
+                Mode::Content,
+                format!("{}{rest}", self.format.open()),
+            ),
             mode => push_text(&mut out, mode, rest),
         }
         out
@@ -171,6 +230,68 @@ fn push_text(out: &mut Vec<Piece>, mode: Mode, text: String) {
         Mode::Think => Piece::Reasoning(text),
         _ => Piece::Content(text),
     });
+}
+
+/// A closed tool-call block's body as its calls, or (when it does not parse) the block as
+/// text.
+fn tool_calls(format: ToolFormat, body: &str) -> Vec<Piece> {
+    match format {
+        ToolFormat::Qwen => vec![tool_call(body)],
+        ToolFormat::Dsml => dsml_calls(body)
+            .unwrap_or_else(|| vec![Piece::Content(format!("{DSML_OPEN}{body}{DSML_CLOSE}"))]),
+    }
+}
+
+/// `s` after a `"`-terminated attribute value: the value and the rest.
+fn attribute(s: &str) -> Option<(&str, &str)> {
+    let end = s.find('"')?;
+    Some((&s[..end], &s[end + 1..]))
+}
+
+/// A DSML block's invokes (`None` when anything in it is not DSML: then it is text).
+fn dsml_calls(body: &str) -> Option<Vec<Piece>> {
+    let mut calls = Vec::new();
+    let mut rest = body.trim_start();
+    while !rest.is_empty() {
+        let (name, after) = attribute(rest.strip_prefix(DSML_INVOKE)?)?;
+        let after = after.trim_start().strip_prefix('>')?;
+        let end = after.find(DSML_INVOKE_CLOSE)?;
+        let mut params = after[..end].trim_start();
+        let mut args = serde_json::Map::new();
+        while !params.is_empty() {
+            let (pname, p) = attribute(params.strip_prefix(DSML_PARAM)?)?;
+            let p = p.trim_start();
+            // `string="true"`: the value as written; otherwise a JSON value (a bare word that
+            // is not JSON stays a string).
+            let (raw, p) = match p.strip_prefix("string=\"") {
+                Some(q) => {
+                    let (flag, q) = attribute(q)?;
+                    (flag == "true", q.trim_start())
+                }
+                None => (false, p),
+            };
+            let p = p.strip_prefix('>')?;
+            let vend = p.find(DSML_PARAM_CLOSE)?;
+            let text = &p[..vend];
+            let value = if raw {
+                Value::String(text.to_string())
+            } else {
+                serde_json::from_str(text.trim())
+                    .unwrap_or_else(|_| Value::String(text.to_string()))
+            };
+            args.insert(pname.to_string(), value);
+            params = p[vend + DSML_PARAM_CLOSE.len()..].trim_start();
+        }
+        if name.is_empty() {
+            return None;
+        }
+        calls.push(Piece::ToolCall {
+            name: name.to_string(),
+            arguments: Value::Object(args).to_string(),
+        });
+        rest = after[end + DSML_INVOKE_CLOSE.len()..].trim_start();
+    }
+    (!calls.is_empty()).then_some(calls)
 }
 
 /// A `<tool_call>` block's body as a call, or (not a JSON object with a string `name`) the
@@ -288,6 +409,56 @@ mod tests {
         let (content, _, calls) = split_by("<tool_call>{\"name\": \"x\"", 3, false);
         assert!(calls.is_empty());
         assert_eq!(content, "<tool_call>{\"name\": \"x\"");
+    }
+
+    #[test]
+    fn dsml_tool_calls_in_any_chunking() {
+        let reply = "<think>Check both.</think>On it.\n<｜DSML｜tool_calls>\n\
+                     <｜DSML｜invoke name=\"get_weather\">\n\
+                     <｜DSML｜parameter name=\"city\" string=\"true\">杭州</｜DSML｜parameter>\n\
+                     <｜DSML｜parameter name=\"days\" string=\"false\">5</｜DSML｜parameter>\n\
+                     <｜DSML｜parameter name=\"opts\" string=\"false\">{\"unit\": \"C\"}</｜DSML｜parameter>\n\
+                     </｜DSML｜invoke>\n<｜DSML｜invoke name=\"now\">\n</｜DSML｜invoke>\n\
+                     </｜DSML｜tool_calls>";
+        for n in [1, 2, 3, 5, 7, 1000] {
+            let mut s = Splitter::with_format(true, true, false, ToolFormat::Dsml);
+            let chars: Vec<char> = reply.chars().collect();
+            let mut pieces = Vec::new();
+            for chunk in chars.chunks(n) {
+                pieces.extend(s.push(&chunk.iter().collect::<String>()));
+            }
+            pieces.extend(s.finish());
+            let (content, reasoning, calls) = merge(pieces);
+            assert_eq!(reasoning, "Check both.", "chunks of {n}");
+            assert_eq!(content, "On it.\n", "chunks of {n}");
+            assert_eq!(calls.len(), 2, "chunks of {n}");
+            assert_eq!(calls[0].0, "get_weather");
+            let args: Value = serde_json::from_str(&calls[0].1).unwrap();
+            assert_eq!(
+                args,
+                serde_json::json!({"city": "杭州", "days": 5, "opts": {"unit": "C"}})
+            );
+            assert_eq!(calls[1], ("now".to_string(), "{}".to_string()));
+        }
+        // A Qwen block is text to a DSML model, and malformed DSML is text as written.
+        for bad in [
+            "<tool_call>{\"name\": \"x\"}</tool_call>",
+            "<｜DSML｜tool_calls>junk</｜DSML｜tool_calls>",
+            "<｜DSML｜tool_calls><｜DSML｜invoke name=\"a\"><｜DSML｜parameter name=\"p\">1\
+             </｜DSML｜invoke></｜DSML｜tool_calls>",
+        ] {
+            let mut s = Splitter::with_format(false, true, false, ToolFormat::Dsml);
+            let mut p = s.push(bad);
+            p.extend(s.finish());
+            let (content, _, calls) = merge(p);
+            assert!(calls.is_empty(), "{bad}");
+            assert_eq!(content, bad);
+        }
+        assert_eq!(
+            ToolFormat::of_template("{{ '<｜DSML｜tool_calls>' }}"),
+            ToolFormat::Dsml
+        );
+        assert_eq!(ToolFormat::of_template("<tool_call>"), ToolFormat::Qwen);
     }
 
     #[test]

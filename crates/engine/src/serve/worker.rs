@@ -33,6 +33,8 @@ pub enum Event {
         reasoning: bool,
         /// The rendered prompt ends inside a `<think>` block.
         in_think: bool,
+        /// How the model writes tool calls.
+        tool_format: super::parse::ToolFormat,
         /// Prompt tokens.
         prompt_tokens: usize,
     },
@@ -295,9 +297,11 @@ impl<'r> Scheduler<'r> {
                 let rendered = chat.render().map_err(|e| (400, e.to_string()))?;
                 let prompt = chat.prompt_ids().map_err(|e| (400, e.to_string()))?;
                 let template = runner.model.cmf().header().chat_template.clone();
+                let template = template.unwrap_or_default();
                 let started = Event::Started {
-                    reasoning: template.is_some_and(|t| t.contains("</think>")),
+                    reasoning: template.contains("</think>"),
                     in_think: super::parse::opens_reasoning(&rendered),
+                    tool_format: super::parse::ToolFormat::of_template(&template),
                     prompt_tokens: prompt.len(),
                 };
                 (prompt, chat.stop, Some(started))
