@@ -9,17 +9,19 @@ different, so nothing carries over between rounds.
     python tools/serve-bench/ttft.py --cortiq target/release/cortiq [--model M.cmf]
         [--tokens 2000] [--rounds 3] [-- extra serve args, e.g. --backend wgpu]
 
-Needs the `openai` package. Prints one line per configuration (medians).
+Standard library only (it runs on machines without the client packages). Prints one line
+per configuration (medians).
 """
 
 import argparse
+import json
 import socket
 import statistics
 import subprocess
 import sys
 import time
-
-import openai
+import urllib.error
+import urllib.request
 
 PASSAGE = (
     "Now is the winter of our discontent made glorious summer by this sun of York; and all "
@@ -39,42 +41,52 @@ def serve(args, extra):
     if args.model:
         cmd.append(args.model)
     proc = subprocess.Popen(cmd + extra, stderr=subprocess.DEVNULL)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+    url = f"http://127.0.0.1:{port}"
     for _ in range(600):
         try:
-            client.models.list()
-            return proc, client
-        except openai.APIConnectionError:
+            urllib.request.urlopen(url + "/health").read()
+            return proc, url
+        except (urllib.error.URLError, ConnectionError):
             time.sleep(0.5)
     proc.kill()
     sys.exit("the server did not start")
 
 
-def first_text(client, messages):
+def first_text(url, messages):
     """Streams a greedy reply; returns (seconds to first text, whole text, cached tokens)."""
+    body = json.dumps(
+        {
+            "messages": messages,
+            "temperature": 0,
+            "max_tokens": 32,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v1/chat/completions", body, {"Content-Type": "application/json"}
+    )
     t0 = time.perf_counter()
     ttft, text, cached = None, "", 0
-    stream = client.chat.completions.create(
-        model=client.models.list().data[0].id,
-        messages=messages,
-        temperature=0,
-        max_tokens=32,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    for chunk in stream:
-        for c in chunk.choices:
-            if c.delta.content and ttft is None:
-                ttft = time.perf_counter() - t0
-            text += c.delta.content or ""
-        if chunk.usage is not None:
-            details = chunk.usage.prompt_tokens_details
-            cached = details.cached_tokens if details else 0
+    with urllib.request.urlopen(req) as r:
+        for line in r:
+            line = line.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            for c in chunk.get("choices", []):
+                piece = c.get("delta", {}).get("content") or ""
+                if piece and ttft is None:
+                    ttft = time.perf_counter() - t0
+                text += piece
+            usage = chunk.get("usage")
+            if usage:
+                cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return (ttft if ttft is not None else time.perf_counter() - t0), text, cached
 
 
 def run(args, label, extra):
-    proc, client = serve(args, extra)
+    proc, client = serve(args, extra)  # client: the server's URL
     try:
         first, second, cached = [], [], []
         words = args.tokens // 2  # the passage is about 2 tokens a word or less

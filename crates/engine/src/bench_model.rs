@@ -22,6 +22,9 @@ pub struct ModelBenchOptions {
     pub reps: usize,
     /// Also time every dispatch of a decoded token (GPU): which kernels the stages are made of.
     pub dispatches: bool,
+    /// Above 1: also decode this many sequences together (`tgNxB`: each step one token of
+    /// each, fed as one batch as the server does), reporting their total tokens per second.
+    pub batch: usize,
 }
 
 /// One test's result.
@@ -149,6 +152,11 @@ pub fn bench(
         progress(&r);
         records.push(r);
     }
+    if opts.batch > 1 && opts.decode > 0 {
+        let r = batched_decode(model, opts)?;
+        progress(&r);
+        records.push(r);
+    }
     let mut stages = Vec::new();
     let mut dispatches = Vec::new();
     if let (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s)) = (model, &mut st) {
@@ -188,6 +196,42 @@ pub fn bench(
     })
 }
 
+/// `opts.batch` sequences decoding `opts.decode` tokens each in lockstep, one batched forward
+/// per step; their total tokens per second.
+fn batched_decode(model: &AnyModel<'_>, opts: &ModelBenchOptions) -> Result<ModelRecord, ForwardError> {
+    let (vocab, batch) = (model.vocab_size(), opts.batch);
+    let mut states: Vec<_> = (0..batch).map(|_| model.new_state()).collect();
+    let mut rates = Vec::new();
+    for rep in 0..=opts.reps {
+        for s in &mut states {
+            model.reset(s);
+        }
+        let mut toks = ids(batch, vocab, rep);
+        let t0 = Instant::now();
+        for _ in 0..opts.decode {
+            let feeds: Vec<[u32; 1]> = toks.iter().map(|&t| [t]).collect();
+            let mut seqs: Vec<(&[u32], _)> = feeds
+                .iter()
+                .map(|f| &f[..])
+                .zip(states.iter_mut())
+                .collect();
+            let logits = model.forward_batch(&mut seqs)?;
+            toks = logits.iter().map(|l| crate::sampling::argmax(l)).collect();
+        }
+        let s = t0.elapsed().as_secs_f64();
+        if rep > 0 {
+            rates.push((batch * opts.decode) as f64 / s);
+        }
+    }
+    let (tok_s, stdev) = stats(&rates);
+    Ok(ModelRecord {
+        test: format!("tg{}x{batch}", opts.decode),
+        tok_s,
+        stdev,
+        reps: opts.reps,
+    })
+}
+
 fn model_reset(model: &AnyModel<'_>, s: &mut model_qwen4::GpuState) {
     if let AnyModel::Qwen4Gpu(g) = model {
         g.reset(s);
@@ -215,7 +259,13 @@ impl ModelReport {
                 self.read_bandwidth / 1e9,
                 self.bound_tok_s
             )?;
-            for r in self.records.iter().filter(|r| r.test.starts_with("tg")) {
+            // One sequence's decode against the bound (a batch's total is not bounded by it:
+            // its weights are read once for all its rows).
+            for r in self
+                .records
+                .iter()
+                .filter(|r| r.test.starts_with("tg") && !r.test.contains('x'))
+            {
                 writeln!(
                     w,
                     "{}: {:.1}% of the bound",
@@ -265,5 +315,31 @@ impl ModelReport {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::LoadedModel;
+
+    #[test]
+    fn a_batched_decode_runs_beside_the_plain_tests() {
+        let loaded = LoadedModel::new(crate::embedded_model().unwrap()).unwrap();
+        let opts = ModelBenchOptions {
+            prompt: 8,
+            decode: 4,
+            reps: 1,
+            dispatches: false,
+            batch: 3,
+        };
+        let r = bench(loaded.model(), "demo", "q8", 1e9, &opts, &mut |_| {}).unwrap();
+        let tests: Vec<&str> = r.records.iter().map(|r| r.test.as_str()).collect();
+        assert_eq!(tests, ["pp8", "tg4", "tg4x3"]);
+        assert!(r.records.iter().all(|r| r.tok_s > 0.0));
+        let mut text = Vec::new();
+        r.write_text(&mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(text.contains("tg4: ") && !text.contains("tg4x3: "), "{text}");
     }
 }

@@ -243,6 +243,10 @@ pub struct BenchModelArgs {
     /// Also time every dispatch of a decoded token (GPU) and list the kernels by time.
     #[arg(long)]
     pub dispatches: bool,
+    /// Also decode this many sequences together (tgNxB), one batched forward per step as the
+    /// server's parallel requests run; their total tok/s.
+    #[arg(long, value_name = "B", default_value_t = 1, value_parser = count)]
+    pub batch: usize,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,

@@ -752,6 +752,7 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
         decode: args.decode,
         reps: args.reps,
         dispatches: args.dispatches,
+        batch: args.batch,
     };
     let mut err = io::stderr().lock();
     let mut progress = |r: &engine::bench_model::ModelRecord| {
