@@ -198,7 +198,10 @@ pub fn bench(
 
 /// `opts.batch` sequences decoding `opts.decode` tokens each in lockstep, one batched forward
 /// per step; their total tokens per second.
-fn batched_decode(model: &AnyModel<'_>, opts: &ModelBenchOptions) -> Result<ModelRecord, ForwardError> {
+fn batched_decode(
+    model: &AnyModel<'_>,
+    opts: &ModelBenchOptions,
+) -> Result<ModelRecord, ForwardError> {
     let (vocab, batch) = (model.vocab_size(), opts.batch);
     let mut states: Vec<_> = (0..batch).map(|_| model.new_state()).collect();
     let mut rates = Vec::new();
@@ -340,6 +343,9 @@ mod tests {
         let mut text = Vec::new();
         r.write_text(&mut text).unwrap();
         let text = String::from_utf8(text).unwrap();
-        assert!(text.contains("tg4: ") && !text.contains("tg4x3: "), "{text}");
+        assert!(
+            text.contains("tg4: ") && !text.contains("tg4x3: "),
+            "{text}"
+        );
     }
 }

@@ -293,6 +293,15 @@ impl<'a> AnyModel<'a> {
             .collect()
     }
 
+    /// A snapshot of `st` to restore later (a device state's is checked: a device out of
+    /// memory is an error, not a broken snapshot).
+    pub fn snapshot(&self, st: &AnyState) -> Result<AnyState, ForwardError> {
+        match st {
+            AnyState::Qwen4Gpu(s) => Ok(AnyState::Qwen4Gpu(s.try_clone()?)),
+            st => Ok(st.clone()),
+        }
+    }
+
     /// Makes `st` a copy of `snap` (a device state keeps its own buffers and recorded frames,
     /// the snapshot's contents copied into them).
     pub fn restore(&self, st: &mut AnyState, snap: &AnyState) -> Result<(), ForwardError> {

@@ -489,7 +489,19 @@ fn anthropic_errors_and_tool_turns() {
 /// library's greedy generation of the same prompt.
 #[test]
 fn concurrent_requests_each_get_their_own_reply() {
-    let port = server(None);
+    // The shared server, and one whose prompts trickle in 5 ids a step shared by all (so
+    // prompts are fed in pieces while others decode) through 3 slots (so requests queue).
+    let tight = WorkerOptions {
+        parallel: 3,
+        prefill_chunk: 5,
+        ..WorkerOptions::new(CTX)
+    };
+    for port in [server(None), spawn_server(runner(), tight, None).0] {
+        concurrent_replies(port);
+    }
+}
+
+fn concurrent_replies(port: u16) {
     let prompts = [
         "ROMEO:",
         "To be, or not to be",

@@ -336,6 +336,25 @@ impl GpuContext {
         m & !15
     }
 
+    /// Runs `f` (buffer creation, copies, submissions) and returns the device's refusal of
+    /// any of it (out of memory, a validation error) as an error, instead of leaving it to the
+    /// uncaptured-error handler, which only logs.
+    pub fn checked<T>(&self, what: &'static str, f: impl FnOnce() -> T) -> Result<T, GpuError> {
+        let oom = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let validation = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let out = f();
+        // Scopes pop in reverse order.
+        let validation = pollster::block_on(validation.pop());
+        let oom = pollster::block_on(oom.pop());
+        match validation.or(oom) {
+            Some(e) => Err(GpuError::Refused {
+                what,
+                message: e.to_string(),
+            }),
+            None => Ok(out),
+        }
+    }
+
     /// Whether the adapter is CPU-emulated (lavapipe, WARP, SwiftShader): every kernel runs,
     /// at CPU speed.
     pub fn is_software(&self) -> bool {

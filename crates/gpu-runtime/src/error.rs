@@ -115,6 +115,14 @@ pub enum GpuError {
     /// Mapping a buffer for readback or upload failed.
     #[error("buffer mapping failed: {0}")]
     Map(String),
+    /// The device refused an operation (out of memory, a validation error).
+    #[error("the device refused {what}: {message}")]
+    Refused {
+        /// What was asked.
+        what: &'static str,
+        /// wgpu's reason.
+        message: String,
+    },
     /// The payload itself is invalid.
     #[error(transparent)]
     Codec(#[from] CodecError),

@@ -671,9 +671,15 @@ impl GpuState {
         self.recorded
     }
 
-    /// Device memory the sequence's caches take (what a snapshot of it costs).
+    /// Device memory a snapshot of the sequence takes (what [`Clone`] allocates).
     pub fn bytes(&self) -> u64 {
-        self.buffers().iter().map(|b| b.size()).sum()
+        let gathered: u64 = self.ple.iter().flatten().map(|(rows, _)| rows.size()).sum();
+        self.buffers().iter().map(|b| b.size()).sum::<u64>() + gathered + self.stage.size()
+    }
+
+    /// A snapshot ([`Clone`]), or the device's refusal (out of device memory) as an error.
+    pub fn try_clone(&self) -> Result<GpuState, ForwardError> {
+        Ok(self.ctx.checked("a sequence snapshot", || self.clone())?)
     }
 
     /// The buffers that make up the sequence, in a fixed order (what a snapshot copies).
@@ -705,7 +711,9 @@ impl GpuState {
         for (dst, src) in self.buffers().into_iter().zip(snap.buffers()) {
             enc.copy_buffer_to_buffer(src, 0, dst, 0, src.size());
         }
-        self.ctx.queue.submit([enc.finish()]);
+        self.ctx.checked("a state restore", || {
+            self.ctx.queue.submit([enc.finish()]);
+        })?;
         self.pos = snap.pos;
         self.ngram_ctx = snap.ngram_ctx.clone();
         Ok(())

@@ -6,17 +6,9 @@
 mod common;
 
 use cmf_format::Cmf;
-use common::{CASES, TOL, convert_fixture, fixture, max_abs, max_abs_diff, read_npy};
+use common::{CASES, TOL, convert_fixture, fixture, ids, max_abs, max_abs_diff, read_npy};
 use model_qwen4::{CausalLm, Model, Weights};
 use test_support::Profile;
-
-fn ids(case: &str, p: usize) -> Vec<u32> {
-    read_npy(&fixture(case).join(format!("expected/p{p}_ids.npy")))
-        .i64
-        .iter()
-        .map(|&i| i as u32)
-        .collect()
-}
 
 #[test]
 fn batched_sequences_match_separate_forwards() {

@@ -5,19 +5,11 @@
 mod common;
 
 use cmf_format::Cmf;
-use common::{CASES, argmax, convert_fixture, fixture, max_abs, max_abs_diff, read_npy};
+use common::{CASES, argmax, convert_fixture, fixture, ids, max_abs, max_abs_diff, read_npy};
 use model_qwen4::ple::PleHash;
 use model_qwen4::{BindError, CausalLm, Model, Qwen4ExpTextConfig, WeightError, Weights};
 use serde_json::json;
 use test_support::Profile;
-
-fn ids(case: &str, p: usize) -> Vec<u32> {
-    read_npy(&fixture(case).join(format!("expected/p{p}_ids.npy")))
-        .i64
-        .iter()
-        .map(|&i| i as u32)
-        .collect()
-}
 
 /// With the budget raised past the prompt every block is selected (dense attention). The
 /// reference's logits must then differ beyond tolerance at positions past the budget (so the

@@ -545,20 +545,14 @@ fn stream_messages(
         };
         let mut first = Some(first);
         loop {
-            let e = match first.take() {
-                Some(e) => e,
-                // A client that goes away is noticed at once, not at the next piece sent.
-                None => tokio::select! {
-                    e = rx.recv() => match e {
-                        Some(e) => e,
-                        None => break,
-                    },
-                    _ = out.closed() => {
-                        cancel.cancel();
-                        super::log(path, 499, None, t0);
-                        return;
-                    }
-                },
+            let e = match super::next_event(&mut first, &mut rx, &out).await {
+                super::Next::Event(e) => e,
+                super::Next::End => break,
+                super::Next::Gone => {
+                    cancel.cancel();
+                    super::log(path, 499, None, t0);
+                    return;
+                }
             };
             let pieces = match e {
                 Event::Started {

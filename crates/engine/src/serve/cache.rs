@@ -70,9 +70,16 @@ impl PromptCache {
             return;
         }
         self.clock += 1;
-        if let Some(i) = self.entries.iter().position(|e| e.ids == ids) {
-            let old = self.entries.swap_remove(i);
-            self.bytes -= old.bytes;
+        // The same ids hold the same state: refresh the entry, keeping what it knows.
+        if let Some(e) = self.entries.iter_mut().find(|e| e.ids == ids) {
+            e.used = self.clock;
+            if e.logits.is_none() && logits.is_some() {
+                let grow = 4 * logits.as_ref().map_or(0, |l| l.len() as u64);
+                e.logits = logits;
+                e.bytes += grow;
+                self.bytes += grow;
+            }
+            return;
         }
         while self.bytes + bytes > self.budget {
             let Some(i) = (0..self.entries.len()).min_by_key(|&i| self.entries[i].used) else {
@@ -151,6 +158,10 @@ mod tests {
         cache.insert(vec![5, 6], state_of(&model, &[5, 6]), Some(vec![0.5; 3]));
         let (n, _, logits) = cache.lookup(&[5, 6]).unwrap();
         assert_eq!((n, logits), (2, Some(&[0.5f32; 3][..])));
+        // The same ids again (a reply that fed nothing more) keep the logits.
+        cache.insert(vec![5, 6], state_of(&model, &[5, 6]), None);
+        assert_eq!(cache.len(), 1);
+        assert!(cache.lookup(&[5, 6]).is_some_and(|e| e.2.is_some()));
         assert_eq!(
             cache.lookup(&[5, 6, 7]).map(|e| (e.0, e.2.is_some())),
             Some((2, false))

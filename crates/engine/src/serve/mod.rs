@@ -609,20 +609,14 @@ fn stream_response(
         let mut calls = 0;
         let mut first = Some(first);
         loop {
-            let ev = match first.take() {
-                Some(e) => e,
-                // A client that goes away is noticed at once, not at the next piece sent.
-                None => tokio::select! {
-                    ev = rx.recv() => match ev {
-                        Some(e) => e,
-                        None => break,
-                    },
-                    _ = out.closed() => {
-                        cancel.cancel();
-                        log(path, 499, None, t0);
-                        return;
-                    }
-                },
+            let ev = match next_event(&mut first, &mut rx, &out).await {
+                Next::Event(e) => e,
+                Next::End => break,
+                Next::Gone => {
+                    cancel.cancel();
+                    log(path, 499, None, t0);
+                    return;
+                }
             };
             let pieces = match ev {
                 Event::Started {
@@ -674,6 +668,32 @@ fn stream_response(
         }
     });
     Sse::new(tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx)).into_response()
+}
+
+/// What a streaming response gets next from its request.
+pub(crate) enum Next {
+    /// The worker's next event.
+    Event(Event),
+    /// The worker dropped the channel.
+    End,
+    /// The client went away.
+    Gone,
+}
+
+/// The next event of a streamed request (`first`, then the worker's channel), noticing a
+/// client that goes away at once rather than at the next piece sent to it.
+pub(crate) async fn next_event<T>(
+    first: &mut Option<Event>,
+    rx: &mut mpsc::UnboundedReceiver<Event>,
+    out: &mpsc::UnboundedSender<T>,
+) -> Next {
+    if let Some(e) = first.take() {
+        return Next::Event(e);
+    }
+    tokio::select! {
+        e = rx.recv() => e.map_or(Next::End, Next::Event),
+        _ = out.closed() => Next::Gone,
+    }
 }
 
 #[cfg(test)]

@@ -171,13 +171,17 @@ struct Slot<'r> {
 }
 
 impl Slot<'_> {
-    /// The ids this step feeds.
-    fn feed(&self, chunk: usize) -> Vec<u32> {
-        match self.next {
-            Some(t) => vec![t],
-            None => {
+    /// The ids this step feeds: the next token, or up to `budget` more prompt ids (the budget
+    /// is what they take of it).
+    fn feed(&self, budget: &mut usize) -> Vec<u32> {
+        match (self.next, &self.ready) {
+            (Some(t), _) => vec![t],
+            (None, Some(_)) => Vec::new(),
+            (None, None) => {
                 let done = self.held.len();
-                self.prompt[done..(done + chunk).min(self.prompt.len())].to_vec()
+                let n = (self.prompt.len() - done).min(*budget);
+                *budget -= n;
+                self.prompt[done..done + n].to_vec()
             }
         }
     }
@@ -230,7 +234,13 @@ impl<'r> Scheduler<'r> {
                 }
             }
             if !slots.is_empty() {
-                self.step(&mut slots);
+                // A panic in one step fails the sequences in it, not the server.
+                let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.step(&mut slots)
+                }));
+                if stepped.is_err() {
+                    self.abort_all(&mut slots);
+                }
             }
         }
     }
@@ -327,6 +337,15 @@ impl<'r> Scheduler<'r> {
         if prompt.is_empty() {
             return Err((400, RunError::EmptyPrompt.to_string()));
         }
+        // A tokenizer's added tokens can lie past the model's head: refused here, alone,
+        // rather than failing the batch it would join.
+        let vocab = self.model().vocab_size();
+        if let Some(&id) = prompt.iter().find(|&&id| id as usize >= vocab) {
+            return Err((
+                400,
+                format!("the prompt holds token id {id}, past the model's vocabulary of {vocab}"),
+            ));
+        }
         let max_new = limit(prompt.len())?;
         // The first event decides a stream's status: only a request that will run starts.
         if let Some(started) = started {
@@ -401,18 +420,11 @@ impl<'r> Scheduler<'r> {
             }
             return;
         }
-        let chunk = self.opts.prefill_chunk.max(1);
-        // A slot whose prompt the cache answered whole has its logits already.
-        let feeds: Vec<Vec<u32>> = slots
-            .iter()
-            .map(|s| {
-                if s.ready.is_some() {
-                    Vec::new()
-                } else {
-                    s.feed(chunk)
-                }
-            })
-            .collect();
+        // Prompts share one budget of ids per step, so a step (and every decoding sequence
+        // waiting on it) stays short however many prompts arrive; a slot whose prompt the
+        // cache answered whole has its logits already.
+        let mut budget = self.opts.prefill_chunk.max(1);
+        let feeds: Vec<Vec<u32>> = slots.iter().map(|s| s.feed(&mut budget)).collect();
         let model = self.model();
         let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut seqs: Vec<(&[u32], &mut AnyState)> = feeds
@@ -441,9 +453,11 @@ impl<'r> Scheduler<'r> {
         };
         let mut ended = Vec::new();
         for (i, (slot, fed)) in slots.iter_mut().zip(feeds).enumerate() {
-            let logits = match slot.ready.take() {
-                Some(l) => l,
-                None => logits.next().expect("one logits row per fed sequence"),
+            let logits = match (slot.ready.take(), fed.is_empty()) {
+                (Some(l), _) => l,
+                // Waiting for the prompt budget.
+                (None, true) => continue,
+                (None, false) => logits.next().expect("one logits row per fed sequence"),
             };
             slot.held.extend_from_slice(&fed);
             if slot.next.is_none() && slot.held.len() < slot.prompt.len() {
@@ -455,21 +469,16 @@ impl<'r> Scheduler<'r> {
                 for &id in &slot.prompt[slot.cached..] {
                     slot.sampler.accept(id);
                 }
-                if !fed.is_empty() && self.cache.takes(slot.state.bytes()) {
+                if !fed.is_empty()
+                    && self.cache.takes(slot.state.bytes())
+                    && let Ok(snap) = self.runner.model.model().snapshot(&slot.state)
+                {
                     let l = Some(logits.clone());
-                    self.cache.insert(slot.held.clone(), slot.state.clone(), l);
+                    self.cache.insert(slot.held.clone(), snap, l);
                 }
             }
             let token = slot.sampler.sample(&logits);
-            let (events, cancel) = (&slot.events, &slot.cancel);
-            let mut on_event = |e: GenEvent<'_>| {
-                if let GenEvent::Text(t) = e
-                    && !t.is_empty()
-                    && events.send(Event::Text(t.to_string())).is_err()
-                {
-                    cancel.cancel();
-                }
-            };
+            let mut on_event = text_sink(&slot.events, &slot.cancel);
             slot.next = slot.decoder.push(token, &mut slot.sampler, &mut on_event);
             if slot.next.is_none() {
                 ended.push(i);
@@ -495,21 +504,6 @@ impl<'r> Scheduler<'r> {
             t0,
             ..
         } = slot;
-        let mut on_event = |e: GenEvent<'_>| {
-            if let GenEvent::Text(t) = e
-                && !t.is_empty()
-                && events.send(Event::Text(t.to_string())).is_err()
-            {
-                cancel.cancel();
-            }
-        };
-        let d = decoder.end(&mut on_event);
-        {
-            let mut load = lock(&self.load);
-            load.active = load.active.saturating_sub(1);
-            load.ended += 1;
-            load.cancelled += u64::from(failure.is_none() && d.finish == Finish::Cancelled);
-        }
         // A corrupt tensor found while the last tokens were made taints them too.
         let failure = failure.or_else(|| {
             self.runner
@@ -519,6 +513,18 @@ impl<'r> Scheduler<'r> {
                 .err()
                 .map(|e| (500, e.to_string()))
         });
+        // A failed request gets its error, not the text held back before it.
+        let d = match failure {
+            None => decoder.end(&mut text_sink(&events, &cancel)),
+            Some(_) => decoder.end(&mut |_| {}),
+        };
+        {
+            let mut load = lock(&self.load);
+            load.active = load.active.saturating_sub(1);
+            load.ended += 1;
+            load.cancelled += u64::from(failure.is_none() && d.finish == Finish::Cancelled);
+        }
+        let failed = failure.is_some();
         let ev = match failure {
             Some((status, message)) => Event::Failed(status, message),
             None => Event::Done(Outcome {
@@ -537,17 +543,50 @@ impl<'r> Scheduler<'r> {
             ms = t0.elapsed().as_millis() as u64,
             "sequence ended"
         );
-        // The state holds `held` whatever happened (a failed forward aside).
-        let reusable = !held.is_empty() && held.len() == state.pos();
+        // A sequence that failed may have a state a forward left half-way: never kept. One
+        // that fed nothing holds what the cache already has.
+        let reusable = !failed && held.len() > cached && held.len() == state.pos();
         match state {
             AnyState::Qwen4Gpu(_) => {
                 if reusable && self.cache.takes(state.bytes()) {
-                    self.cache.insert(held, state.clone(), None);
+                    // A snapshot the device cannot make is only a lost shortcut.
+                    if let Ok(snap) = self.model().snapshot(&state) {
+                        self.cache.insert(held, snap, None);
+                    }
                 }
                 self.pool.push(state);
             }
             state if reusable => self.cache.insert(held, state, None),
             _ => {}
+        }
+    }
+
+    /// Fails every sequence at once (the model thread caught a panic): their requests get a
+    /// 500, their states are dropped.
+    fn abort_all(&mut self, slots: &mut Vec<Slot<'r>>) {
+        let mut load = lock(&self.load);
+        for slot in slots.drain(..) {
+            let _ = slot
+                .events
+                .send(Event::Failed(500, "internal error while generating".into()));
+            load.active = load.active.saturating_sub(1);
+            load.ended += 1;
+        }
+    }
+}
+
+/// Sends a sequence's released text to its request; a request whose receiver is gone is
+/// cancelled.
+fn text_sink<'a>(
+    events: &'a UnboundedSender<Event>,
+    cancel: &'a CancelToken,
+) -> impl FnMut(GenEvent<'_>) + 'a {
+    move |e| {
+        if let GenEvent::Text(t) = e
+            && !t.is_empty()
+            && events.send(Event::Text(t.to_string())).is_err()
+        {
+            cancel.cancel();
         }
     }
 }
