@@ -379,54 +379,44 @@ pub async fn handle(
             None => {}
         }
     }
-    let mut split = Splitter::new(false, false, false);
-    let mut pieces = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Started {
-                reasoning,
-                in_think,
-                tool_format,
-                ..
-            } => split = Splitter::with_format(reasoning, tools, in_think, tool_format),
-            Event::Text(t) => pieces.extend(split.push(&t)),
-            Event::Done(o) => {
-                pieces.extend(split.finish());
-                super::log(path, 200, Some(&o), t0);
-                if count {
-                    return Json(json!({"input_tokens": o.prompt_tokens})).into_response();
-                }
-                let mut content = Vec::new();
-                let mut calls = 0;
-                for p in pieces {
-                    match p {
-                        Piece::Reasoning(t) => content
-                            .push(json!({"type": "thinking", "thinking": t, "signature": ""})),
-                        Piece::Content(t) => content.push(json!({"type": "text", "text": t})),
-                        Piece::ToolCall { name, arguments } => {
-                            content.push(
-                                json!({"type": "tool_use", "id": format!("toolu_{n}_{calls}"),
-                                                "name": name, "input": input(&arguments)}),
-                            );
-                            calls += 1;
-                        }
+    match super::collect(&mut rx, tools).await {
+        Some(Ok((pieces, o))) => {
+            super::log(path, 200, Some(&o), t0);
+            if count {
+                return Json(json!({"input_tokens": o.prompt_tokens})).into_response();
+            }
+            let mut content = Vec::new();
+            let mut calls = 0;
+            for p in pieces {
+                match p {
+                    Piece::Reasoning(t) => {
+                        content.push(json!({"type": "thinking", "thinking": t, "signature": ""}))
+                    }
+                    Piece::Content(t) => content.push(json!({"type": "text", "text": t})),
+                    Piece::ToolCall { name, arguments } => {
+                        content.push(
+                            json!({"type": "tool_use", "id": format!("toolu_{n}_{calls}"),
+                                            "name": name, "input": input(&arguments)}),
+                        );
+                        calls += 1;
                     }
                 }
-                // Adjacent pieces of one kind arrive separately: merge text and thinking runs.
-                let content = merge_blocks(content);
-                return Json(json!({
-                    "id": id, "type": "message", "role": "assistant", "model": model,
-                    "content": content,
-                    "stop_reason": stop_reason(&o, calls, &stops), "stop_sequence": matched(&o, &stops),
-                    "usage": usage(&o),
-                }))
-                .into_response();
             }
-            Event::Failed(status, message) => {
-                super::log(path, status, None, t0);
-                return failed(status, &message);
-            }
+            // Adjacent pieces of one kind arrive separately: merge text and thinking runs.
+            let content = merge_blocks(content);
+            return Json(json!({
+                "id": id, "type": "message", "role": "assistant", "model": model,
+                "content": content,
+                "stop_reason": stop_reason(&o, calls, &stops), "stop_sequence": matched(&o, &stops),
+                "usage": usage(&o),
+            }))
+            .into_response();
         }
+        Some(Err((status, message))) => {
+            super::log(path, status, None, t0);
+            return failed(status, &message);
+        }
+        None => {}
     }
     error(
         StatusCode::INTERNAL_SERVER_ERROR,

@@ -431,29 +431,16 @@ async fn handle(
             None => {}
         }
     }
-    let mut split = Splitter::new(false, false, false);
-    let mut pieces = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Started {
-                reasoning,
-                in_think,
-                tool_format,
-                ..
-            } => {
-                split = Splitter::with_format(reasoning, shape.tools, in_think, tool_format);
-            }
-            Event::Text(t) => pieces.extend(split.push(&t)),
-            Event::Done(o) => {
-                pieces.extend(split.finish());
-                log(path, 200, Some(&o), t0);
-                return Json(shape.whole(pieces, &o)).into_response();
-            }
-            Event::Failed(status, message) => {
-                log(path, status, None, t0);
-                return failed(status, &message);
-            }
+    match collect(&mut rx, shape.tools).await {
+        Some(Ok((pieces, o))) => {
+            log(path, 200, Some(&o), t0);
+            return Json(shape.whole(pieces, &o)).into_response();
         }
+        Some(Err((status, message))) => {
+            log(path, status, None, t0);
+            return failed(status, &message);
+        }
+        None => {}
     }
     log(path, 500, None, t0);
     error(
@@ -668,6 +655,34 @@ fn stream_response(
         }
     });
     Sse::new(tokio_stream::wrappers::UnboundedReceiverStream::new(out_rx)).into_response()
+}
+
+/// A whole (not streamed) answer: the request's events until it ends, split into pieces as
+/// they come; the pieces and the outcome, or why it failed (`None`: the worker dropped the
+/// request without either).
+pub(crate) async fn collect(
+    rx: &mut mpsc::UnboundedReceiver<Event>,
+    tools: bool,
+) -> Option<Result<(Vec<Piece>, Outcome), (u16, String)>> {
+    let mut split = Splitter::new(false, false, false);
+    let mut pieces = Vec::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Started {
+                reasoning,
+                in_think,
+                tool_format,
+                ..
+            } => split = Splitter::with_format(reasoning, tools, in_think, tool_format),
+            Event::Text(t) => pieces.extend(split.push(&t)),
+            Event::Done(o) => {
+                pieces.extend(split.finish());
+                return Some(Ok((pieces, o)));
+            }
+            Event::Failed(status, message) => return Some(Err((status, message))),
+        }
+    }
+    None
 }
 
 /// What a streaming response gets next from its request.
