@@ -415,9 +415,7 @@ impl<'r> Scheduler<'r> {
             return;
         }
         if let Err(e) = self.runner.model.integrity().check() {
-            for slot in slots.drain(..) {
-                self.finish(slot, Some((500, e.to_string())));
-            }
+            self.fail_all(slots, &e.to_string());
             return;
         }
         // Prompts share one budget of ids per step, so a step (and every decoding sequence
@@ -425,29 +423,17 @@ impl<'r> Scheduler<'r> {
         // cache answered whole has its logits already.
         let mut budget = self.opts.prefill_chunk.max(1);
         let feeds: Vec<Vec<u32>> = slots.iter().map(|s| s.feed(&mut budget)).collect();
-        let model = self.model();
-        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let mut seqs: Vec<(&[u32], &mut AnyState)> = feeds
-                .iter()
-                .map(Vec::as_slice)
-                .zip(slots.iter_mut().map(|s| &mut s.state))
-                .filter(|(f, _)| !f.is_empty())
-                .collect();
-            model.forward_batch(&mut seqs)
-        }));
-        let mut logits = match result {
-            Ok(Ok(l)) => l.into_iter(),
-            Ok(Err(e)) => {
-                let message = e.to_string();
-                for slot in slots.drain(..) {
-                    self.finish(slot, Some((500, message.clone())));
-                }
-                return;
-            }
-            Err(_) => {
-                for slot in slots.drain(..) {
-                    self.finish(slot, Some((500, "internal error while generating".into())));
-                }
+        let mut seqs: Vec<(&[u32], &mut AnyState)> = feeds
+            .iter()
+            .map(Vec::as_slice)
+            .zip(slots.iter_mut().map(|s| &mut s.state))
+            .filter(|(f, _)| !f.is_empty())
+            .collect();
+        // (A panic here is caught around the whole step: `abort_all`.)
+        let mut logits = match self.model().forward_batch(&mut seqs) {
+            Ok(l) => l.into_iter(),
+            Err(e) => {
+                self.fail_all(slots, &e.to_string());
                 return;
             }
         };
@@ -558,6 +544,13 @@ impl<'r> Scheduler<'r> {
             }
             state if reusable => self.cache.insert(held, state, None),
             _ => {}
+        }
+    }
+
+    /// Ends every sequence with a 500 saying `message` (their states are not kept).
+    fn fail_all(&mut self, slots: &mut Vec<Slot<'r>>, message: &str) {
+        for slot in slots.drain(..) {
+            self.finish(slot, Some((500, message.to_string())));
         }
     }
 
