@@ -273,11 +273,34 @@ impl<'a> AnyModel<'a> {
 
     /// Feeds several sequences at once (each its own tokens after whatever its state holds) and
     /// returns each one's last logits row. A CPU qwen4_exp model runs them as one batched step
-    /// (every weight read once for all their rows); other models feed them one after another.
+    /// (every weight read once for all their rows); on the device, the sequences fed one token
+    /// (decoding) share batched frames of up to 8 rows and the longer ones (prompts) run their
+    /// own frames; other models feed them one after another.
     pub fn forward_batch(
         &self,
         seqs: &mut [(&[u32], &mut AnyState)],
     ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        if let AnyModel::Qwen4Gpu(m) = self {
+            let mut out = vec![Vec::new(); seqs.len()];
+            let mut rows = Vec::new();
+            let mut at = Vec::new();
+            for (i, (tokens, st)) in seqs.iter_mut().enumerate() {
+                let AnyState::Qwen4Gpu(s) = &mut **st else {
+                    return Err(ForwardError::StateMismatch);
+                };
+                match tokens {
+                    [tok] => {
+                        rows.push((*tok, s));
+                        at.push(i);
+                    }
+                    _ => out[i] = m.forward_last(tokens, s)?,
+                }
+            }
+            for (i, logits) in at.into_iter().zip(m.forward_rows(&mut rows)?) {
+                out[i] = logits;
+            }
+            return Ok(out);
+        }
         if let AnyModel::Qwen4(m) = self {
             let mut inner = Vec::with_capacity(seqs.len());
             for (tokens, st) in seqs.iter_mut() {

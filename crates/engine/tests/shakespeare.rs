@@ -458,3 +458,67 @@ fn gpu_greedy_generation_equals_the_cpu() {
         );
     }
 }
+
+/// Sequences decoding together on the device (`forward_batch`: their rows in shared frames,
+/// each at its own position, a fourth joining late) generate, each, the tokens the CPU
+/// forward generates for its prompt alone.
+#[test]
+fn gpu_batched_greedy_equals_each_prompt_alone() {
+    let Some(place) = gpu(128) else { return };
+    let cpu = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
+    let dev = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
+    let argmax = |l: &[f32]| {
+        l.iter()
+            .enumerate()
+            .fold(
+                (0, f32::NEG_INFINITY),
+                |b, (i, &v)| if v > b.1 { (i, v) } else { b },
+            )
+            .0 as u32
+    };
+    let prompts = [
+        "ROMEO:",
+        "To be, or not to be",
+        "KING HENRY:\nWhat news?",
+        "JULIET:\nO",
+    ];
+    let (steps, late) = (40, 9);
+    let alone: Vec<Vec<u32>> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let m = cpu.model.model();
+            let mut st = m.new_state();
+            let mut next = argmax(&m.forward_last(&cpu.encode(p).unwrap(), &mut st).unwrap());
+            let n = if i == 3 { steps - late } else { steps };
+            let mut out = vec![next];
+            for _ in 1..n {
+                next = argmax(&m.forward_last(&[next], &mut st).unwrap());
+                out.push(next);
+            }
+            out
+        })
+        .collect();
+    let m = dev.model.model();
+    let mut states: Vec<_> = prompts.iter().map(|_| m.new_state()).collect();
+    let mut fed: Vec<Vec<u32>> = prompts.iter().map(|p| dev.encode(p).unwrap()).collect();
+    let mut got: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    for step in 0..steps {
+        let joined = if step < late { 3 } else { 4 };
+        let mut seqs: Vec<(&[u32], _)> = fed
+            .iter()
+            .map(|f| &f[..])
+            .zip(states.iter_mut())
+            .take(joined)
+            .collect();
+        let logits = m.forward_batch(&mut seqs).unwrap();
+        for (i, l) in logits.iter().enumerate() {
+            let next = argmax(l);
+            got[i].push(next);
+            fed[i] = vec![next];
+        }
+    }
+    for (i, p) in prompts.iter().enumerate() {
+        assert_eq!(got[i][..alone[i].len()], alone[i][..], "prompt {p:?}");
+    }
+}

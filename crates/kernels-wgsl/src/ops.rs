@@ -8,7 +8,8 @@
 const PRELUDE: &str = include_str!("../wgsl/ops/prelude.wgsl");
 
 /// Words of the frame uniform: `past` (tokens before the frame), `nb_lo`, `nb_hi` (complete
-/// indexer blocks before and after it), padding.
+/// indexer blocks before and after it), `row0` (the sequence's first activation row: non-zero
+/// only in a frame that batches several sequences).
 pub const FRAME_WORDS: usize = 4;
 
 /// Lanes per workgroup of every op.

@@ -238,6 +238,20 @@ impl Scratch {
     }
 }
 
+/// One sequence's part of a frame: its frame uniform (its position, and its first row in the
+/// activation buffers), its cache for the block being encoded, and its rows. A frame of one
+/// sequence has one part; a batched decode step has a part per sequence, and the blocks run
+/// their row-wise work (projections) once over every row and their sequence work (conv,
+/// recurrence, attention over the caches) once per part.
+pub struct Part<'a, S> {
+    /// The sequence's frame uniform.
+    pub frame: &'a wgpu::Buffer,
+    /// The sequence's cache for this block.
+    pub state: &'a S,
+    /// Its rows in the frame.
+    pub rows: usize,
+}
+
 /// A frame being recorded: the graph, the device, the scratch, the frame uniform, the rows.
 pub struct Enc<'a> {
     /// The graph.
@@ -254,7 +268,16 @@ pub struct Enc<'a> {
     pub traced: bool,
 }
 
-impl Enc<'_> {
+impl<'a> Enc<'a> {
+    /// Records what `f` encodes with `frame` as the ops' frame uniform (a sequence's own, for
+    /// its part of a batched frame).
+    pub fn with_frame<R>(&mut self, frame: &'a wgpu::Buffer, f: impl FnOnce(&mut Self) -> R) -> R {
+        let saved = std::mem::replace(&mut self.frame, frame);
+        let out = f(self);
+        self.frame = saved;
+        out
+    }
+
     /// `y_i = W_i x` over `nt` rows for matrices that read the same `x`: q8_2f matrices on
     /// the int8 path share one quantiser dispatch (each still applies its own column scales);
     /// any other mix runs [`Enc::matvec`] on each.

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use crate::config::{GateAct, Qwen4ExpTextConfig};
-use crate::device::{Device, Enc};
+use crate::device::{Device, Enc, Part};
 use crate::weights::GdnWeights;
 use gpu_runtime::ops::graph::storage;
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
@@ -252,12 +252,13 @@ pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
     Ok(())
 }
 
-/// Encodes the layer on block inputs `e.s.u` `[nt, D]` into `e.s.y`.
-pub fn encode(
-    e: &mut Enc<'_>,
+/// Encodes the layer on block inputs `e.s.u` `[nt, D]` into `e.s.y`: the projections over
+/// every row, the conv and recurrence per sequence (`parts`, their rows in order).
+pub fn encode<'a>(
+    e: &mut Enc<'a>,
     w: &GdnGpu,
     c: &Qwen4ExpTextConfig,
-    st: &GdnDeviceState,
+    parts: &[Part<'a, GdnDeviceState>],
     nt: usize,
 ) -> Result<(), GpuError> {
     let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
@@ -273,29 +274,38 @@ pub fn encode(
         (&*w.in_a, a),
     ];
     e.matvecs(&projections, &s.u, nt)?;
-    let p = [nt as u32, cdim as u32, c.linear_conv_kernel_dim as u32];
-    e.op_lanes(Op::GdnConv, &p, &[qkv, &w.conv, &st.conv, conv], cdim)?;
     let gate_silu = u32::from(c.gate_act() == GateAct::Silu);
-    let p = [
-        nt as u32,
-        hk as u32,
-        hv as u32,
-        dk as u32,
-        dv as u32,
-        cdim as u32,
-        key_dim as u32,
-        gate_silu,
-        (c.rms_norm_eps as f32).to_bits(),
-    ];
     // The state rows each lane holds, as a constant: the driver unrolls the loops over them
     // and keeps the state in registers.
     let rows = c.linear_key_head_dim.div_ceil(4) as f64;
-    e.op_with(
-        Op::GdnRecur,
-        &[("R", rows)],
-        &p,
-        &[conv, z, b, a, &st.s, &w.vecs, o],
-        (hv as u32, 1),
-    )?;
+    for part in parts {
+        let st = part.state;
+        e.with_frame(part.frame, |e| {
+            let p = [
+                part.rows as u32,
+                cdim as u32,
+                c.linear_conv_kernel_dim as u32,
+            ];
+            e.op_lanes(Op::GdnConv, &p, &[qkv, &w.conv, &st.conv, conv], cdim)?;
+            let p = [
+                part.rows as u32,
+                hk as u32,
+                hv as u32,
+                dk as u32,
+                dv as u32,
+                cdim as u32,
+                key_dim as u32,
+                gate_silu,
+                (c.rms_norm_eps as f32).to_bits(),
+            ];
+            e.op_with(
+                Op::GdnRecur,
+                &[("R", rows)],
+                &p,
+                &[conv, z, b, a, &st.s, &w.vecs, o],
+                (hv as u32, 1),
+            )
+        })?;
+    }
     e.matvec(&w.out, o, &s.y, nt, Epilogue::None)
 }

@@ -10,8 +10,8 @@
 //! are (the host needs every token for the n-gram hashes anyway): the table then costs no VRAM.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use gpu_runtime::ops::graph::{self, Granularity, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, readback};
@@ -23,7 +23,7 @@ use model_core::{CausalLm, Trace, check_tokens};
 use quant_codecs::MAX_BATCH;
 
 use crate::config::LayerType;
-use crate::device::{ARGMAX_CHUNK, Device, Enc, Scratch};
+use crate::device::{ARGMAX_CHUNK, Device, Enc, Part, Scratch};
 use crate::forward::{ForwardError, Model};
 use crate::gdn::{GdnDeviceState, GdnGpu};
 use crate::hc::HcGpu;
@@ -80,7 +80,23 @@ struct Resident {
     scratch: Scratch,
     ctx_len: usize,
     uid: u64,
+    /// A batched decode step's gathered n-gram rows, per PLE layer (`[8, ple_embed_dim]`:
+    /// one row per sequence; a lone sequence's frames use its state's own).
+    batch_rows: Vec<Option<wgpu::Buffer>>,
+    /// What a batched decode step's logits are read back through (`[8, vocab]`).
+    batch_stage: wgpu::Buffer,
+    /// The batched decode steps recorded so far.
+    batches: BatchGraphs,
 }
+
+/// Graphs of batched decode steps, each with the sequences it was recorded for (their uids,
+/// in row order), least recently used first. A graph binds its sequences' buffers, so a
+/// state's drop removes the graphs that name it.
+type BatchGraphs = Arc<Mutex<Vec<(Vec<u64>, Graph)>>>;
+
+/// Batched-step graphs kept: each combination of sequences is one; a server's slots change
+/// their combination only when a request starts or ends.
+const BATCH_GRAPHS: usize = 16;
 
 /// A model that could not go to the device, handed back with the reason.
 pub struct Unplaced<'a> {
@@ -178,6 +194,16 @@ impl<'a> GpuModel<'a> {
         let lm_head = dev.mat(&w.lm_head)?;
         let rope = has_attn.then(|| RopeGpu::new(&dev, model.rope(), c.rotary_dim(), ctx_len));
         let scratch = Scratch::new(&dev.ctx, c, ctx_len);
+        let batch_rows = w
+            .layers
+            .iter()
+            .map(|lw| {
+                lw.ple.as_ref().map(|_| {
+                    graph::storage(&dev.ctx, "batched ple rows", MAX_BATCH * c.ple_embed_dim())
+                })
+            })
+            .collect();
+        let batch_stage = readback_buffer(&dev.ctx, MAX_BATCH * c.vocab_size);
         Ok(Resident {
             dev,
             layers,
@@ -187,7 +213,15 @@ impl<'a> GpuModel<'a> {
             scratch,
             ctx_len,
             uid,
+            batch_rows,
+            batch_stage,
+            batches: Arc::default(),
         })
+    }
+
+    /// Batched decode steps recorded and kept (each binds the sequences it was recorded for).
+    pub fn batched_graphs(&self) -> usize {
+        self.res.batches.lock().map_or(0, |b| b.len())
     }
 
     /// The context.
@@ -216,20 +250,29 @@ impl<'a> GpuModel<'a> {
         self.traced.store(on, Ordering::Relaxed);
     }
 
-    fn build(&self, st: &GpuState, nt: usize, head: Head, traced: bool) -> Result<Graph, GpuError> {
+    /// Records a frame of `seqs` (each sequence with its rows, in row order: one sequence's
+    /// frame, or a batched decode step's row per sequence).
+    fn build(
+        &self,
+        seqs: &[(&GpuState, usize)],
+        head: Head,
+        traced: bool,
+    ) -> Result<Graph, GpuError> {
         let c = &self.model.config;
         let (h, d) = (c.hc_count, c.hidden_size);
         let eps = c.rms_norm_eps as f32;
+        let nt: usize = seqs.iter().map(|(_, n)| n).sum();
         let mut g = Graph::new();
         let s = &self.res.scratch;
         let mut e = Enc {
             g: &mut g,
             dev: &self.res.dev,
             s,
-            frame: &st.frame,
+            frame: &seqs[0].0.frame,
             nt,
             traced,
         };
+
         // A block's output waits to be injected into the streams by the next HC site's norm
         // (one dispatch fewer per block); it is injected on its own where the streams are
         // needed whole first: PLE, the end of a frame without a head, a traced run's taps.
@@ -239,31 +282,58 @@ impl<'a> GpuModel<'a> {
                 if let Some(y) = pending.take() {
                     hc::encode_inject(&mut e, &s.x, y, nt, h, d)?;
                 }
-                let (e_in, hist) = st.ple[il].as_ref().expect("state made for this model");
-                ple::encode(&mut e, pw, c, &s.x, e_in, hist, nt)?;
+                let parts: Vec<Part<'_, wgpu::Buffer>> = seqs
+                    .iter()
+                    .map(|(st, rows)| Part {
+                        frame: &st.frame,
+                        state: &st.ple[il].as_ref().expect("state made for this model").1,
+                        rows: *rows,
+                    })
+                    .collect();
+                let e_in = match seqs {
+                    [(st, _)] => &st.ple[il].as_ref().expect("state made for this model").0,
+                    _ => self.res.batch_rows[il]
+                        .as_ref()
+                        .expect("made for this model"),
+                };
+                ple::encode(&mut e, pw, c, &s.x, e_in, &parts, nt)?;
                 e.tap(PLE_STREAMS, il, &s.x, nt * h * d);
                 e.g.mark("ple");
             }
             hc::encode(&mut e, &lw.attn_hc, &s.x, nt, h, d, eps, pending.take())?;
             e.tap(ATTN_INPUT, il, &s.u, nt * d);
             e.g.mark("hc");
-            match (&lw.mixer, &st.layers[il]) {
-                (MixerGpu::Gdn(gw), LayerDeviceState::Gdn(gs)) => {
-                    gdn::encode(&mut e, gw, c, gs, nt)?
+            match &lw.mixer {
+                MixerGpu::Gdn(gw) => {
+                    let parts: Vec<_> = seqs
+                        .iter()
+                        .map(|(st, rows)| match &st.layers[il] {
+                            LayerDeviceState::Gdn(gs) => Part {
+                                frame: &st.frame,
+                                state: gs,
+                                rows: *rows,
+                            },
+                            _ => unreachable!("state checked against the model"),
+                        })
+                        .collect();
+                    gdn::encode(&mut e, gw, c, &parts, nt)?
                 }
-                (MixerGpu::Attn(aw), LayerDeviceState::Attn(as_)) => qsa::encode(
-                    &mut e,
-                    aw,
-                    c,
-                    self.res
-                        .rope
-                        .as_ref()
-                        .expect("attention layers have RoPE tables"),
-                    as_,
-                    nt,
-                    self.res.ctx_len,
-                )?,
-                _ => unreachable!("state checked against the model"),
+                MixerGpu::Attn(aw) => {
+                    let parts: Vec<_> = seqs
+                        .iter()
+                        .map(|(st, rows)| match &st.layers[il] {
+                            LayerDeviceState::Attn(as_) => Part {
+                                frame: &st.frame,
+                                state: as_,
+                                rows: *rows,
+                            },
+                            _ => unreachable!("state checked against the model"),
+                        })
+                        .collect();
+                    let rope = self.res.rope.as_ref();
+                    let rope = rope.expect("attention layers have RoPE tables");
+                    qsa::encode(&mut e, aw, c, rope, &parts, nt, self.res.ctx_len)?
+                }
             }
             e.tap(ATTN_OUT, il, &s.y, nt * d);
             e.g.mark(match lw.mixer {
@@ -349,52 +419,21 @@ impl<'a> GpuModel<'a> {
         stages: Option<(Granularity, &mut Vec<(String, f64)>)>,
     ) -> Result<FrameOut, ForwardError> {
         let c = &self.model.config;
-        let w = &self.model.weights;
         let ctx = &self.res.dev.ctx;
         let nt = tokens.len();
-        let (h, d) = (c.hc_count, c.hidden_size);
-        // The frame's input: each token's embedding row, repeated into the H streams.
-        let mut xs = vec![0f32; nt * h * d];
-        for (r, &id) in tokens.iter().enumerate() {
-            let row = &mut xs[r * h * d..r * h * d + d];
-            w.embed
-                .dequantize_row(id as usize, row)
-                .expect("id checked");
-            for k in 1..h {
-                xs.copy_within(r * h * d..r * h * d + d, r * h * d + k * d);
-            }
-        }
+        let xs = self.embed_rows(tokens);
         ctx.queue
             .write_buffer(&self.res.scratch.x, 0, bytemuck::cast_slice(&xs));
-        let mut history = st.ngram_ctx.clone();
-        history.extend(tokens.iter().map(|&id| id as i64));
-        for (il, lw) in w.layers.iter().enumerate() {
-            if let (Some(pw), Some((e_in, _))) = (&lw.ple, &st.ple[il]) {
-                let rows = ple::ngram_rows(
-                    &pw.hash,
-                    &history,
-                    nt,
-                    c.ngram_size,
-                    c.heads_per_ngram,
-                    c.eos_id().expect("validated"),
-                );
-                let e = ple::gather(pw, c, &rows, nt);
-                ctx.queue.write_buffer(e_in, 0, bytemuck::cast_slice(&e));
-            }
+        let (history, gathered) = self.ngram_inputs(st, tokens);
+        for (il, e) in gathered {
+            let (e_in, _) = st.ple[il].as_ref().expect("state made for this model");
+            ctx.queue.write_buffer(e_in, 0, bytemuck::cast_slice(&e));
         }
-        let past = st.pos;
-        let ratio = c.qsa().map_or(1, |q| q.ratio);
-        graph::write_frame(
-            ctx,
-            &st.frame,
-            past as u32,
-            (past / ratio) as u32,
-            ((past + nt) / ratio) as u32,
-        );
+        self.write_frame(st, nt, 0);
         let traced = taps.is_some();
         let key = (nt, head, traced);
         if !st.graphs.contains_key(&key) {
-            let g = self.build(st, nt, head, traced)?;
+            let g = self.build(&[(&*st, nt)], head, traced)?;
             st.graphs.insert(key, g);
             st.recorded += 1;
         }
@@ -442,9 +481,7 @@ impl<'a> GpuModel<'a> {
             self.copy_out(&mut enc, st, head, read);
             st.next = Some((key, enc.finish()));
         }
-        let keep = c.ngram_size.saturating_sub(1);
-        st.ngram_ctx = history[history.len() - keep..].to_vec();
-        st.pos += nt;
+        st.advance(&history, nt);
         if let (Some(p), Some((_, out))) = (profile, stages) {
             out.extend(p.read(ctx)?);
         }
@@ -458,6 +495,147 @@ impl<'a> GpuModel<'a> {
         } else {
             FrameOut::Logits(out)
         })
+    }
+
+    /// The frame's input: each token's embedding row (gathered on the host from the mapped
+    /// table), repeated into the H streams: `[nt, H*D]`.
+    fn embed_rows(&self, tokens: &[u32]) -> Vec<f32> {
+        let c = &self.model.config;
+        let (h, d) = (c.hc_count, c.hidden_size);
+        let mut xs = vec![0f32; tokens.len() * h * d];
+        for (r, &id) in tokens.iter().enumerate() {
+            let row = &mut xs[r * h * d..r * h * d + d];
+            let embed = &self.model.weights.embed;
+            embed.dequantize_row(id as usize, row).expect("id checked");
+            for k in 1..h {
+                xs.copy_within(r * h * d..r * h * d + d, r * h * d + k * d);
+            }
+        }
+        xs
+    }
+
+    /// `st`'s n-gram history after `tokens`, and per PLE layer the gathered n-gram rows of
+    /// `tokens` (`[nt, ple_embed_dim]`).
+    fn ngram_inputs(&self, st: &GpuState, tokens: &[u32]) -> (Vec<i64>, Vec<(usize, Vec<f32>)>) {
+        let c = &self.model.config;
+        let mut history = st.ngram_ctx.clone();
+        history.extend(tokens.iter().map(|&id| id as i64));
+        let mut gathered = Vec::new();
+        for (il, lw) in self.model.weights.layers.iter().enumerate() {
+            if let Some(pw) = &lw.ple {
+                let rows = ple::ngram_rows(
+                    &pw.hash,
+                    &history,
+                    tokens.len(),
+                    c.ngram_size,
+                    c.heads_per_ngram,
+                    c.eos_id().expect("validated"),
+                );
+                gathered.push((il, ple::gather(pw, c, &rows, tokens.len())));
+            }
+        }
+        (history, gathered)
+    }
+
+    /// Writes `st`'s frame uniform for its next `nt` tokens, its rows starting at `row0`.
+    fn write_frame(&self, st: &GpuState, nt: usize, row0: usize) {
+        let past = st.pos;
+        let ratio = self.model.config.qsa().map_or(1, |q| q.ratio);
+        let blocks = ((past / ratio) as u32, ((past + nt) / ratio) as u32);
+        graph::write_frame(
+            &self.res.dev.ctx,
+            &st.frame,
+            past as u32,
+            blocks,
+            row0 as u32,
+        );
+    }
+
+    /// Feeds one token to each sequence, 8 sequences to a frame (a batched decode step):
+    /// every weight is read once for all the frame's rows, while each sequence's caches,
+    /// recurrent state and position advance as if it had been fed alone. Returns each one's
+    /// logits. Nothing is fed when a token or a state is refused.
+    pub fn forward_rows(
+        &self,
+        seqs: &mut [(u32, &mut GpuState)],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        for (tok, st) in seqs.iter() {
+            self.check(&[*tok], st)?;
+        }
+        let mut out = Vec::with_capacity(seqs.len());
+        for frame in seqs.chunks_mut(MAX_BATCH) {
+            out.extend(self.batched_frame(frame)?);
+        }
+        Ok(out)
+    }
+
+    /// One frame of [`GpuModel::forward_rows`] (at most 8 sequences, checked).
+    fn batched_frame(
+        &self,
+        seqs: &mut [(u32, &mut GpuState)],
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        if let [(tok, st)] = seqs {
+            return Ok(vec![self.forward_last(&[*tok], st)?]);
+        }
+        if seqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let c = &self.model.config;
+        let ctx = &self.res.dev.ctx;
+        let (k, v) = (seqs.len(), c.vocab_size);
+        let tokens: Vec<u32> = seqs.iter().map(|(t, _)| *t).collect();
+        let xs = self.embed_rows(&tokens);
+        ctx.queue
+            .write_buffer(&self.res.scratch.x, 0, bytemuck::cast_slice(&xs));
+        let mut histories = Vec::with_capacity(k);
+        for (row, (tok, st)) in seqs.iter().enumerate() {
+            let (history, gathered) = self.ngram_inputs(st, &[*tok]);
+            for (il, e) in gathered {
+                let buf = self.res.batch_rows[il]
+                    .as_ref()
+                    .expect("made for this model");
+                let at = (row * e.len() * 4) as u64;
+                ctx.queue.write_buffer(buf, at, bytemuck::cast_slice(&e));
+            }
+            self.write_frame(st, 1, row);
+            histories.push(history);
+        }
+        let uids: Vec<u64> = seqs.iter().map(|(_, st)| st.uid).collect();
+        let mut enc = ctx
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("batched frame"),
+            });
+        {
+            let mut batches = self.res.batches.lock().unwrap_or_else(|p| p.into_inner());
+            let at = match batches.iter().position(|(u, _)| *u == uids) {
+                Some(at) => at,
+                None => {
+                    let members: Vec<(&GpuState, usize)> =
+                        seqs.iter().map(|(_, st)| (&**st, 1)).collect();
+                    let g = self.build(&members, Head::All, false)?;
+                    if batches.len() == BATCH_GRAPHS {
+                        batches.remove(0);
+                    }
+                    batches.push((uids, g));
+                    for (_, st) in seqs.iter_mut() {
+                        st.recorded += 1;
+                    }
+                    batches.len() - 1
+                }
+            };
+            let entry = batches.remove(at);
+            entry.1.record(ctx, &mut enc, None);
+            batches.push(entry);
+        }
+        let stage = &self.res.batch_stage;
+        enc.copy_buffer_to_buffer(&self.res.scratch.logits, 0, stage, 0, (k * v * 4) as u64);
+        ctx.queue.submit([enc.finish()]);
+        for ((_, st), history) in seqs.iter_mut().zip(&histories) {
+            st.advance(history, 1);
+        }
+        let out = readback::read_mapped(ctx, stage, k * v)?;
+        Ok(out.chunks(v).map(<[f32]>::to_vec).collect())
     }
 
     /// Copies what the host reads (`read` floats of the logits, or the token) into the
@@ -570,6 +748,16 @@ impl<'a> GpuModel<'a> {
     }
 }
 
+/// A buffer of `floats` f32 the host maps to read what a frame copied into it.
+fn readback_buffer(ctx: &GpuContext, floats: usize) -> wgpu::Buffer {
+    ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("logits readback"),
+        size: (floats * 4) as u64,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
+}
+
 enum FrameOut {
     Nothing,
     Logits(Vec<f32>),
@@ -604,6 +792,27 @@ pub struct GpuState {
     /// The next decode step's command buffer, encoded while the last one ran.
     next: Option<((usize, Head, bool), wgpu::CommandBuffer)>,
     recorded: usize,
+    /// Names the sequence in the batched steps it takes part in.
+    uid: u64,
+    /// The model's batched-step graphs (this state's drop removes those that bind it).
+    batches: BatchGraphs,
+}
+
+impl GpuState {
+    /// Moves the sequence past `nt` fed tokens whose n-gram history (with the context before
+    /// them) is `history`.
+    fn advance(&mut self, history: &[i64], nt: usize) {
+        let keep = self.ngram_ctx.len();
+        self.ngram_ctx = history[history.len() - keep..].to_vec();
+        self.pos += nt;
+    }
+}
+
+impl Drop for GpuState {
+    fn drop(&mut self) {
+        let mut batches = self.batches.lock().unwrap_or_else(|p| p.into_inner());
+        batches.retain(|(uids, _)| !uids.contains(&self.uid));
+    }
 }
 
 impl std::fmt::Debug for GpuState {
@@ -652,15 +861,12 @@ impl GpuState {
             layers,
             ple,
             frame: graph::frame_buffer(ctx),
-            stage: ctx.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("logits readback"),
-                size: (MAX_BATCH * c.vocab_size * 4) as u64,
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }),
+            stage: readback_buffer(ctx, MAX_BATCH * c.vocab_size),
             graphs: HashMap::new(),
             next: None,
             recorded: 0,
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            batches: m.res.batches.clone(),
         }
     }
 
@@ -764,6 +970,8 @@ impl Clone for GpuState {
             graphs: HashMap::new(),
             next: None,
             recorded: 0,
+            uid: NEXT_UID.fetch_add(1, Ordering::Relaxed),
+            batches: self.batches.clone(),
         };
         out.restore(self).expect("same model");
         out

@@ -17,7 +17,7 @@
 use std::sync::Arc;
 
 use crate::config::Qwen4ExpTextConfig;
-use crate::device::{Device, Enc};
+use crate::device::{Device, Enc, Part};
 use crate::ops::rms_norm_1p;
 use crate::weights::PleWeights;
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
@@ -269,14 +269,16 @@ pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
 }
 
 /// Encodes PLE on the streams `x` `[nt, H*D]` in place, from the gathered rows `e_in`
-/// `[nt, ple_embed_dim]`; `hist` is the layer's conv history on the device.
-pub fn encode(
-    e: &mut Enc<'_>,
+/// `[nt, ple_embed_dim]`: the gate over every row, the conv per sequence (`parts`: their
+/// conv histories on the device, their rows in order).
+#[allow(clippy::too_many_arguments)]
+pub fn encode<'a>(
+    e: &mut Enc<'a>,
     w: &PleGpu,
     c: &Qwen4ExpTextConfig,
     x: &wgpu::Buffer,
     e_in: &wgpu::Buffer,
-    hist: &wgpu::Buffer,
+    parts: &[Part<'a, wgpu::Buffer>],
     nt: usize,
 ) -> Result<(), GpuError> {
     let (h, d) = (c.hc_count, c.hidden_size);
@@ -295,11 +297,17 @@ pub fn encode(
         (h as u32, nt as u32),
     )?;
     e.rms_norm(g, &w.norm_conv, gn, nt * h, d, eps)?;
-    let p = [
-        nt as u32,
-        (h * d) as u32,
-        c.ple_conv_kernel_size as u32,
-        c.ngram_size as u32,
-    ];
-    e.op_lanes(Op::PleConv, &p, &[gn, &w.conv, hist, x, g], h * d)
+    for part in parts {
+        let p = [
+            part.rows as u32,
+            (h * d) as u32,
+            c.ple_conv_kernel_size as u32,
+            c.ngram_size as u32,
+        ];
+        let hist = part.state;
+        e.with_frame(part.frame, |e| {
+            e.op_lanes(Op::PleConv, &p, &[gn, &w.conv, hist, x, g], h * d)
+        })?;
+    }
+    Ok(())
 }

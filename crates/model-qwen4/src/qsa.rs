@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use crate::config::Qwen4ExpTextConfig;
-use crate::device::{Device, Enc};
+use crate::device::{Device, Enc, Part};
 use crate::ops::{Rope, rms_norm_1p, rope};
 use crate::weights::AttnWeights;
 use gpu_runtime::ops::graph::storage;
@@ -317,10 +317,36 @@ pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
     Ok(())
 }
 
-/// Encodes the layer on block inputs `e.s.u` `[nt, D]` at positions `past..past+nt` (the frame
-/// uniform) into `e.s.y`, appending to the caches.
+/// Encodes the layer on block inputs `e.s.u` `[nt, D]` into `e.s.y`: the projections over
+/// every row; per sequence (`parts`, their rows in order, each at positions `past..` of its
+/// frame uniform) the heads' norms and RoPE, the appends to its caches, the indexer's block
+/// choice and the attention.
 #[allow(clippy::too_many_arguments)]
-pub fn encode(
+pub fn encode<'a>(
+    e: &mut Enc<'a>,
+    w: &AttnGpu,
+    c: &Qwen4ExpTextConfig,
+    rope_t: &RopeGpu,
+    parts: &[Part<'a, AttnDeviceState>],
+    nt: usize,
+    ctx_len: usize,
+) -> Result<(), GpuError> {
+    let s = e.s;
+    let [qg, k, v, qki, ..] = &s.w;
+    let projections = [(&*w.q, qg), (&*w.k, k), (&*w.v, v), (&*w.idx_qk, qki)];
+    e.matvecs(&projections, &s.u, nt)?;
+    for part in parts {
+        e.with_frame(part.frame, |e| {
+            attend_part(e, w, c, rope_t, part.state, part.rows, ctx_len)
+        })?;
+    }
+    let ao = &s.w[7];
+    e.matvec(&w.o, ao, &s.y, nt, Epilogue::None)
+}
+
+/// One sequence's attention over its caches (the frame uniform is its own): from the
+/// projections of its rows in `e.s.w` to its rows of the gated attention output.
+fn attend_part(
     e: &mut Enc<'_>,
     w: &AttnGpu,
     c: &Qwen4ExpTextConfig,
@@ -337,8 +363,6 @@ pub fn encode(
     let half = rope_t.half as u32;
     let s = e.s;
     let [qg, k, v, qki, q, gate, qi, ao] = &s.w;
-    let projections = [(&*w.q, qg), (&*w.k, k), (&*w.v, v), (&*w.idx_qk, qki)];
-    e.matvecs(&projections, &s.u, nt)?;
     let (cs, sn) = (&rope_t.cos, &rope_t.sin);
     // One head of one row per workgroup: where it is read, where it goes, what is applied.
     struct Prep<'b> {
@@ -498,6 +522,5 @@ pub fn encode(
         &p,
         &[q, &st.k, &st.v, &s.sel, &s.attn_logits, gate, ao],
         (hq as u32, nt as u32),
-    )?;
-    e.matvec(&w.o, ao, &s.y, nt, Epilogue::None)
+    )
 }

@@ -277,3 +277,91 @@ fn restore_in_place_forgets_the_extra_tokens() {
     });
     h::assert_none(&failures);
 }
+
+/// A batched decode step (one row per sequence, up to 8 to a frame, each sequence at its own
+/// position) gives every sequence the logits the CPU forward gives it fed alone: 9 sequences
+/// with prompts of 1..9 tokens (two frames: 8 rows and a lone one), then the set changing
+/// (a sequence leaving, one fed on its own between batched steps). A combination's step is
+/// recorded once; dropping a state drops the steps that bind it.
+#[test]
+fn batched_decode_matches_each_sequence_alone() {
+    let failures = each(|case, cmf| {
+        let c = cpu(cmf);
+        let g = bind(cmf);
+        let ids = test_support::ids(case, 0);
+        let v = g.vocab_size();
+        let n = 9;
+        let mut cpu_states: Vec<_> = (0..n).map(|_| c.new_state()).collect();
+        let mut gpu_states: Vec<_> = (0..n).map(|_| g.new_state()).collect();
+        for (k, (sc, sg)) in cpu_states.iter_mut().zip(&mut gpu_states).enumerate() {
+            c.forward(&ids[..k + 1], sc).unwrap();
+            g.forward(&ids[..k + 1], sg).unwrap();
+        }
+        let mut failures = Vec::new();
+        let mut live: Vec<usize> = (0..n).collect();
+        let mut recorded_after_first = 0;
+        for step in 0..6 {
+            if step == 3 {
+                // Sequence 2 leaves; sequence 5 is fed alone once, then rejoins.
+                live.retain(|&k| k != 2);
+                let tok = ids[(5 + step) % ids.len()];
+                let want = c.forward_last(&[tok], &mut cpu_states[5]).unwrap();
+                let got = g
+                    .forward_rows(&mut [(tok, &mut gpu_states[5])])
+                    .unwrap()
+                    .remove(0);
+                let err = test_support::max_abs_diff(&got, &want);
+                if err > TOL * test_support::max_abs(&want) {
+                    failures.push(format!("{case}: lone step: max|diff| {err:.3e}"));
+                }
+            }
+            let toks: Vec<u32> = live
+                .iter()
+                .map(|&k| ids[(k * 3 + step) % ids.len()])
+                .collect();
+            // `live` is in order: the states it names, in its order.
+            let mut batch: Vec<(u32, &mut _)> = gpu_states
+                .iter_mut()
+                .enumerate()
+                .filter(|(k, _)| live.contains(k))
+                .zip(&toks)
+                .map(|((_, st), &tok)| (tok, st))
+                .collect();
+            let got = g.forward_rows(&mut batch).unwrap();
+            drop(batch);
+            assert_eq!(got.len(), live.len());
+            for ((&k, &tok), row) in live.iter().zip(&toks).zip(&got) {
+                assert_eq!(row.len(), v);
+                let want = c.forward_last(&[tok], &mut cpu_states[k]).unwrap();
+                let err = test_support::max_abs_diff(row, &want);
+                let scale = test_support::max_abs(&want);
+                if err > TOL * scale {
+                    failures.push(format!(
+                        "{case}: step {step}, sequence {k} (pos {}): max|diff| {err:.3e} \
+                         (scale {scale:.3e})",
+                        gpu_states[k].pos
+                    ));
+                }
+                assert_eq!(gpu_states[k].pos, cpu_states[k].pos);
+            }
+            if step == 0 {
+                recorded_after_first = g.batched_graphs();
+                // Two frames: 8 rows, and the ninth sequence alone on its own path.
+                assert_eq!(recorded_after_first, 1);
+            }
+            if step == 2 {
+                assert_eq!(
+                    g.batched_graphs(),
+                    recorded_after_first,
+                    "steady steps record nothing"
+                );
+            }
+        }
+        let before = g.batched_graphs();
+        assert_eq!(before, 2, "the set before and after sequence 2 left");
+        drop(gpu_states.remove(2));
+        assert_eq!(g.batched_graphs(), 1, "the dropped state's step is gone");
+        failures
+    });
+    h::assert_none(&failures);
+}

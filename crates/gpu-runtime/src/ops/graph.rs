@@ -124,8 +124,8 @@ pub fn upload_f32(ctx: &GpuContext, label: &str, data: &[f32]) -> wgpu::Buffer {
         })
 }
 
-/// The uniform every op reads its frame values from (`past`, `nb_lo`, `nb_hi`), written once
-/// per frame with [`write_frame`].
+/// The uniform every op reads its frame values from (`past`, `nb_lo`, `nb_hi`, `row0`),
+/// written once per frame with [`write_frame`].
 pub fn frame_buffer(ctx: &GpuContext) -> wgpu::Buffer {
     ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("frame"),
@@ -135,10 +135,19 @@ pub fn frame_buffer(ctx: &GpuContext) -> wgpu::Buffer {
     })
 }
 
-/// Writes the frame values (queued: they take effect at the next submission).
-pub fn write_frame(ctx: &GpuContext, frame: &wgpu::Buffer, past: u32, nb_lo: u32, nb_hi: u32) {
+/// Writes the frame values (queued: they take effect at the next submission): the tokens
+/// before the frame, the complete indexer blocks before and after it, and the sequence's first
+/// row in the activation buffers (0 but in a frame that batches several sequences' rows).
+pub fn write_frame(
+    ctx: &GpuContext,
+    frame: &wgpu::Buffer,
+    past: u32,
+    blocks: (u32, u32),
+    row0: u32,
+) {
+    let words = [past, blocks.0, blocks.1, row0];
     ctx.queue
-        .write_buffer(frame, 0, bytemuck::cast_slice(&[past, nb_lo, nb_hi, 0u32]));
+        .write_buffer(frame, 0, bytemuck::cast_slice(&words));
 }
 
 /// A 1-D count of `n` lanes as a grid of `OP_WG`-lane workgroups `(x, y)`, and `x`.

@@ -33,12 +33,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let nb = visible / P.ratio;
     let kh = h / (P.hq / P.hkv);
     let kvd = P.hkv * P.hd;
-    let q0 = (r * P.hq + h) * P.hd;
-    let l0 = (r * P.hq + h) * P.ctx;
+    let q0 = ((F.row0 + r) * P.hq + h) * P.hd;
+    let l0 = ((F.row0 + r) * P.hq + h) * P.ctx;
     let scale = bitcast<f32>(P.scale);
     var m = NEG;
     for (var s = li; s < visible; s += WG) {
-        if (selected(r, s, nb)) {
+        if (selected(F.row0 + r, s, nb)) {
             var d = 0.0;
             for (var i = 0u; i < P.hd; i++) {
                 d += q[q0 + i] * kc[s * kvd + kh * P.hd + i];
@@ -51,7 +51,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let mx = max_wg(m, li);
     var z = 0.0;
     for (var s = li; s < visible; s += WG) {
-        if (selected(r, s, nb)) {
+        if (selected(F.row0 + r, s, nb)) {
             let e = exp(lg[l0 + s] - mx);
             lg[l0 + s] = e;
             z += e;
@@ -62,7 +62,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var i = li; i < P.hd; i += WG) {
         var acc = 0.0;
         for (var s = 0u; s < visible; s++) {
-            if (selected(r, s, nb)) {
+            if (selected(F.row0 + r, s, nb)) {
                 acc += lg[l0 + s] / zt * vc[s * kvd + kh * P.hd + i];
             }
         }

@@ -26,14 +26,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         full[j] = state[j * P.c + ch];
     }
     for (var r = 0u; r < P.t; r++) {
-        full[km1 + r] = qkv[r * P.c + ch];
+        full[km1 + r] = qkv[(F.row0 + r) * P.c + ch];
     }
     for (var r = 0u; r < P.t; r++) {
         var acc = 0.0;
         for (var j = 0u; j < P.k; j++) {
             acc += w[ch * P.k + j] * full[r + j];
         }
-        out[r * P.c + ch] = silu(acc);
+        out[(F.row0 + r) * P.c + ch] = silu(acc);
     }
     for (var j = 0u; j < km1; j++) {
         state[j * P.c + ch] = full[P.t + j];

@@ -95,7 +95,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
     }
-    for (var r = 0u; r < P.t; r++) {
+    for (var t = 0u; t < P.t; t++) {
+        // Rows of the activation buffers (this sequence's, in a batched frame).
+        let r = F.row0 + t;
         var pq = 0.0;
         var pk = 0.0;
         for (var i = li; i < P.dk; i += GW) {

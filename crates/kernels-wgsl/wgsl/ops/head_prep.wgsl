@@ -29,7 +29,7 @@ var<workgroup> v: array<f32, 512>;
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wid.x;
     let r = wid.y;
-    let s0 = r * P.src_stride + P.src_off + h * P.src_hstride;
+    let s0 = (F.row0 + r) * P.src_stride + P.src_off + h * P.src_hstride;
     var ss = 0.0;
     for (var i = li; i < P.hd; i += WG) {
         let a = src[s0 + i];
@@ -43,7 +43,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
     }
     workgroupBarrier();
-    var row = r;
+    var row = F.row0 + r;
     if (P.at_past == 1u) {
         row = F.past + r;
     }

@@ -28,14 +28,14 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         full[j] = hist[j * P.hd + ch];
     }
     for (var r = 0u; r < P.t; r++) {
-        full[hl + r] = gn[r * P.hd + ch];
+        full[hl + r] = gn[(F.row0 + r) * P.hd + ch];
     }
     for (var r = 0u; r < P.t; r++) {
         var acc = 0.0;
         for (var j = 0u; j < P.k; j++) {
             acc += w[ch * P.k + j] * full[r + j * P.dil];
         }
-        let at = r * P.hd + ch;
+        let at = (F.row0 + r) * P.hd + ch;
         x[at] = x[at] + (g[at] + silu(acc));
     }
     for (var j = 0u; j < hl; j++) {

@@ -10,7 +10,9 @@ struct Frame {
     // Complete indexer blocks before and after this frame.
     nb_lo: u32,
     nb_hi: u32,
-    _pad: u32,
+    // The frame's first row in the activation buffers: 0, or where this sequence's rows
+    // start when the rows of several sequences share a frame (a batched decode step).
+    row0: u32,
 }
 
 @group(0) @binding(1) var<uniform> F: Frame;

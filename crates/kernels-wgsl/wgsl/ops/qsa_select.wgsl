@@ -23,8 +23,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (nb <= P.topk) {
         return;
     }
-    let q0 = r * P.ni * P.di;
-    let s0 = r * P.maxb;
+    let q0 = (F.row0 + r) * P.ni * P.di;
+    let s0 = (F.row0 + r) * P.maxb;
     let inv = 1.0 / sqrt(f32(P.di));
     for (var b = li; b < nb; b += WG) {
         var s = 0.0;
