@@ -89,10 +89,19 @@ struct Resident {
     batches: BatchGraphs,
 }
 
-/// Graphs of batched decode steps, each with the sequences it was recorded for (their uids,
-/// in row order), least recently used first. A graph binds its sequences' buffers, so a
-/// state's drop removes the graphs that name it.
-type BatchGraphs = Arc<Mutex<Vec<(Vec<u64>, Graph)>>>;
+/// The batched decode steps recorded so far, least recently used first. A graph binds its
+/// sequences' buffers, so a state's drop removes the steps that name it.
+type BatchGraphs = Arc<Mutex<Vec<BatchStep>>>;
+
+/// A batched decode step of one combination of sequences.
+struct BatchStep {
+    /// The sequences' uids, in row order.
+    uids: Vec<u64>,
+    graph: Graph,
+    /// The next step's command buffer, encoded while the last one ran (as a lone
+    /// sequence's decode does: the graph does not depend on the tokens).
+    next: Option<wgpu::CommandBuffer>,
+}
 
 /// Batched-step graphs kept: each combination of sequences is one; a server's slots change
 /// their combination only when a request starts or ends.
@@ -601,36 +610,43 @@ impl<'a> GpuModel<'a> {
             histories.push(history);
         }
         let uids: Vec<u64> = seqs.iter().map(|(_, st)| st.uid).collect();
-        let mut enc = ctx
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("batched frame"),
-            });
+        let stage = &self.res.batch_stage;
+        let encode = |g: &Graph| {
+            let mut enc = ctx
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("batched frame"),
+                });
+            g.record(ctx, &mut enc, None);
+            enc.copy_buffer_to_buffer(&self.res.scratch.logits, 0, stage, 0, (k * v * 4) as u64);
+            enc.finish()
+        };
         {
             let mut batches = self.res.batches.lock().unwrap_or_else(|p| p.into_inner());
-            let at = match batches.iter().position(|(u, _)| *u == uids) {
-                Some(at) => at,
+            let mut step = match batches.iter().position(|b| b.uids == uids) {
+                Some(at) => batches.remove(at),
                 None => {
                     let members: Vec<(&GpuState, usize)> =
                         seqs.iter().map(|(_, st)| (&**st, 1)).collect();
-                    let g = self.build(&members, Head::All, false)?;
+                    let graph = self.build(&members, Head::All, false)?;
                     if batches.len() == BATCH_GRAPHS {
                         batches.remove(0);
                     }
-                    batches.push((uids, g));
                     for (_, st) in seqs.iter_mut() {
                         st.recorded += 1;
                     }
-                    batches.len() - 1
+                    BatchStep {
+                        uids,
+                        graph,
+                        next: None,
+                    }
                 }
             };
-            let entry = batches.remove(at);
-            entry.1.record(ctx, &mut enc, None);
-            batches.push(entry);
+            let cb = step.next.take().unwrap_or_else(|| encode(&step.graph));
+            ctx.queue.submit([cb]);
+            step.next = Some(encode(&step.graph));
+            batches.push(step);
         }
-        let stage = &self.res.batch_stage;
-        enc.copy_buffer_to_buffer(&self.res.scratch.logits, 0, stage, 0, (k * v * 4) as u64);
-        ctx.queue.submit([enc.finish()]);
         for ((_, st), history) in seqs.iter_mut().zip(&histories) {
             st.advance(history, 1);
         }
@@ -811,7 +827,7 @@ impl GpuState {
 impl Drop for GpuState {
     fn drop(&mut self) {
         let mut batches = self.batches.lock().unwrap_or_else(|p| p.into_inner());
-        batches.retain(|(uids, _)| !uids.contains(&self.uid));
+        batches.retain(|b| !b.uids.contains(&self.uid));
     }
 }
 
