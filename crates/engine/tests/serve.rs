@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::OnceLock;
 
-use common::{http, runner, spawn_server};
+use common::{gpu_runner, http, runner, spawn_server};
 
 use engine::chat::{Chat, Message};
 use engine::generate::GenerateOptions;
@@ -498,6 +498,22 @@ fn concurrent_requests_each_get_their_own_reply() {
     };
     for port in [server(None), spawn_server(runner(), tight, None).0] {
         concurrent_replies(port);
+    }
+}
+
+/// The same on the GPU: the decoding sequences' rows share device frames (each with its own
+/// caches and position), prompts fed in pieces beside them, and every reply is still the
+/// library's greedy one on the CPU.
+#[test]
+fn concurrent_requests_on_the_gpu_each_get_their_own_reply() {
+    let tight = WorkerOptions {
+        parallel: 4,
+        prefill_chunk: 5,
+        ..WorkerOptions::new(CTX)
+    };
+    for opts in [WorkerOptions::new(CTX), tight] {
+        let Some(gpu) = gpu_runner(CTX) else { return };
+        concurrent_replies(spawn_server(gpu, opts, None).0);
     }
 }
 

@@ -15,6 +15,26 @@ pub fn runner() -> Runner {
     Runner::from_cmf(engine::embedded_model().unwrap()).unwrap()
 }
 
+/// The built-in demo model on the GPU with a context of `ctx` tokens (lavapipe in CI, where
+/// `CORTIQ_REQUIRE_GPU=1` makes a missing adapter a failure); `None` skips.
+pub fn gpu_runner(ctx: usize) -> Option<Runner> {
+    let place = engine::model::Placement {
+        backend: engine::gpu_runtime::BackendChoice::Wgpu,
+        vram: None,
+        ctx: Some(ctx),
+    };
+    match Runner::from_cmf_on(engine::embedded_model().unwrap(), &place) {
+        Ok(r) if r.model.model().backend_name() == "gpu" => Some(r),
+        _ if std::env::var("CORTIQ_REQUIRE_GPU").as_deref() == Ok("1") => {
+            panic!("CORTIQ_REQUIRE_GPU=1 but the demo model did not go to a GPU")
+        }
+        _ => {
+            eprintln!("no GPU, skipped");
+            None
+        }
+    }
+}
+
 /// Starts a server for `runner` on a free loopback port (its own thread and runtime); returns
 /// the port and the state (to watch its load).
 pub fn spawn_server(runner: Runner, opts: WorkerOptions, key: Option<&str>) -> (u16, ServerState) {
