@@ -119,6 +119,8 @@ pub struct Chat<'r> {
     pub ctx_limit: Option<usize>,
     /// Chunk size of a long prefill ([`GenerateOptions::prefill_chunk`]; 0 = one call).
     pub prefill_chunk: usize,
+    /// Drafting with the MTP head ([`GenerateOptions::mtp`]).
+    pub mtp: crate::speculative::MtpMode,
 }
 
 /// A Jinja environment holding the chat template as `chat`, with what Hugging Face templates
@@ -203,6 +205,7 @@ impl<'r> Chat<'r> {
             sampler: Sampler::new(sampling),
             ctx_limit: None,
             prefill_chunk: 0,
+            mtp: crate::speculative::MtpMode::default(),
         })
     }
 
@@ -300,6 +303,7 @@ impl<'r> Chat<'r> {
             cancel: self.cancel.clone(),
             keep_prompt_state: true,
             prefill_chunk: self.prefill_chunk,
+            mtp: self.mtp,
             ..GenerateOptions::default()
         };
         let g = self.runner.complete(

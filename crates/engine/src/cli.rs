@@ -369,6 +369,11 @@ pub struct RunArgs {
     /// Sampling.
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Drafting with the model's MTP head: up to N tokens a step (1..=7), `auto` (up to 3
+    /// where the model has a head and the backend runs it), or `off`. The generated tokens are
+    /// the same either way; a monitor drafts less, or not at all, while drafting does not pay.
+    #[arg(long, value_name = "N|auto|off", default_value = "auto")]
+    pub mtp: engine::speculative::MtpMode,
     /// Threads.
     #[command(flatten)]
     pub compute: ComputeArgs,
@@ -386,6 +391,11 @@ pub struct ChatArgs {
     /// Sampling.
     #[command(flatten)]
     pub sampling: SamplingArgs,
+    /// Drafting with the model's MTP head: up to N tokens a step (1..=7), `auto` (up to 3
+    /// where the model has a head and the backend runs it), or `off`. The generated tokens are
+    /// the same either way; a monitor drafts less, or not at all, while drafting does not pay.
+    #[arg(long, value_name = "N|auto|off", default_value = "auto")]
+    pub mtp: engine::speculative::MtpMode,
     /// Threads.
     #[command(flatten)]
     pub compute: ComputeArgs,

@@ -55,6 +55,8 @@ pub struct GenerateOptions {
     pub prefill_chunk: usize,
     /// An EOS id does not end the reply (it is generated like any token).
     pub ignore_eos: bool,
+    /// Drafting with the model's MTP head (the same tokens, fewer trunk forwards).
+    pub mtp: crate::speculative::MtpMode,
 }
 
 impl GenerateOptions {
@@ -115,6 +117,8 @@ pub struct Generation {
     pub gen_seconds: f64,
     /// The state right after the prompt, when [`GenerateOptions::keep_prompt_state`] asked.
     pub prompt_state: Option<AnyState>,
+    /// What drafting did, when the MTP head drafted.
+    pub drafts: Option<crate::speculative::DraftStats>,
 }
 
 impl Runner {
@@ -145,12 +149,20 @@ impl Runner {
             prompt_seconds: 0.0,
             gen_seconds: 0.0,
             prompt_state: None,
+            drafts: None,
         };
         if cancelled() {
             return Ok(g);
         }
         let integrity = self.model.integrity();
         integrity.check()?;
+        if let Some((m, depth)) = crate::speculative::drafter(self, opts.mtp)? {
+            let AnyState::Qwen4(st) = state else {
+                return Err(RunError::Forward(crate::model::ForwardError::StateMismatch));
+            };
+            self.complete_mtp(m, depth, st, prompt, sampler, opts, on_event, &mut g, None)?;
+            return Ok(g);
+        }
         let chunk = match opts.prefill_chunk {
             0 => prompt.len(),
             c => c,

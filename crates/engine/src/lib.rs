@@ -33,6 +33,7 @@ pub mod perplexity;
 pub mod run;
 pub mod sampling;
 pub mod serve;
+pub mod speculative;
 
 /// The default model shipped in the binary: the Shakespeare demo, a 12.6 M-parameter qwen4_exp
 /// trained by `tools/demo-model` (`assets/shakespeare.cmf`, the q8 conversion of

@@ -527,6 +527,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
         } else {
             0
         },
+        mtp: args.mtp,
         ..GenerateOptions::default()
     };
     let mut out = io::stdout().lock();
@@ -568,6 +569,16 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
             ""
         }
     );
+    if let Some(d) = g.drafts {
+        eprintln!(
+            "cortiq: MTP drafts: {} checked in {} steps, {} kept ({:.1}%); {:.2} tokens per check",
+            d.drafted,
+            d.checks,
+            d.accepted,
+            100.0 * d.accepted as f64 / d.drafted.max(1) as f64,
+            d.mean_accepted_length()
+        );
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -583,6 +594,7 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
     let settings = sampling(&args.sampling, runner.generation_defaults());
     let mut chat = engine::chat::Chat::new(&runner, args.system.as_deref(), settings)?;
     chat.ctx_limit = args.sampling.ctx.or(runner.context_length());
+    chat.mtp = args.mtp;
     const HELP: &str = "commands: /reset starts over, /quit or /exit (or Ctrl-D) ends, /help";
     let interactive = io::stdin().is_terminal();
     if interactive {

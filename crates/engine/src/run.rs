@@ -37,6 +37,15 @@ pub enum RunError {
     /// A tensor failed its checksum.
     #[error(transparent)]
     Corrupt(#[from] crate::integrity::IntegrityError),
+    /// `--mtp` asked for drafting the model or backend cannot do.
+    #[error("--mtp: {0}")]
+    Mtp(String),
+}
+
+impl From<model_qwen4::ForwardError> for RunError {
+    fn from(e: model_qwen4::ForwardError) -> RunError {
+        RunError::Forward(e.into())
+    }
 }
 
 /// A loaded model with its tokenizer and EOS ids: owns (an `Arc` of) the model, so it is

@@ -33,6 +33,9 @@ pub enum ForwardError {
         /// The context allocated.
         ctx: usize,
     },
+    /// Drafting asked of a file without an MTP head (`mtp.*`).
+    #[error("the model file has no MTP head (mtp.* tensors)")]
+    NoMtp,
     /// The device failed (lost, out of memory, a kernel rejected).
     #[error("GPU: {0}")]
     Gpu(#[from] gpu_runtime::GpuError),

@@ -37,6 +37,18 @@ pub struct AttnState {
     pub block_keys: Vec<f32>,
 }
 
+/// Drops the entries of `st` from position `n` on (a rolled-back draft's): the caches are
+/// per position, and the block keys are those of the blocks still complete.
+pub fn truncate(c: &Qwen4ExpTextConfig, st: &mut AttnState, n: usize) {
+    let kvd = c.num_key_value_heads * c.head_dim;
+    st.k.truncate(n * kvd);
+    st.v.truncate(n * kvd);
+    if let Some(q) = c.qsa() {
+        st.raw.truncate(n * q.head_dim);
+        st.block_keys.truncate(n / q.ratio * q.head_dim);
+    }
+}
+
 /// Runs the block on block inputs `u` `[t, D]` at positions `past..past+t`; returns `[t, D]`.
 pub fn forward_cpu(
     w: &AttnWeights<'_>,

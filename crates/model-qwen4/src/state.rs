@@ -59,6 +59,39 @@ impl SeqState {
         4 * (layers + ple) + 8 * self.ngram_ctx.len()
     }
 
+    /// What a rollback to the current position needs: the recurrent parts (GDN, PLE conv,
+    /// n-gram context) and the position; the attention caches are cut back instead.
+    pub fn recurrent(&self) -> Recurrent {
+        Recurrent {
+            pos: self.pos,
+            gdn: self
+                .layers
+                .iter()
+                .map(|l| match l {
+                    LayerState::Gdn(g) => Some(g.clone()),
+                    LayerState::Attn(_) => None,
+                })
+                .collect(),
+            ple_conv: self.ple_conv.clone(),
+            ngram_ctx: self.ngram_ctx.clone(),
+        }
+    }
+
+    /// Returns to the position `snap` was taken at (from this state or an ancestor at that
+    /// position): its recurrent parts back, every attention cache cut to its position.
+    pub fn rollback(&mut self, c: &Qwen4ExpTextConfig, snap: &Recurrent) {
+        for (l, g) in self.layers.iter_mut().zip(&snap.gdn) {
+            match (l, g) {
+                (LayerState::Gdn(s), Some(g)) => s.clone_from(g),
+                (LayerState::Attn(a), None) => crate::qsa::truncate(c, a, snap.pos),
+                _ => unreachable!("a snapshot of this sequence"),
+            }
+        }
+        self.ple_conv.clone_from(&snap.ple_conv);
+        self.ngram_ctx.clone_from(&snap.ngram_ctx);
+        self.pos = snap.pos;
+    }
+
     /// A copy to roll back to.
     pub fn snapshot(&self) -> SeqState {
         self.clone()
@@ -68,4 +101,16 @@ impl SeqState {
     pub fn restore(&mut self, snap: &SeqState) {
         *self = snap.clone();
     }
+}
+
+/// The recurrent part of a [`SeqState`] at one position ([`SeqState::recurrent`]): what a
+/// rollback restores (attention caches are cut back to its position instead of copied).
+#[derive(Debug, Clone)]
+pub struct Recurrent {
+    /// The position.
+    pub pos: usize,
+    /// Per layer: the GDN state (`None` for attention layers).
+    pub gdn: Vec<Option<GdnState>>,
+    ple_conv: Vec<Vec<f32>>,
+    ngram_ctx: Vec<i64>,
 }

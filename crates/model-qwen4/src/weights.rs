@@ -168,6 +168,26 @@ pub struct Weights<'a> {
     pub final_mixer: HcWeights<'a>,
     /// `lm_head.weight` `[V, D]`.
     pub lm_head: Mat<'a>,
+    /// The multi-token-prediction head (`mtp.*`), when the file has one.
+    pub mtp: Option<Box<MtpWeights<'a>>>,
+}
+
+/// The MTP head (`mtp.*`): the next token's embedding and the trunk's final streams, each
+/// normalised and projected, summed into the streams of one decoder layer (indexed attention,
+/// no PLE) whose own head mixer feeds the shared `lm_head`.
+pub struct MtpWeights<'a> {
+    /// `mtp.fc_embedding.weight` `[D, D]`.
+    pub fc_embedding: Mat<'a>,
+    /// `mtp.fc_hidden.weight` `[D, D]`, applied to each stream.
+    pub fc_hidden: Mat<'a>,
+    /// `mtp.pre_fc_norm_embedding.weight` `[D]` ((1+w) RMSNorm over the embedding).
+    pub pre_fc_norm_embedding: Vector,
+    /// `mtp.pre_fc_norm_hidden.weight` `[H*D]` ((1+w) RMSNorm over all streams as one vector).
+    pub pre_fc_norm_hidden: Vector,
+    /// `mtp.layers.0.*`.
+    pub layer: LayerWeights<'a>,
+    /// `mtp.hyper_connection_mixer.*` (no inject).
+    pub final_mixer: HcWeights<'a>,
 }
 
 fn hc<'a>(
@@ -201,6 +221,10 @@ pub trait Source<'a> {
     fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'a>, WeightError>;
     /// The vector `name` of `shape`, decoded to f32.
     fn vector(&self, name: &str, shape: &[usize]) -> Result<Vector, WeightError>;
+    /// Whether the source holds a tensor `name` (what optional parts are bound by).
+    fn has(&self, _name: &str) -> bool {
+        false
+    }
     /// A stored integer buffer to check against the value the config implies (`header`: kept
     /// in the header's integer tensors, else a tensor of `len` values); `None` when absent.
     fn stored_integers(
@@ -212,6 +236,10 @@ pub trait Source<'a> {
 }
 
 impl<'a> Source<'a> for Binder<'a> {
+    fn has(&self, name: &str) -> bool {
+        self.cmf().tensor(name).is_some()
+    }
+
     fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'a>, WeightError> {
         Ok(Binder::mat(self, name, rows, cols)?)
     }
@@ -271,7 +299,45 @@ impl<'a> Weights<'a> {
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for il in 0..c.num_hidden_layers {
             let p = format!("model.layers.{il}");
-            let mixer = match c.layer_type(il) {
+            let ple = match c.ple_layer_index(il) {
+                None => None,
+                Some(pi) => Some(Self::bind_ple(b, c, &format!("{p}.ple"), pi)?),
+            };
+            layers.push(Self::bind_layer(b, c, &p, c.layer_type(il), ple)?);
+        }
+        let mtp = if b.has("mtp.fc_embedding.weight") {
+            let hd = c.hc_count * d;
+            Some(Box::new(MtpWeights {
+                fc_embedding: b.mat("mtp.fc_embedding.weight", d, d)?,
+                fc_hidden: b.mat("mtp.fc_hidden.weight", d, d)?,
+                pre_fc_norm_embedding: b.vector("mtp.pre_fc_norm_embedding.weight", &[d])?,
+                pre_fc_norm_hidden: b.vector("mtp.pre_fc_norm_hidden.weight", &[hd])?,
+                layer: Self::bind_layer(b, c, "mtp.layers.0", LayerType::IndexedAttention, None)?,
+                final_mixer: hc(b, "mtp.hyper_connection_mixer", c, false)?,
+            }))
+        } else {
+            None
+        };
+        Ok(Weights {
+            embed: b.mat("model.embed_tokens.weight", c.vocab_size, d)?,
+            layers,
+            final_mixer: hc(b, "model.hyper_connection_mixer", c, false)?,
+            lm_head: b.mat("lm_head.weight", c.vocab_size, d)?,
+            mtp,
+        })
+    }
+
+    /// One decoder layer under `p` (`model.layers.N`, or the MTP head's `mtp.layers.0`).
+    fn bind_layer(
+        b: &dyn Source<'a>,
+        c: &Qwen4ExpTextConfig,
+        p: &str,
+        kind: LayerType,
+        ple: Option<PleWeights<'a>>,
+    ) -> Result<LayerWeights<'a>, WeightError> {
+        let d = c.hidden_size;
+        {
+            let mixer = match kind {
                 LayerType::LinearAttention => {
                     let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
                     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
@@ -315,10 +381,6 @@ impl<'a> Weights<'a> {
                     })
                 }
             };
-            let ple = match c.ple_layer_index(il) {
-                None => None,
-                Some(pi) => Some(Self::bind_ple(b, c, &format!("{p}.ple"), pi)?),
-            };
             let (e, i, is) = (
                 c.num_experts,
                 c.moe_intermediate_size,
@@ -345,20 +407,14 @@ impl<'a> Weights<'a> {
                 sh_down: b.mat(&format!("{m}.shared_expert.down_proj.weight"), d, is)?,
                 sh_scale: b.vector(&format!("{m}.shared_expert_gate.weight"), &[1, d])?,
             };
-            layers.push(LayerWeights {
+            Ok(LayerWeights {
                 ple,
                 attn_hc: hc(b, &format!("{p}.attn_hyper_connection"), c, true)?,
                 mixer,
                 mlp_hc: hc(b, &format!("{p}.mlp_hyper_connection"), c, true)?,
                 moe,
-            });
+            })
         }
-        Ok(Weights {
-            embed: b.mat("model.embed_tokens.weight", c.vocab_size, d)?,
-            layers,
-            final_mixer: hc(b, "model.hyper_connection_mixer", c, false)?,
-            lm_head: b.mat("lm_head.weight", c.vocab_size, d)?,
-        })
     }
 
     fn bind_ple(

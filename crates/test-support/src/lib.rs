@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 
 pub mod bench;
 pub mod harness;
+pub mod mtp;
 
 pub use cmf_convert::Profile;
 pub use cmf_format::npy::Npy;

@@ -1,0 +1,452 @@
+//! Drafting with the model's MTP head: the head drafts up to N tokens after the one just
+//! sampled, the trunk checks them in one multi-row forward, and every draft that equals what
+//! the sampler draws from the trunk's own logits is kept, with the sampler's draw after the
+//! last kept one. The sampler is the one the plain loop runs, drawing from the same logits in
+//! the same order, so a generation is token for token the one without drafting, with any
+//! sampling settings and seed (the drafts only decide how many of its logits one forward
+//! computes). A draft is greedy (one token), so a kept draft is accepted with probability
+//! `p(draft)`, as speculative sampling's rule accepts a one-token draft.
+//!
+//! Rows past the last kept draft are rolled back: the attention caches are cut back to the
+//! position, the recurrent state (GDN, PLE conv, n-gram context) is restored from a snapshot
+//! taken before the check, and the kept rows are fed again (a forward of the kept rows; the
+//! next step needs nothing else from it). A [`Monitor`] picks the depth of each step from the
+//! acceptance and the time each depth costs, turning drafting off while it does not pay and
+//! back on (by probing) when it would.
+
+use std::str::FromStr;
+use std::time::Instant;
+
+use model_qwen4::{Model, MtpState, SeqState};
+
+use crate::generate::{CancelToken, Decoder, Event, GenerateOptions, Generation};
+use crate::run::{RunError, Runner};
+use crate::sampling::{Sampler, argmax};
+
+/// Tests' stand-in for the head's choice of a draft: `(tokens generated before the step,
+/// draft index) -> token` (the head still runs and keeps its cache; only its pick is replaced),
+/// so every acceptance pattern can be forced.
+pub(crate) type Oracle<'a> = dyn Fn(usize, usize) -> u32 + 'a;
+
+/// Most tokens one step drafts (the check then feeds the sampled token and these: 8 rows, a
+/// device frame).
+pub const MAX_DEPTH: usize = 7;
+
+/// The depth `auto` drafts up to.
+pub const AUTO_DEPTH: usize = 3;
+
+/// `--mtp`: how far the MTP head drafts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum MtpMode {
+    /// No drafting.
+    #[default]
+    Off,
+    /// Up to [`AUTO_DEPTH`] drafts where the model has a head and the backend runs it;
+    /// otherwise none.
+    Auto,
+    /// Up to this many drafts a step (the monitor may draft fewer, or none).
+    Depth(usize),
+}
+
+impl FromStr for MtpMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<MtpMode, String> {
+        match s {
+            "off" | "0" => Ok(MtpMode::Off),
+            "auto" => Ok(MtpMode::Auto),
+            n => match n.parse::<usize>() {
+                Ok(d) if (1..=MAX_DEPTH).contains(&d) => Ok(MtpMode::Depth(d)),
+                _ => Err(format!(
+                    "--mtp takes off, auto or a draft depth 1..={MAX_DEPTH}, not {n:?}"
+                )),
+            },
+        }
+    }
+}
+
+/// Drafting statistics of one generation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DraftStats {
+    /// Steps that checked drafts.
+    pub checks: usize,
+    /// Tokens drafted.
+    pub drafted: usize,
+    /// Drafts kept.
+    pub accepted: usize,
+    /// Per draft position (1-based index - 1): drafts made there, and kept.
+    pub by_position: [(usize, usize); MAX_DEPTH],
+}
+
+impl DraftStats {
+    /// Tokens a checking step produced on average (kept drafts plus the sampled one).
+    pub fn mean_accepted_length(&self) -> f64 {
+        if self.checks == 0 {
+            return 0.0;
+        }
+        1.0 + self.accepted as f64 / self.checks as f64
+    }
+}
+
+/// Picks each step's depth: per draft position the rate at which a draft there is kept (given
+/// the ones before it were), per depth the seconds a step takes, and the depth that maximises
+/// expected tokens per second. Depths not measured yet are tried; every 16th step probes the
+/// depth next to the best, so a turned-off drafter comes back when text gets predictable.
+#[derive(Debug, Clone)]
+pub struct Monitor {
+    max: usize,
+    keep: [f64; MAX_DEPTH],
+    secs: Vec<Option<f64>>,
+    steps: usize,
+}
+
+impl Monitor {
+    /// Up to `max` drafts a step.
+    pub fn new(max: usize) -> Monitor {
+        let max = max.min(MAX_DEPTH);
+        Monitor {
+            max,
+            keep: [0.5; MAX_DEPTH],
+            secs: vec![None; max + 1],
+            steps: 0,
+        }
+    }
+
+    /// Expected tokens of a step drafting `d`.
+    fn tokens(&self, d: usize) -> f64 {
+        let mut p = 1.0;
+        let mut e = 1.0;
+        for k in &self.keep[..d] {
+            p *= k;
+            e += p;
+        }
+        e
+    }
+
+    /// The depth of the next step.
+    pub fn depth(&self) -> usize {
+        if let Some(d) = self.secs.iter().position(Option::is_none) {
+            return d;
+        }
+        let rate = |d: usize| self.tokens(d) / self.secs[d].unwrap_or(f64::INFINITY);
+        let best = (0..=self.max)
+            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
+            .unwrap_or(0);
+        if self.steps % 16 == 15 {
+            return if best < self.max {
+                best + 1
+            } else {
+                best.saturating_sub(1)
+            };
+        }
+        best
+    }
+
+    /// What a step of depth `d` did: `kept` of its drafts kept, in `secs` seconds.
+    pub fn record(&mut self, d: usize, kept: usize, secs: f64) {
+        const A: f64 = 0.1;
+        self.steps += 1;
+        let s = &mut self.secs[d];
+        *s = Some(s.map_or(secs, |old| old + A * (secs - old)));
+        // Positions 1..=kept were kept; position kept+1 (if drafted) was not.
+        for i in 0..d.min(kept + 1) {
+            let hit = if i < kept { 1.0 } else { 0.0 };
+            self.keep[i] += A * (hit - self.keep[i]);
+        }
+    }
+}
+
+/// Whether `--mtp` drafts on `runner`'s model: `Some(model)` where the model runs on the CPU
+/// with an MTP head; `Ok(None)` for off, or `auto` where it cannot; an error when a depth
+/// was asked of a model or backend that cannot.
+pub fn drafter<'m>(
+    runner: &'m Runner,
+    mode: MtpMode,
+) -> Result<Option<(&'m Model<'m>, usize)>, RunError> {
+    let depth = match mode {
+        MtpMode::Off => return Ok(None),
+        MtpMode::Auto => AUTO_DEPTH,
+        MtpMode::Depth(d) => d,
+    };
+    let why = match runner.model.model() {
+        crate::model::AnyModel::Qwen4(m) if m.mtp().is_some() => return Ok(Some((m, depth))),
+        crate::model::AnyModel::Qwen4(_) => "the model file has no MTP head (mtp.* tensors)",
+        crate::model::AnyModel::Qwen4Gpu(_) => {
+            "MTP drafting runs on the CPU forward for now (--backend cpu)"
+        }
+        crate::model::AnyModel::Dsv4(_) => "MTP drafting is built for qwen4_exp models only",
+    };
+    match mode {
+        MtpMode::Auto => {
+            tracing::debug!("--mtp auto: not drafting: {why}");
+            Ok(None)
+        }
+        _ => Err(RunError::Mtp(why.to_string())),
+    }
+}
+
+impl Runner {
+    /// [`Runner::complete`] with the MTP head drafting (the model and depth from
+    /// [`drafter`]): the same tokens, fewer trunk forwards where drafts are kept. `state` ends
+    /// as the plain loop leaves it (the prompt and every generated token but the last).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn complete_mtp(
+        &self,
+        m: &Model<'_>,
+        max_depth: usize,
+        st: &mut SeqState,
+        prompt: &[u32],
+        sampler: &mut Sampler,
+        opts: &GenerateOptions,
+        on_event: &mut dyn FnMut(Event<'_>),
+        g: &mut Generation,
+        oracle: Option<&Oracle<'_>>,
+    ) -> Result<(), RunError> {
+        let cancelled = || opts.cancel.as_ref().is_some_and(CancelToken::is_cancelled);
+        let integrity = self.model.integrity();
+        let t0 = Instant::now();
+        let hd = m.config.hc_count * m.config.hidden_size;
+        // The head's cache, an entry per trunk position from `held` on: the positions a state
+        // carried over from an earlier call holds have no entries (their streams are gone),
+        // so the head attends to what it sees from here on, its positions counted from
+        // there (RoPE sees the same distances).
+        let mut ms = MtpState::default();
+        let held = st.pos;
+        let chunk = match opts.prefill_chunk {
+            0 => prompt.len(),
+            c => c,
+        };
+        let mut logits = Vec::new();
+        let mut hs_last = Vec::new();
+        let mut done = 0;
+        for (i, part) in prompt.chunks(chunk).enumerate() {
+            if i > 0 && cancelled() {
+                return Ok(());
+            }
+            let (l, streams) = m.forward_streams(part, st, true)?;
+            logits = l;
+            // The head's entries for these positions: each row's streams with the token
+            // after it (the last prompt row's waits for the sampled token).
+            let end = done + part.len();
+            let pairs = if end == prompt.len() {
+                part.len() - 1
+            } else {
+                part.len()
+            };
+            if pairs > 0 {
+                let next_tokens = &prompt[done + 1..=done + pairs];
+                m.mtp_forward(&streams[..pairs * hd], next_tokens, &mut ms, false)?;
+            }
+            hs_last = streams[(part.len() - 1) * hd..].to_vec();
+            done = end;
+            if chunk < prompt.len() {
+                on_event(Event::Prefill {
+                    done,
+                    total: prompt.len(),
+                });
+            }
+        }
+        for &id in prompt {
+            sampler.accept(id);
+        }
+        if opts.keep_prompt_state {
+            g.prompt_state = Some(crate::model::AnyState::Qwen4(st.clone()));
+        }
+        let mut next = sampler.sample(&logits);
+        g.prompt_seconds = t0.elapsed().as_secs_f64();
+
+        let t1 = Instant::now();
+        let mut monitor = Monitor::new(max_depth);
+        let mut stats = DraftStats::default();
+        let mut dec = Decoder::new(self, opts);
+        'generate: while let Some(token) = dec.push(next, sampler, on_event) {
+            integrity.check()?;
+            let step = Instant::now();
+            // Drafting past the reply's limit is wasted: the check would drop it.
+            let room = opts.max_new.saturating_sub(dec.generated().len());
+            let depth = monitor.depth().min(room);
+            // `token` goes in at position `at`. The head's entry at `at - 1`: the trunk's
+            // streams there and `token` (made even when not drafting, so the cache stays
+            // whole); then each draft's entry, from the head's own output and the draft.
+            let at = st.pos;
+            let mut rows = vec![token];
+            let first = m.mtp_forward(&hs_last, &[token], &mut ms, depth > 0)?;
+            let (mut x, mut logits) = (first.streams, first.logits);
+            for i in 0..depth {
+                let tok = match oracle {
+                    Some(o) => o(dec.generated().len(), i),
+                    None => argmax(&logits),
+                };
+                rows.push(tok);
+                if i + 1 < depth {
+                    let out = m.mtp_forward(&x, &[tok], &mut ms, true)?;
+                    (x, logits) = (out.streams, out.logits);
+                }
+            }
+            if depth == 0 {
+                let (l, streams) = m.forward_streams(&rows, st, true)?;
+                next = sampler.sample(&l);
+                hs_last = streams;
+                monitor.record(0, 0, step.elapsed().as_secs_f64());
+                continue;
+            }
+            let snap = st.recurrent();
+            let (l, streams) = m.forward_streams(&rows, st, false)?;
+            let v = m.config.vocab_size;
+            let mut kept = 0;
+            let mut ended = false;
+            loop {
+                next = sampler.sample(&l[kept * v..(kept + 1) * v]);
+                if kept < depth && next == rows[kept + 1] {
+                    kept += 1;
+                    if dec.push(next, sampler, on_event).is_none() {
+                        ended = true;
+                        break;
+                    }
+                    continue;
+                }
+                break;
+            }
+            stats.checks += 1;
+            stats.drafted += depth;
+            stats.accepted += kept;
+            for (i, p) in stats.by_position.iter_mut().take(depth).enumerate() {
+                if i <= kept {
+                    p.0 += 1;
+                    p.1 += usize::from(i < kept);
+                }
+            }
+            // Rows fed that the sequence keeps: the sampled token and the kept drafts; when
+            // the reply ended on a kept draft, that one is its last token, never fed.
+            let keep_rows = if ended { kept } else { kept + 1 };
+            if keep_rows < rows.len() {
+                st.rollback(&m.config, &snap);
+                if keep_rows > 0 {
+                    m.forward_streams(&rows[..keep_rows], st, true)?;
+                }
+            }
+            if ended {
+                break 'generate;
+            }
+            // The head's entries for the kept rows (the trunk's streams with the token after
+            // each) replace the drafts' own.
+            ms.truncate(m, at - held);
+            if kept > 0 {
+                m.mtp_forward(&streams[..kept * hd], &rows[1..=kept], &mut ms, false)?;
+            }
+            hs_last = streams[kept * hd..(kept + 1) * hd].to_vec();
+            monitor.record(depth, kept, step.elapsed().as_secs_f64());
+        }
+        let d = dec.end(on_event);
+        integrity.check()?;
+        g.tokens = d.tokens;
+        g.text = d.text;
+        g.finish = d.finish;
+        g.stop_string = d.stop_string;
+        g.gen_seconds = t1.elapsed().as_secs_f64();
+        g.drafts = Some(stats);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::AnyState;
+    use crate::sampling::Sampling;
+
+    /// Drafts that are the plain run's own next tokens, wrong at chosen places: every draft
+    /// kept (with the sampled bonus token), the reply ending on a kept draft, a miss at each
+    /// draft position, and the output and the state left are still the plain run's.
+    #[test]
+    fn forced_acceptance_patterns_keep_the_output_and_the_state() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = test_support::mtp::convert_with_mtp_head(
+            "qwen4_exp_b",
+            dir.path(),
+            test_support::Profile::F32,
+            3,
+        );
+        let r = Runner::from_cmf(cmf_format::Cmf::open(&path).unwrap()).unwrap();
+        let crate::model::AnyModel::Qwen4(m) = r.model.model() else {
+            panic!("a CPU qwen4_exp model")
+        };
+        let prompt = r.encode("The quick brown fox").unwrap();
+        for sampling in [
+            Sampling {
+                temperature: 0.0,
+                ..Sampling::default()
+            },
+            Sampling {
+                temperature: 1.0,
+                seed: 9,
+                ..Sampling::default()
+            },
+        ] {
+            for max_new in [3, 12, 20] {
+                let opts = GenerateOptions::new(max_new);
+                let mut plain_st = r.model.model().new_state();
+                let mut s = Sampler::new(sampling);
+                let plain = r.complete(&mut plain_st, &prompt, &mut s, &opts, &mut |_| {});
+                let plain = plain.unwrap();
+                let truth = plain.tokens.clone();
+                // (wrong every `miss` steps' draft `at`), or never wrong.
+                for (miss, at) in [(0, 0), (2, 0), (3, 1), (2, 2), (5, 3)] {
+                    for depth in [1, 3, 5] {
+                        let oracle = |done: usize, i: usize| -> u32 {
+                            let t = truth.get(done + i).copied().unwrap_or(0);
+                            if miss > 0 && i == at && done.is_multiple_of(miss) {
+                                (t + 1) % 7
+                            } else {
+                                t
+                            }
+                        };
+                        let mut st = r.model.model().new_state();
+                        let AnyState::Qwen4(seq) = &mut st else {
+                            unreachable!()
+                        };
+                        let mut g = Generation {
+                            prompt: prompt.clone(),
+                            tokens: Vec::new(),
+                            text: String::new(),
+                            finish: crate::generate::Finish::Cancelled,
+                            stop_string: None,
+                            prompt_seconds: 0.0,
+                            gen_seconds: 0.0,
+                            prompt_state: None,
+                            drafts: None,
+                        };
+                        let mut s = Sampler::new(sampling);
+                        r.complete_mtp(
+                            m,
+                            depth,
+                            seq,
+                            &prompt,
+                            &mut s,
+                            &opts,
+                            &mut |_| {},
+                            &mut g,
+                            Some(&oracle),
+                        )
+                        .unwrap();
+                        let what = format!("max {max_new} miss {miss}@{at} depth {depth}");
+                        assert_eq!(g.tokens, truth, "{what}");
+                        assert_eq!(g.finish, plain.finish, "{what}");
+                        let d = g.drafts.unwrap();
+                        if miss == 0 && max_new > 3 {
+                            assert!(d.accepted > 0, "{what}: nothing kept");
+                        }
+                        let m = r.model.model();
+                        let want = m.forward_last(&[5], &mut plain_st.clone()).unwrap();
+                        let got = m.forward_last(&[5], &mut st).unwrap();
+                        let err = test_support::max_abs_diff(&got, &want);
+                        assert!(
+                            err <= 1e-5 * test_support::max_abs(&want),
+                            "{what}: state {err:.3e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
