@@ -25,6 +25,10 @@ pub struct ModelBenchOptions {
     /// Above 1: also decode this many sequences together (`tgNxB`: each step one token of
     /// each, fed as one batch as the server does), reporting their total tokens per second.
     pub batch: usize,
+    /// Also time the check step of MTP drafting: one forward of K rows with every row's
+    /// logits (`verifyK`, K = 2..=8: the sampled token and K-1 drafts), in steps per second,
+    /// beside `tgN`'s one-row steps (what decides when drafting pays).
+    pub verify: bool,
 }
 
 /// One test's result.
@@ -157,6 +161,13 @@ pub fn bench(
         progress(&r);
         records.push(r);
     }
+    if opts.verify && opts.decode > 0 {
+        for k in 2..=quant_codecs::MAX_BATCH {
+            let r = verify_steps(model, opts, k)?;
+            progress(&r);
+            records.push(r);
+        }
+    }
     let mut stages = Vec::new();
     let mut dispatches = Vec::new();
     if let (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s)) = (model, &mut st) {
@@ -229,6 +240,39 @@ fn batched_decode(
     let (tok_s, stdev) = stats(&rates);
     Ok(ModelRecord {
         test: format!("tg{}x{batch}", opts.decode),
+        tok_s,
+        stdev,
+        reps: opts.reps,
+    })
+}
+
+/// Steps of `k` rows with every row's logits (as a check of `k - 1` drafts), as many steps as
+/// make `opts.decode` rows; steps per second.
+fn verify_steps(
+    model: &AnyModel<'_>,
+    opts: &ModelBenchOptions,
+    k: usize,
+) -> Result<ModelRecord, ForwardError> {
+    let vocab = model.vocab_size();
+    let steps = opts.decode.div_ceil(k).max(1);
+    let mut st = model.new_state();
+    let mut rates = Vec::new();
+    for rep in 0..=opts.reps {
+        model.reset(&mut st);
+        let rows = ids(steps * k, vocab, rep);
+        let t0 = Instant::now();
+        for step in rows.chunks(k) {
+            let logits = model.forward(step, &mut st)?;
+            std::hint::black_box(logits);
+        }
+        let s = t0.elapsed().as_secs_f64();
+        if rep > 0 {
+            rates.push(steps as f64 / s);
+        }
+    }
+    let (tok_s, stdev) = stats(&rates);
+    Ok(ModelRecord {
+        test: format!("verify{k}"),
         tok_s,
         stdev,
         reps: opts.reps,
@@ -335,6 +379,7 @@ mod tests {
             reps: 1,
             dispatches: false,
             batch: 3,
+            verify: false,
         };
         let r = bench(loaded.model(), "demo", "q8", 1e9, &opts, &mut |_| {}).unwrap();
         let tests: Vec<&str> = r.records.iter().map(|r| r.test.as_str()).collect();

@@ -247,6 +247,10 @@ pub struct BenchModelArgs {
     /// server's parallel requests run; their total tok/s.
     #[arg(long, value_name = "B", default_value_t = 1, value_parser = count)]
     pub batch: usize,
+    /// Also time MTP's check step: one forward of K = 2..=8 rows with every row's logits
+    /// (`verifyK`, steps per second, beside `tgN`'s one-row steps).
+    #[arg(long)]
+    pub verify: bool,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,

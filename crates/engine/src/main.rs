@@ -765,6 +765,7 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
         reps: args.reps,
         dispatches: args.dispatches,
         batch: args.batch,
+        verify: args.verify,
     };
     let mut err = io::stderr().lock();
     let mut progress = |r: &engine::bench_model::ModelRecord| {
