@@ -522,3 +522,110 @@ fn gpu_batched_greedy_equals_each_prompt_alone() {
         assert_eq!(got[i][..alone[i].len()], alone[i][..], "prompt {p:?}");
     }
 }
+
+fn npy_f32(name: &str) -> (Vec<usize>, Vec<f32>) {
+    let (shape, b) = npy("shakespeare", name);
+    let v = b
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect();
+    (shape, v)
+}
+
+fn npy_i64(name: &str) -> Vec<u32> {
+    let (_, b) = npy("shakespeare", name);
+    b.chunks_exact(8)
+        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect()
+}
+
+/// The demo model's trained MTP head against tools/demo-model/train_mtp.py (transformers' own
+/// decoder layer and mixer classes, float32, CPU): teacher-forced logits at 38 held-out
+/// positions (the head's cache filled row by row, as drafting fills it), then three chained
+/// drafts from position 20 (each step fed the previous one's output streams and argmax).
+#[test]
+fn the_mtp_head_matches_its_training_code() {
+    let dir = tempfile::tempdir().unwrap();
+    let cmf = Cmf::open(converted(Profile::F32, dir.path())).unwrap();
+    let model = AnyModel::bind_on(&cmf, &Placement::cpu()).unwrap();
+    let AnyModel::Qwen4(m) = &model else {
+        panic!("qwen4_exp")
+    };
+    assert!(m.mtp().is_some(), "the demo checkpoint has a head");
+    let ids = npy_i64("mtp_ids.npy");
+    let (shape, want) = npy_f32("mtp_logits.npy");
+    let (rows, v) = (shape[0], shape[1]);
+    let hd = m.config.hc_count * m.config.hidden_size;
+    let mut st = model_qwen4::CausalLm::new_state(m);
+    let (_, hs) = m.forward_streams(&ids, &mut st, true).unwrap();
+    let max = want.iter().fold(0f32, |a, x| a.max(x.abs()));
+    let mut ms = model_qwen4::MtpState::default();
+    let mut worst = 0f32;
+    let mut at_20 = None;
+    for p in 0..rows {
+        if p == 20 {
+            at_20 = Some(ms.clone());
+        }
+        let out = m
+            .mtp_forward(&hs[p * hd..(p + 1) * hd], &[ids[p + 1]], &mut ms, true)
+            .unwrap();
+        let err = test_support::max_abs_diff(&out.logits, &want[p * v..(p + 1) * v]);
+        worst = worst.max(err);
+    }
+    assert!(worst <= 1e-5 * max, "teacher-forced: max |diff| {worst} vs max |logit| {max}");
+    let (_, chain) = npy_f32("mtp_chain.npy");
+    let tokens = npy_i64("mtp_chain_tokens.npy");
+    let mut ms = at_20.unwrap();
+    let (mut x, mut tok) = (hs[20 * hd..21 * hd].to_vec(), ids[21]);
+    for (j, want) in chain.chunks(v).enumerate() {
+        let out = m.mtp_forward(&x, &[tok], &mut ms, true).unwrap();
+        let err = test_support::max_abs_diff(&out.logits, want);
+        assert!(err <= 1e-5 * max, "chained step {}: max |diff| {err}", j + 1);
+        tok = engine::sampling::argmax(&out.logits);
+        assert_eq!(tok, tokens[j], "chained step {}", j + 1);
+        x = out.streams;
+    }
+}
+
+/// Drafting with the trained head on the demo model: greedy and sampled generations are
+/// token for token those without drafting, and drafts are kept (the head is not noise).
+#[test]
+fn mtp_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
+    use engine::generate::GenerateOptions;
+    use engine::sampling::Sampler;
+    use engine::speculative::MtpMode;
+    let r = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
+    let mut kept = 0;
+    for prompt in ["ROMEO:", "To be, or not to be", "KING HENRY:\nWhat news?"] {
+        let ids = r.encode(prompt).unwrap();
+        for sampling in [
+            Sampling {
+                temperature: 0.0,
+                ..Sampling::default()
+            },
+            Sampling {
+                temperature: 0.8,
+                seed: 5,
+                ..Sampling::default()
+            },
+        ] {
+            let run = |mtp: MtpMode| {
+                let opts = GenerateOptions {
+                    mtp,
+                    ..GenerateOptions::new(48)
+                };
+                let mut st = r.model.model().new_state();
+                let mut s = Sampler::new(sampling);
+                r.complete(&mut st, &ids, &mut s, &opts, &mut |_| {})
+                    .unwrap()
+            };
+            let want = run(MtpMode::Off);
+            for depth in 1..=3 {
+                let got = run(MtpMode::Depth(depth));
+                assert_eq!(got.tokens, want.tokens, "{prompt:?} depth {depth}");
+                kept += got.drafts.unwrap().accepted;
+            }
+        }
+    }
+    assert!(kept > 0, "no draft kept in 18 generations");
+}
