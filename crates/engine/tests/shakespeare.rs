@@ -572,7 +572,10 @@ fn the_mtp_head_matches_its_training_code() {
         let err = test_support::max_abs_diff(&out.logits, &want[p * v..(p + 1) * v]);
         worst = worst.max(err);
     }
-    assert!(worst <= 1e-5 * max, "teacher-forced: max |diff| {worst} vs max |logit| {max}");
+    assert!(
+        worst <= 1e-5 * max,
+        "teacher-forced: max |diff| {worst} vs max |logit| {max}"
+    );
     let (_, chain) = npy_f32("mtp_chain.npy");
     let tokens = npy_i64("mtp_chain_tokens.npy");
     let mut ms = at_20.unwrap();
@@ -580,7 +583,11 @@ fn the_mtp_head_matches_its_training_code() {
     for (j, want) in chain.chunks(v).enumerate() {
         let out = m.mtp_forward(&x, &[tok], &mut ms, true).unwrap();
         let err = test_support::max_abs_diff(&out.logits, want);
-        assert!(err <= 1e-5 * max, "chained step {}: max |diff| {err}", j + 1);
+        assert!(
+            err <= 1e-5 * max,
+            "chained step {}: max |diff| {err}",
+            j + 1
+        );
         tok = engine::sampling::argmax(&out.logits);
         assert_eq!(tok, tokens[j], "chained step {}", j + 1);
         x = out.streams;
