@@ -90,8 +90,9 @@ impl DraftStats {
 
 /// Picks each step's depth: per draft position the rate at which a draft there is kept (given
 /// the ones before it were), per depth the seconds a step takes, and the depth that maximises
-/// expected tokens per second. Depths not measured yet are tried; every 16th step probes the
-/// depth next to the best, so a turned-off drafter comes back when text gets predictable.
+/// expected tokens per second. Depths not measured yet are tried; every 16th step probes
+/// another depth (each in turn), so a turned-off drafter comes back when text gets
+/// predictable.
 #[derive(Debug, Clone)]
 pub struct Monitor {
     max: usize,
@@ -132,12 +133,11 @@ impl Monitor {
         let best = (0..=self.max)
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
             .unwrap_or(0);
-        if self.steps % 16 == 15 {
-            return if best < self.max {
-                best + 1
-            } else {
-                best.saturating_sub(1)
-            };
+        // Every 16th step re-measures another depth, each in turn, so one slow measurement
+        // cannot rule a depth out for good.
+        if self.steps % 16 == 15 && self.max > 0 {
+            let other = (self.steps / 16) % self.max;
+            return if other >= best { other + 1 } else { other };
         }
         best
     }
@@ -448,5 +448,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The monitor drafts deep where drafts are kept, turns drafting off where they are not
+    /// (here: a step of any depth costs twice a plain one), and keeps probing every depth.
+    #[test]
+    fn the_monitor_follows_acceptance_and_cost() {
+        let mut m = Monitor::new(3);
+        let mut seen = [0usize; 4];
+        for _ in 0..400 {
+            let d = m.depth();
+            seen[d] += 1;
+            m.record(d, d, if d == 0 { 1.0 } else { 1.2 });
+        }
+        assert!(seen[3] > 300, "always kept: deepest wins ({seen:?})");
+        let mut m = Monitor::new(3);
+        let mut seen = [0usize; 4];
+        for _ in 0..400 {
+            let d = m.depth();
+            seen[d] += 1;
+            m.record(d, 0, if d == 0 { 1.0 } else { 2.0 });
+        }
+        assert!(seen[0] > 300, "never kept: off ({seen:?})");
+        assert!(
+            seen[1..].iter().all(|&n| n >= 5),
+            "every depth probed ({seen:?})"
+        );
     }
 }
