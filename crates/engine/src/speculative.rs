@@ -32,6 +32,10 @@ pub(crate) type Oracle<'a> = dyn Fn(usize, usize) -> u32 + 'a;
 /// device frame).
 pub const MAX_DEPTH: usize = 7;
 
+/// Head entries left waiting while the monitor does not draft before they are made anyway
+/// (bounds the streams kept: `H*D` floats each).
+const MAX_PENDING: usize = 64;
+
 /// The depth `auto` drafts up to.
 pub const AUTO_DEPTH: usize = 3;
 
@@ -90,15 +94,22 @@ impl DraftStats {
 
 /// Picks each step's depth: per draft position the rate at which a draft there is kept (given
 /// the ones before it were), per depth the seconds a step takes, and the depth that maximises
-/// expected tokens per second. Depths not measured yet are tried; every 16th step probes
-/// another depth (each in turn), so a turned-off drafter comes back when text gets
-/// predictable.
+/// expected tokens per second. Depths not measured yet are tried; a probe now and then
+/// measures another depth (each in turn), so a turned-off drafter comes back when text gets
+/// predictable; probes that change nothing grow rarer (every 16 steps to every 256).
 #[derive(Debug, Clone)]
 pub struct Monitor {
     max: usize,
     keep: [f64; MAX_DEPTH],
     secs: Vec<Option<f64>>,
     steps: usize,
+    /// Steps between probes: doubled (up to 256) by a probe that does not change the best
+    /// depth, back to 16 when one does.
+    interval: usize,
+    next_probe: usize,
+    /// The best depth when the probe now running was chosen.
+    probing: Option<usize>,
+    turn: usize,
 }
 
 impl Monitor {
@@ -110,7 +121,19 @@ impl Monitor {
             keep: [0.5; MAX_DEPTH],
             secs: vec![None; max + 1],
             steps: 0,
+            interval: 16,
+            next_probe: 16,
+            probing: None,
+            turn: 0,
         }
+    }
+
+    /// The depth with the most expected tokens per second so far.
+    fn best(&self) -> usize {
+        let rate = |d: usize| self.tokens(d) / self.secs[d].unwrap_or(f64::INFINITY);
+        (0..=self.max)
+            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
+            .unwrap_or(0)
     }
 
     /// Expected tokens of a step drafting `d`.
@@ -125,18 +148,17 @@ impl Monitor {
     }
 
     /// The depth of the next step.
-    pub fn depth(&self) -> usize {
+    pub fn depth(&mut self) -> usize {
         if let Some(d) = self.secs.iter().position(Option::is_none) {
             return d;
         }
-        let rate = |d: usize| self.tokens(d) / self.secs[d].unwrap_or(f64::INFINITY);
-        let best = (0..=self.max)
-            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)))
-            .unwrap_or(0);
-        // Every 16th step re-measures another depth, each in turn, so one slow measurement
-        // cannot rule a depth out for good.
-        if self.steps % 16 == 15 && self.max > 0 {
-            let other = (self.steps / 16) % self.max;
+        let best = self.best();
+        // A probe re-measures another depth, each in turn, so one slow measurement cannot
+        // rule a depth out for good; probes that change nothing grow rarer.
+        if self.steps >= self.next_probe && self.max > 0 {
+            let other = self.turn % self.max;
+            self.turn += 1;
+            self.probing = Some(best);
             return if other >= best { other + 1 } else { other };
         }
         best
@@ -152,6 +174,14 @@ impl Monitor {
         for i in 0..d.min(kept + 1) {
             let hit = if i < kept { 1.0 } else { 0.0 };
             self.keep[i] += A * (hit - self.keep[i]);
+        }
+        if let Some(before) = self.probing.take() {
+            self.interval = if self.best() == before {
+                (self.interval * 2).min(256)
+            } else {
+                16
+            };
+            self.next_probe = self.steps + self.interval;
         }
     }
 }
@@ -257,6 +287,8 @@ impl Runner {
 
         let t1 = Instant::now();
         let mut monitor = Monitor::new(max_depth);
+        // The head's entries not made yet: trunk streams `[n, H*D]` and the token after each.
+        let (mut pending_hs, mut pending) = (Vec::new(), Vec::new());
         let mut stats = DraftStats::default();
         let mut dec = Decoder::new(self, opts);
         'generate: while let Some(token) = dec.push(next, sampler, on_event) {
@@ -265,13 +297,33 @@ impl Runner {
             // Drafting past the reply's limit is wasted: the check would drop it.
             let room = opts.max_new.saturating_sub(dec.generated().len());
             let depth = monitor.depth().min(room);
-            // `token` goes in at position `at`. The head's entry at `at - 1`: the trunk's
-            // streams there and `token` (made even when not drafting, so the cache stays
-            // whole); then each draft's entry, from the head's own output and the draft.
+            // `token` goes in at position `at`. The head's entry at `at - 1` is the trunk's
+            // streams there and `token`. Entries wait while the monitor does not draft (the
+            // head's cache must stay whole, but a step that does not draft need not pay for
+            // them): the next drafting step makes them all in one multi-row call, then each
+            // draft's entry, from the head's own output and the draft.
             let at = st.pos;
             let mut rows = vec![token];
-            let first = m.mtp_forward(&hs_last, &[token], &mut ms, depth > 0)?;
-            let (mut x, mut logits) = (first.streams, first.logits);
+            pending_hs.extend_from_slice(&hs_last);
+            pending.push(token);
+            if depth == 0 {
+                if pending.len() >= MAX_PENDING {
+                    m.mtp_forward(&pending_hs, &pending, &mut ms, false)?;
+                    (pending_hs, pending) = (Vec::new(), Vec::new());
+                }
+                let (l, streams) = m.forward_streams(&rows, st, true)?;
+                next = sampler.sample(&l);
+                hs_last = streams;
+                monitor.record(0, 0, step.elapsed().as_secs_f64());
+                continue;
+            }
+            let first = m.mtp_forward(&pending_hs, &pending, &mut ms, true)?;
+            // The waiting entries belong to the steps that did not draft: not this step's
+            // cost.
+            let step = Instant::now();
+            (pending_hs, pending) = (Vec::new(), Vec::new());
+            let mut x = first.streams[first.streams.len() - hd..].to_vec();
+            let mut logits = first.logits;
             for i in 0..depth {
                 let tok = match oracle {
                     Some(o) => o(dec.generated().len(), i),
@@ -282,13 +334,6 @@ impl Runner {
                     let out = m.mtp_forward(&x, &[tok], &mut ms, true)?;
                     (x, logits) = (out.streams, out.logits);
                 }
-            }
-            if depth == 0 {
-                let (l, streams) = m.forward_streams(&rows, st, true)?;
-                next = sampler.sample(&l);
-                hs_last = streams;
-                monitor.record(0, 0, step.elapsed().as_secs_f64());
-                continue;
             }
             let snap = st.recurrent();
             let (l, streams) = m.forward_streams(&rows, st, false)?;
@@ -331,9 +376,8 @@ impl Runner {
             // The head's entries for the kept rows (the trunk's streams with the token after
             // each) replace the drafts' own.
             ms.truncate(m, at - held);
-            if kept > 0 {
-                m.mtp_forward(&streams[..kept * hd], &rows[1..=kept], &mut ms, false)?;
-            }
+            pending_hs.extend_from_slice(&streams[..kept * hd]);
+            pending.extend_from_slice(&rows[1..=kept]);
             hs_last = streams[kept * hd..(kept + 1) * hd].to_vec();
             monitor.record(depth, kept, step.elapsed().as_secs_f64());
         }
@@ -471,8 +515,12 @@ mod tests {
         }
         assert!(seen[0] > 300, "never kept: off ({seen:?})");
         assert!(
-            seen[1..].iter().all(|&n| n >= 5),
+            seen[1..].iter().all(|&n| n >= 2),
             "every depth probed ({seen:?})"
+        );
+        assert!(
+            seen[0] > 390,
+            "probes that change nothing grow rare ({seen:?})"
         );
     }
 }
