@@ -376,7 +376,7 @@ pub struct RunArgs {
     /// Drafting with the model's MTP head: up to N tokens a step (1..=7), `auto` (up to 3
     /// where the model has a head and the backend runs it), or `off`. The generated tokens are
     /// the same either way; a monitor drafts less, or not at all, while drafting does not pay.
-    #[arg(long, value_name = "N|auto|off", default_value = "auto")]
+    #[arg(long, value_name = "N|auto|off", default_value = "off")]
     pub mtp: engine::speculative::MtpMode,
     /// Threads.
     #[command(flatten)]
@@ -398,7 +398,7 @@ pub struct ChatArgs {
     /// Drafting with the model's MTP head: up to N tokens a step (1..=7), `auto` (up to 3
     /// where the model has a head and the backend runs it), or `off`. The generated tokens are
     /// the same either way; a monitor drafts less, or not at all, while drafting does not pay.
-    #[arg(long, value_name = "N|auto|off", default_value = "auto")]
+    #[arg(long, value_name = "N|auto|off", default_value = "off")]
     pub mtp: engine::speculative::MtpMode,
     /// Threads.
     #[command(flatten)]
