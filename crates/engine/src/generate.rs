@@ -199,12 +199,19 @@ impl Runner {
         let d = dec.end(on_event);
         // A corrupt tensor found while the last tokens were made taints them too.
         integrity.check()?;
-        g.tokens = d.tokens;
-        g.text = d.text;
-        g.finish = d.finish;
-        g.stop_string = d.stop_string;
-        g.gen_seconds = t1.elapsed().as_secs_f64();
+        g.finish_with(d, t1);
         Ok(g)
+    }
+}
+
+impl Generation {
+    /// Takes what the generation loop ended with, and its time since `t1`.
+    pub(crate) fn finish_with(&mut self, d: Decoded, t1: Instant) {
+        self.tokens = d.tokens;
+        self.text = d.text;
+        self.finish = d.finish;
+        self.stop_string = d.stop_string;
+        self.gen_seconds = t1.elapsed().as_secs_f64();
     }
 }
 

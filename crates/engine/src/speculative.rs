@@ -383,11 +383,7 @@ impl Runner {
         }
         let d = dec.end(on_event);
         integrity.check()?;
-        g.tokens = d.tokens;
-        g.text = d.text;
-        g.finish = d.finish;
-        g.stop_string = d.stop_string;
-        g.gen_seconds = t1.elapsed().as_secs_f64();
+        g.finish_with(d, t1);
         g.drafts = Some(stats);
         Ok(())
     }
