@@ -156,11 +156,17 @@ impl Runner {
         }
         let integrity = self.model.integrity();
         integrity.check()?;
-        if let Some((m, depth)) = crate::speculative::drafter(self, opts.mtp)? {
-            let AnyState::Qwen4(st) = state else {
-                return Err(RunError::Forward(crate::model::ForwardError::StateMismatch));
-            };
-            self.complete_mtp(m, depth, st, prompt, sampler, opts, on_event, &mut g, None)?;
+        if let Some((d, depth)) = crate::speculative::drafter(self, opts.mtp)? {
+            use crate::speculative::Drafter;
+            match (d, state) {
+                (Drafter::Cpu(m), AnyState::Qwen4(st)) => {
+                    self.complete_mtp(m, depth, st, prompt, sampler, opts, on_event, &mut g, None)?
+                }
+                (Drafter::Gpu(m), AnyState::Qwen4Gpu(st)) => {
+                    self.complete_mtp(m, depth, st, prompt, sampler, opts, on_event, &mut g, None)?
+                }
+                _ => return Err(RunError::Forward(crate::model::ForwardError::StateMismatch)),
+            }
             return Ok(g);
         }
         let chunk = match opts.prefill_chunk {

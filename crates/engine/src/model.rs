@@ -87,7 +87,7 @@ pub enum AnyState {
     /// For [`AnyModel::Dsv4`].
     Dsv4(model_dsv4::SeqState),
     /// For [`AnyModel::Qwen4Gpu`]: the caches on the device.
-    Qwen4Gpu(model_qwen4::GpuState),
+    Qwen4Gpu(Box<model_qwen4::GpuState>),
 }
 
 impl<'a> AnyModel<'a> {
@@ -242,7 +242,7 @@ impl<'a> AnyModel<'a> {
         match self {
             AnyModel::Qwen4(m) => AnyState::Qwen4(model_qwen4::SeqState::new(&m.config)),
             AnyModel::Dsv4(m) => AnyState::Dsv4(model_dsv4::SeqState::new(&m.config)),
-            AnyModel::Qwen4Gpu(m) => AnyState::Qwen4Gpu(m.new_state()),
+            AnyModel::Qwen4Gpu(m) => AnyState::Qwen4Gpu(Box::new(m.new_state())),
         }
     }
 
@@ -290,7 +290,7 @@ impl<'a> AnyModel<'a> {
                 };
                 match tokens {
                     [tok] => {
-                        rows.push((*tok, s));
+                        rows.push((*tok, &mut **s));
                         at.push(i);
                     }
                     _ => out[i] = m.forward_last(tokens, s)?,
@@ -320,7 +320,7 @@ impl<'a> AnyModel<'a> {
     /// memory is an error, not a broken snapshot).
     pub fn snapshot(&self, st: &AnyState) -> Result<AnyState, ForwardError> {
         match st {
-            AnyState::Qwen4Gpu(s) => Ok(AnyState::Qwen4Gpu(s.try_clone()?)),
+            AnyState::Qwen4Gpu(s) => Ok(AnyState::Qwen4Gpu(Box::new(s.try_clone()?))),
             st => Ok(st.clone()),
         }
     }

@@ -17,7 +17,12 @@
 use std::str::FromStr;
 use std::time::Instant;
 
-use model_qwen4::{Model, MtpState, SeqState};
+use model_qwen4::{
+    ForwardError, GpuModel, GpuRecurrent, GpuState, Model, MtpDeviceState, MtpHead, MtpState,
+    Recurrent, SeqState,
+};
+
+use crate::model::AnyState;
 
 use crate::generate::{CancelToken, Decoder, Event, GenerateOptions, Generation};
 use crate::run::{RunError, Runner};
@@ -186,23 +191,36 @@ impl Monitor {
     }
 }
 
-/// Whether `--mtp` drafts on `runner`'s model: `Some(model)` where the model runs on the CPU
-/// with an MTP head; `Ok(None)` for off, or `auto` where it cannot; an error when a depth
-/// was asked of a model or backend that cannot.
+/// What drafting runs on: the CPU forward or the device-resident one, each with its head.
+#[derive(Clone, Copy)]
+pub enum Drafter<'m> {
+    /// The CPU forward and head.
+    Cpu(&'m Model<'m>),
+    /// The device forward and head.
+    Gpu(&'m GpuModel<'m>),
+}
+
+/// Whether `--mtp` drafts on `runner`'s model: `Some` where it is a qwen4_exp model with an
+/// MTP head (on either backend); `Ok(None)` for off, or `auto` where it cannot; an error
+/// when a depth was asked of a model that cannot.
 pub fn drafter<'m>(
     runner: &'m Runner,
     mode: MtpMode,
-) -> Result<Option<(&'m Model<'m>, usize)>, RunError> {
+) -> Result<Option<(Drafter<'m>, usize)>, RunError> {
     let depth = match mode {
         MtpMode::Off => return Ok(None),
         MtpMode::Auto => AUTO_DEPTH,
         MtpMode::Depth(d) => d,
     };
     let why = match runner.model.model() {
-        crate::model::AnyModel::Qwen4(m) if m.mtp().is_some() => return Ok(Some((m, depth))),
-        crate::model::AnyModel::Qwen4(_) => "the model file has no MTP head (mtp.* tensors)",
-        crate::model::AnyModel::Qwen4Gpu(_) => {
-            "MTP drafting runs on the CPU forward for now (--backend cpu)"
+        crate::model::AnyModel::Qwen4(m) if m.mtp().is_some() => {
+            return Ok(Some((Drafter::Cpu(m), depth)));
+        }
+        crate::model::AnyModel::Qwen4Gpu(g) if g.model.mtp().is_some() => {
+            return Ok(Some((Drafter::Gpu(g), depth)));
+        }
+        crate::model::AnyModel::Qwen4(_) | crate::model::AnyModel::Qwen4Gpu(_) => {
+            "the model file has no MTP head (mtp.* tensors)"
         }
         crate::model::AnyModel::Dsv4(_) => "MTP drafting is built for qwen4_exp models only",
     };
@@ -215,16 +233,185 @@ pub fn drafter<'m>(
     }
 }
 
+/// What the drafting loop needs of a backend: the trunk's forward with every row's final
+/// streams, the head (its cache, and a greedy draft), and the rollback of the trunk's
+/// recurrent state. The CPU and the device forward implement it alike, so one loop (and one
+/// set of exactness tests) serves both.
+pub(crate) trait Speculate {
+    /// A sequence.
+    type State;
+    /// The head's cache.
+    type Head;
+    /// What a rollback restores.
+    type Snap;
+    /// Floats of one row's streams (`H*D`).
+    fn streams_width(&self) -> usize;
+    /// The vocabulary.
+    fn vocab(&self) -> usize;
+    /// Tokens `st` holds.
+    fn pos(&self, st: &Self::State) -> usize;
+    /// Feeds `tokens`: the logits of every row (the last when `last_only`) and every row's
+    /// streams.
+    fn trunk(
+        &self,
+        tokens: &[u32],
+        st: &mut Self::State,
+        last_only: bool,
+    ) -> Result<(Vec<f32>, Vec<f32>), ForwardError>;
+    /// An empty head cache.
+    fn new_head(&self) -> Result<Self::Head, ForwardError>;
+    /// The head over rows (streams `hs`, the token after each): its output streams, and
+    /// when `draft` the last row's greedy token.
+    fn head(
+        &self,
+        hs: &[f32],
+        tokens: &[u32],
+        ms: &mut Self::Head,
+        draft: bool,
+    ) -> Result<(Vec<f32>, Option<u32>), ForwardError>;
+    /// Cuts the head's cache to `n` entries.
+    fn cut_head(&self, ms: &mut Self::Head, n: usize);
+    /// Saves what a rollback to the current position needs into `snap`.
+    fn save(&self, st: &Self::State, snap: &mut Option<Self::Snap>) -> Result<(), ForwardError>;
+    /// Returns `st` to the position `snap` was saved at.
+    fn rollback(&self, st: &mut Self::State, snap: &Self::Snap) -> Result<(), ForwardError>;
+    /// A copy of `st` to hand back as the prompt's state.
+    fn keep(&self, st: &Self::State) -> Result<AnyState, ForwardError>;
+}
+
+impl Speculate for Model<'_> {
+    type State = SeqState;
+    type Head = MtpState;
+    type Snap = Recurrent;
+
+    fn streams_width(&self) -> usize {
+        self.config.hc_count * self.config.hidden_size
+    }
+
+    fn vocab(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn pos(&self, st: &SeqState) -> usize {
+        st.pos
+    }
+
+    fn trunk(
+        &self,
+        tokens: &[u32],
+        st: &mut SeqState,
+        last_only: bool,
+    ) -> Result<(Vec<f32>, Vec<f32>), ForwardError> {
+        self.forward_streams(tokens, st, last_only)
+    }
+
+    fn new_head(&self) -> Result<MtpState, ForwardError> {
+        Ok(MtpState::default())
+    }
+
+    fn head(
+        &self,
+        hs: &[f32],
+        tokens: &[u32],
+        ms: &mut MtpState,
+        draft: bool,
+    ) -> Result<(Vec<f32>, Option<u32>), ForwardError> {
+        let out = self.mtp_forward(hs, tokens, ms, draft)?;
+        Ok((out.streams, draft.then(|| argmax(&out.logits))))
+    }
+
+    fn cut_head(&self, ms: &mut MtpState, n: usize) {
+        ms.truncate(self, n);
+    }
+
+    fn save(&self, st: &SeqState, snap: &mut Option<Recurrent>) -> Result<(), ForwardError> {
+        *snap = Some(st.recurrent());
+        Ok(())
+    }
+
+    fn rollback(&self, st: &mut SeqState, snap: &Recurrent) -> Result<(), ForwardError> {
+        st.rollback(&self.config, snap);
+        Ok(())
+    }
+
+    fn keep(&self, st: &SeqState) -> Result<AnyState, ForwardError> {
+        Ok(AnyState::Qwen4(st.clone()))
+    }
+}
+
+impl Speculate for GpuModel<'_> {
+    type State = GpuState;
+    type Head = MtpDeviceState;
+    type Snap = GpuRecurrent;
+
+    fn streams_width(&self) -> usize {
+        self.model.config.hc_count * self.model.config.hidden_size
+    }
+
+    fn vocab(&self) -> usize {
+        self.model.config.vocab_size
+    }
+
+    fn pos(&self, st: &GpuState) -> usize {
+        st.pos
+    }
+
+    fn trunk(
+        &self,
+        tokens: &[u32],
+        st: &mut GpuState,
+        last_only: bool,
+    ) -> Result<(Vec<f32>, Vec<f32>), ForwardError> {
+        self.forward_streams(tokens, st, last_only)
+    }
+
+    fn new_head(&self) -> Result<MtpDeviceState, ForwardError> {
+        self.new_mtp_state()
+    }
+
+    fn head(
+        &self,
+        hs: &[f32],
+        tokens: &[u32],
+        ms: &mut MtpDeviceState,
+        draft: bool,
+    ) -> Result<(Vec<f32>, Option<u32>), ForwardError> {
+        let head = if draft {
+            MtpHead::Argmax
+        } else {
+            MtpHead::None
+        };
+        let out = self.mtp_forward(hs, tokens, ms, head)?;
+        Ok((out.streams, out.token))
+    }
+
+    fn cut_head(&self, ms: &mut MtpDeviceState, n: usize) {
+        ms.truncate(n);
+    }
+
+    fn save(&self, st: &GpuState, snap: &mut Option<GpuRecurrent>) -> Result<(), ForwardError> {
+        st.save_recurrent(snap)
+    }
+
+    fn rollback(&self, st: &mut GpuState, snap: &GpuRecurrent) -> Result<(), ForwardError> {
+        st.rollback(snap)
+    }
+
+    fn keep(&self, st: &GpuState) -> Result<AnyState, ForwardError> {
+        Ok(AnyState::Qwen4Gpu(Box::new(st.try_clone()?)))
+    }
+}
+
 impl Runner {
     /// [`Runner::complete`] with the MTP head drafting (the model and depth from
     /// [`drafter`]): the same tokens, fewer trunk forwards where drafts are kept. `state` ends
     /// as the plain loop leaves it (the prompt and every generated token but the last).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn complete_mtp(
+    pub(crate) fn complete_mtp<B: Speculate>(
         &self,
-        m: &Model<'_>,
+        m: &B,
         max_depth: usize,
-        st: &mut SeqState,
+        st: &mut B::State,
         prompt: &[u32],
         sampler: &mut Sampler,
         opts: &GenerateOptions,
@@ -235,13 +422,13 @@ impl Runner {
         let cancelled = || opts.cancel.as_ref().is_some_and(CancelToken::is_cancelled);
         let integrity = self.model.integrity();
         let t0 = Instant::now();
-        let hd = m.config.hc_count * m.config.hidden_size;
+        let hd = m.streams_width();
         // The head's cache, an entry per trunk position from `held` on: the positions a state
         // carried over from an earlier call holds have no entries (their streams are gone),
         // so the head attends to what it sees from here on, its positions counted from
         // there (RoPE sees the same distances).
-        let mut ms = MtpState::default();
-        let held = st.pos;
+        let mut ms = m.new_head()?;
+        let held = m.pos(st);
         let chunk = match opts.prefill_chunk {
             0 => prompt.len(),
             c => c,
@@ -253,7 +440,7 @@ impl Runner {
             if i > 0 && cancelled() {
                 return Ok(());
             }
-            let (l, streams) = m.forward_streams(part, st, true)?;
+            let (l, streams) = m.trunk(part, st, true)?;
             logits = l;
             // The head's entries for these positions: each row's streams with the token
             // after it (the last prompt row's waits for the sampled token).
@@ -265,7 +452,7 @@ impl Runner {
             };
             if pairs > 0 {
                 let next_tokens = &prompt[done + 1..=done + pairs];
-                m.mtp_forward(&streams[..pairs * hd], next_tokens, &mut ms, false)?;
+                m.head(&streams[..pairs * hd], next_tokens, &mut ms, false)?;
             }
             hs_last = streams[(part.len() - 1) * hd..].to_vec();
             done = end;
@@ -280,7 +467,7 @@ impl Runner {
             sampler.accept(id);
         }
         if opts.keep_prompt_state {
-            g.prompt_state = Some(crate::model::AnyState::Qwen4(st.clone()));
+            g.prompt_state = Some(m.keep(st)?);
         }
         let mut next = sampler.sample(&logits);
         g.prompt_seconds = t0.elapsed().as_secs_f64();
@@ -290,6 +477,7 @@ impl Runner {
         // The head's entries not made yet: trunk streams `[n, H*D]` and the token after each.
         let (mut pending_hs, mut pending) = (Vec::new(), Vec::new());
         let mut stats = DraftStats::default();
+        let mut snap = None;
         let mut dec = Decoder::new(self, opts);
         'generate: while let Some(token) = dec.push(next, sampler, on_event) {
             integrity.check()?;
@@ -302,42 +490,40 @@ impl Runner {
             // head's cache must stay whole, but a step that does not draft need not pay for
             // them): the next drafting step makes them all in one multi-row call, then each
             // draft's entry, from the head's own output and the draft.
-            let at = st.pos;
+            let at = m.pos(st);
             let mut rows = vec![token];
             pending_hs.extend_from_slice(&hs_last);
             pending.push(token);
             if depth == 0 {
                 if pending.len() >= MAX_PENDING {
-                    m.mtp_forward(&pending_hs, &pending, &mut ms, false)?;
+                    m.head(&pending_hs, &pending, &mut ms, false)?;
                     (pending_hs, pending) = (Vec::new(), Vec::new());
                 }
-                let (l, streams) = m.forward_streams(&rows, st, true)?;
+                let (l, streams) = m.trunk(&rows, st, true)?;
                 next = sampler.sample(&l);
                 hs_last = streams;
                 monitor.record(0, 0, step.elapsed().as_secs_f64());
                 continue;
             }
-            let first = m.mtp_forward(&pending_hs, &pending, &mut ms, true)?;
+            let (first, mut draft) = m.head(&pending_hs, &pending, &mut ms, true)?;
             // The waiting entries belong to the steps that did not draft: not this step's
             // cost.
             let step = Instant::now();
             (pending_hs, pending) = (Vec::new(), Vec::new());
-            let mut x = first.streams[first.streams.len() - hd..].to_vec();
-            let mut logits = first.logits;
+            let mut x = first[first.len() - hd..].to_vec();
             for i in 0..depth {
                 let tok = match oracle {
                     Some(o) => o(dec.generated().len(), i),
-                    None => argmax(&logits),
+                    None => draft.expect("the head drafts when asked"),
                 };
                 rows.push(tok);
                 if i + 1 < depth {
-                    let out = m.mtp_forward(&x, &[tok], &mut ms, true)?;
-                    (x, logits) = (out.streams, out.logits);
+                    (x, draft) = m.head(&x, &[tok], &mut ms, true)?;
                 }
             }
-            let snap = st.recurrent();
-            let (l, streams) = m.forward_streams(&rows, st, false)?;
-            let v = m.config.vocab_size;
+            m.save(st, &mut snap)?;
+            let (l, streams) = m.trunk(&rows, st, false)?;
+            let v = m.vocab();
             let mut kept = 0;
             let mut ended = false;
             loop {
@@ -365,9 +551,9 @@ impl Runner {
             // the reply ended on a kept draft, that one is its last token, never fed.
             let keep_rows = if ended { kept } else { kept + 1 };
             if keep_rows < rows.len() {
-                st.rollback(&m.config, &snap);
+                m.rollback(st, snap.as_ref().expect("saved before the check"))?;
                 if keep_rows > 0 {
-                    m.forward_streams(&rows[..keep_rows], st, true)?;
+                    m.trunk(&rows[..keep_rows], st, true)?;
                 }
             }
             if ended {
@@ -375,7 +561,7 @@ impl Runner {
             }
             // The head's entries for the kept rows (the trunk's streams with the token after
             // each) replace the drafts' own.
-            ms.truncate(m, at - held);
+            m.cut_head(&mut ms, at - held);
             pending_hs.extend_from_slice(&streams[..kept * hd]);
             pending.extend_from_slice(&rows[1..=kept]);
             hs_last = streams[kept * hd..(kept + 1) * hd].to_vec();

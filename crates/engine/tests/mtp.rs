@@ -5,6 +5,7 @@
 //! chat-like turns that reuse the state; and the state each leaves is the same sequence.
 
 use engine::generate::GenerateOptions;
+use engine::model::Placement;
 use engine::run::Runner;
 use engine::sampling::{Sampler, Sampling};
 use engine::speculative::MtpMode;
@@ -48,10 +49,43 @@ fn generate(
 
 #[test]
 fn drafting_generates_exactly_what_plain_decoding_generates() {
+    drafting_is_exact(&Placement::cpu(), &[1, 2, 17], &[1, 2, 3, 4]);
+}
+
+/// The same on the device (lavapipe in CI): the trunk's check frames, the head, the rollback
+/// of the recurrent state and the cut of the head's cache all on the GPU.
+#[test]
+fn drafting_on_the_gpu_generates_exactly_what_plain_decoding_generates() {
+    let opts = engine::gpu_runtime::GpuOptions {
+        pipeline_cache_dir: None,
+        ..Default::default()
+    };
+    if let Err(e) = engine::gpu_runtime::GpuContext::new(&opts) {
+        assert!(
+            std::env::var("CORTIQ_REQUIRE_GPU").as_deref() != Ok("1"),
+            "CORTIQ_REQUIRE_GPU=1 but no GPU: {e}"
+        );
+        eprintln!("no GPU, skipped: {e}");
+        return;
+    }
+    let place = Placement {
+        backend: engine::gpu_runtime::BackendChoice::Wgpu,
+        vram: None,
+        ctx: Some(128),
+    };
+    drafting_is_exact(&place, &[2, 17], &[1, 3, 4]);
+}
+
+fn drafting_is_exact(place: &Placement, lengths: &[usize], depths: &[usize]) {
     let dir = tempfile::tempdir().unwrap();
     for (i, case) in CASES.iter().enumerate() {
         let path = convert_with_mtp_head(case, dir.path(), Profile::F32, i as u64 + 1);
-        let r = Runner::from_cmf(cmf_format::Cmf::open(&path).unwrap()).unwrap();
+        let r = Runner::from_cmf_on(cmf_format::Cmf::open(&path).unwrap(), place).unwrap();
+        let backend = r.model.model().backend_name();
+        assert_eq!(
+            backend == "gpu",
+            place.backend != engine::gpu_runtime::BackendChoice::Cpu
+        );
         let greedy = Sampling {
             temperature: 0.0,
             ..Sampling::default()
@@ -64,22 +98,22 @@ fn drafting_generates_exactly_what_plain_decoding_generates() {
             ..Sampling::default()
         };
         for (name, s) in [("greedy", greedy), ("sampled", sampled)] {
-            for max_new in [1, 2, 17] {
+            for &max_new in lengths {
                 let want = generate(&r, MtpMode::Off, s, max_new);
-                for depth in 1..=4 {
+                for &depth in depths {
                     let got = generate(&r, MtpMode::Depth(depth), s, max_new);
                     assert_eq!(
                         got.0, want.0,
-                        "{case} {name} max {max_new} depth {depth}: turn 1"
+                        "{backend} {case} {name} max {max_new} depth {depth}: turn 1"
                     );
                     assert_eq!(
                         got.1, want.1,
-                        "{case} {name} max {max_new} depth {depth}: turn 2"
+                        "{backend} {case} {name} max {max_new} depth {depth}: turn 2"
                     );
                     let err = test_support::max_abs_diff(&got.2, &want.2);
                     assert!(
                         err <= 1e-5 * test_support::max_abs(&want.2),
-                        "{case} {name} max {max_new} depth {depth}: the states differ ({err:.3e})"
+                        "{backend} {case} {name} max {max_new} depth {depth}: the states differ ({err:.3e})"
                     );
                 }
             }

@@ -598,10 +598,22 @@ fn the_mtp_head_matches_its_training_code() {
 /// token for token those without drafting, and drafts are kept (the head is not noise).
 #[test]
 fn mtp_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
+    drafting_is_exact_on(&Runner::from_cmf(engine::embedded_model().unwrap()).unwrap());
+}
+
+/// The same on the device: the trunk's check frames, the head and the rollback all on the GPU.
+#[test]
+fn gpu_mtp_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
+    let Some(place) = gpu(256) else { return };
+    let r = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
+    assert_eq!(r.model.model().backend_name(), "gpu");
+    drafting_is_exact_on(&r);
+}
+
+fn drafting_is_exact_on(r: &Runner) {
     use engine::generate::GenerateOptions;
     use engine::sampling::Sampler;
     use engine::speculative::MtpMode;
-    let r = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
     let mut kept = 0;
     for prompt in ["ROMEO:", "To be, or not to be", "KING HENRY:\nWhat news?"] {
         let ids = r.encode(prompt).unwrap();

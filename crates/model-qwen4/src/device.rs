@@ -177,8 +177,14 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// Buffers for `c` and a context of `ctx_len` tokens.
-    pub fn new(gpu: &GpuContext, c: &Qwen4ExpTextConfig, ctx_len: usize) -> Scratch {
+    /// Buffers for `c` and a context of `ctx_len` tokens; `has_attn` when an indexed-attention
+    /// layer runs (the trunk's, or the MTP head's).
+    pub fn new(
+        gpu: &GpuContext,
+        c: &Qwen4ExpTextConfig,
+        ctx_len: usize,
+        has_attn: bool,
+    ) -> Scratch {
         let nt = MAX_BATCH;
         let (h, d) = (c.hc_count, c.hidden_size);
         let buf = |label: &str, n: usize| graph::storage(gpu, label, n);
@@ -186,8 +192,6 @@ impl Scratch {
         let mut widest = vec![d * h, c.num_experts, c.moe_intermediate_size, d];
         widest.push(c.shared_expert_intermediate_size);
         widest.push(c.ple_embed_dim());
-        let has_attn =
-            (0..c.num_hidden_layers).any(|il| c.layer_type(il) == LayerType::IndexedAttention);
         let has_gdn =
             (0..c.num_hidden_layers).any(|il| c.layer_type(il) == LayerType::LinearAttention);
         if has_gdn {

@@ -28,6 +28,7 @@ use crate::forward::{ForwardError, Model};
 use crate::gdn::{GdnDeviceState, GdnGpu};
 use crate::hc::HcGpu;
 use crate::moe::MoeGpu;
+use crate::mtp::MtpGpu;
 use crate::ple::PleGpu;
 use crate::qsa::{AttnDeviceState, AttnGpu, RopeGpu};
 use crate::weights::MixerWeights;
@@ -66,20 +67,22 @@ pub enum Head {
 pub struct GpuModel<'a> {
     /// The CPU model.
     pub model: Model<'a>,
-    res: Resident,
+    pub(crate) res: Resident,
     traced: AtomicBool,
 }
 
 /// What lives on the device for a model, and the context its states are sized for.
-struct Resident {
-    dev: Device,
+pub(crate) struct Resident {
+    pub(crate) dev: Device,
     layers: Vec<LayerGpu>,
     final_mixer: HcGpu,
-    lm_head: Arc<gpu_runtime::GpuMatrix>,
-    rope: Option<RopeGpu>,
-    scratch: Scratch,
-    ctx_len: usize,
-    uid: u64,
+    pub(crate) lm_head: Arc<gpu_runtime::GpuMatrix>,
+    pub(crate) rope: Option<RopeGpu>,
+    pub(crate) scratch: Scratch,
+    pub(crate) ctx_len: usize,
+    pub(crate) uid: u64,
+    /// The MTP head, when the file has one.
+    pub(crate) mtp: Option<MtpGpu>,
     /// A batched decode step's gathered n-gram rows, per PLE layer (`[8, ple_embed_dim]`:
     /// one row per sequence; a lone sequence's frames use its state's own).
     batch_rows: Vec<Option<wgpu::Buffer>>,
@@ -201,8 +204,15 @@ impl<'a> GpuModel<'a> {
         }
         let final_mixer = HcGpu::upload(&dev, &w.final_mixer)?;
         let lm_head = dev.mat(&w.lm_head)?;
+        let mtp = w
+            .mtp
+            .as_deref()
+            .map(|m| MtpGpu::upload(&dev, m, c, banks))
+            .transpose()?;
+        // The head is an indexed-attention layer whatever the trunk's layers are.
+        let has_attn = has_attn || mtp.is_some();
         let rope = has_attn.then(|| RopeGpu::new(&dev, model.rope(), c.rotary_dim(), ctx_len));
-        let scratch = Scratch::new(&dev.ctx, c, ctx_len);
+        let scratch = Scratch::new(&dev.ctx, c, ctx_len, has_attn);
         let batch_rows = w
             .layers
             .iter()
@@ -225,6 +235,7 @@ impl<'a> GpuModel<'a> {
             batch_rows,
             batch_stage,
             batches: Arc::default(),
+            mtp,
         })
     }
 
@@ -401,12 +412,7 @@ impl<'a> GpuModel<'a> {
         e.matvec(&self.res.lm_head, &s.u, &s.logits, rows, Epilogue::None)?;
         e.tap(LOGITS, nl, &s.logits, rows * v);
         if head == Head::Argmax {
-            let parts = v.div_ceil(ARGMAX_CHUNK);
-            let bufs = [&s.logits, &s.token, &s.argmax_part];
-            let p = [v as u32, 0, 0, ARGMAX_CHUNK as u32];
-            e.op(kernels_wgsl::Op::Argmax, &p, &bufs, (parts as u32, 1))?;
-            let p = [parts as u32, 0, 1, 0];
-            e.op(kernels_wgsl::Op::Argmax, &p, &bufs, (1, 1))?;
+            encode_argmax(&mut e, v)?;
         }
         e.g.mark("head");
         Ok(g)
@@ -426,6 +432,7 @@ impl<'a> GpuModel<'a> {
         head: Head,
         taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
         stages: Option<(Granularity, &mut Vec<(String, f64)>)>,
+        streams: Option<&mut Vec<f32>>,
     ) -> Result<FrameOut, ForwardError> {
         let c = &self.model.config;
         let ctx = &self.res.dev.ctx;
@@ -454,10 +461,11 @@ impl<'a> GpuModel<'a> {
             Head::Argmax => 1,
         };
         let plain = taps.is_none() && stages.is_none();
+        let hs = streams.is_some().then_some(nt * c.hc_count * c.hidden_size);
         // A decode step encoded while the previous one ran (the graph does not depend on the
         // token: its inputs go up by `write_buffer`, queued before this submission).
         let stashed = match st.next.take() {
-            Some((k, cb)) if plain && k == key => Some(cb),
+            Some((k, cb)) if plain && k == (key, hs.is_some()) => Some(cb),
             _ => None,
         };
         let mut profile = None;
@@ -474,7 +482,7 @@ impl<'a> GpuModel<'a> {
                     Some((gran, _)) => profile = g.record_profiled(ctx, &mut enc, *gran),
                     None => g.record(ctx, &mut enc, taps),
                 }
-                self.copy_out(&mut enc, st, head, read);
+                self.copy_out(&mut enc, st, head, read, hs);
                 enc.finish()
             }
         };
@@ -487,12 +495,15 @@ impl<'a> GpuModel<'a> {
                     label: Some("frame (next)"),
                 });
             g.record(ctx, &mut enc, None);
-            self.copy_out(&mut enc, st, head, read);
-            st.next = Some((key, enc.finish()));
+            self.copy_out(&mut enc, st, head, read, hs);
+            st.next = Some(((key, hs.is_some()), enc.finish()));
         }
         st.advance(&history, nt);
         if let (Some(p), Some((_, out))) = (profile, stages) {
             out.extend(p.read(ctx)?);
+        }
+        if let (Some(n), Some(out)) = (hs, streams) {
+            out.extend(readback::read_mapped(ctx, &st.hs_stage, n)?);
         }
         if read == 0 {
             ctx.wait();
@@ -655,8 +666,19 @@ impl<'a> GpuModel<'a> {
     }
 
     /// Copies what the host reads (`read` floats of the logits, or the token) into the
-    /// state's readback buffer.
-    fn copy_out(&self, enc: &mut wgpu::CommandEncoder, st: &GpuState, head: Head, read: usize) {
+    /// state's readback buffer, and the frame's final streams (`hs` floats) when asked.
+    fn copy_out(
+        &self,
+        enc: &mut wgpu::CommandEncoder,
+        st: &GpuState,
+        head: Head,
+        read: usize,
+        hs: Option<usize>,
+    ) {
+        if let Some(n) = hs {
+            let x = &self.res.scratch.x;
+            enc.copy_buffer_to_buffer(x, 0, &st.hs_stage, 0, (n * 4) as u64);
+        }
         if read > 0 {
             let src = if head == Head::Argmax {
                 &self.res.scratch.token
@@ -704,6 +726,7 @@ impl<'a> GpuModel<'a> {
                 Head::Argmax,
                 None,
                 Some((granularity, &mut stages)),
+                None,
             )? {
                 tok = t;
             }
@@ -744,6 +767,31 @@ impl<'a> GpuModel<'a> {
         st.ngram_ctx = vec![c.eos_id().unwrap_or(0); c.ngram_size.saturating_sub(1)];
     }
 
+    /// [`Model::forward_streams`] on the device: feeds `tokens` and returns the logits of
+    /// every row (of the last when `last_only`) with every row's final streams `[t, H*D]`
+    /// (read back with the logits: what the MTP head takes).
+    pub fn forward_streams(
+        &self,
+        tokens: &[u32],
+        st: &mut GpuState,
+        last_only: bool,
+    ) -> Result<(Vec<f32>, Vec<f32>), ForwardError> {
+        self.check(tokens, st)?;
+        let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
+        let (mut logits, mut streams) = (Vec::new(), Vec::new());
+        for (i, f) in frames.iter().enumerate() {
+            let head = match (last_only, i + 1 == frames.len()) {
+                (false, _) => Head::All,
+                (true, true) => Head::Last,
+                (true, false) => Head::None,
+            };
+            if let FrameOut::Logits(l) = self.frame(f, st, head, None, None, Some(&mut streams))? {
+                logits.extend(l);
+            }
+        }
+        Ok((logits, streams))
+    }
+
     /// Feeds `tokens` and returns the greedy next token, chosen on the device (only its id
     /// is read back).
     pub fn forward_greedy(&self, tokens: &[u32], st: &mut GpuState) -> Result<u32, ForwardError> {
@@ -756,12 +804,24 @@ impl<'a> GpuModel<'a> {
             } else {
                 Head::None
             };
-            if let FrameOut::Token(t) = self.frame(f, st, head, None, None)? {
+            if let FrameOut::Token(t) = self.frame(f, st, head, None, None, None)? {
                 token = t;
             }
         }
         Ok(token)
     }
+}
+
+/// The greedy token of the first logits row (`v` wide) into `e.s.token`, in two passes (one
+/// workgroup over a release vocabulary is slow).
+pub(crate) fn encode_argmax(e: &mut Enc<'_>, v: usize) -> Result<(), GpuError> {
+    let s = e.s;
+    let parts = v.div_ceil(ARGMAX_CHUNK);
+    let bufs = [&s.logits, &s.token, &s.argmax_part];
+    let p = [v as u32, 0, 0, ARGMAX_CHUNK as u32];
+    e.op(kernels_wgsl::Op::Argmax, &p, &bufs, (parts as u32, 1))?;
+    let p = [parts as u32, 0, 1, 0];
+    e.op(kernels_wgsl::Op::Argmax, &p, &bufs, (1, 1))
 }
 
 /// A buffer of `floats` f32 the host maps to read what a frame copied into it.
@@ -779,6 +839,12 @@ enum FrameOut {
     Logits(Vec<f32>),
     Token(u32),
 }
+
+/// A recorded frame: its rows, what it computes after the layers, whether it is traced.
+type FrameKey = (usize, Head, bool);
+
+/// An encoded-ahead command buffer's frame, and whether it copies the streams out.
+type NextKey = (FrameKey, bool);
 
 /// A layer's cache on the device.
 pub enum LayerDeviceState {
@@ -804,9 +870,12 @@ pub struct GpuState {
     ple: Vec<Option<(wgpu::Buffer, wgpu::Buffer)>>,
     frame: wgpu::Buffer,
     stage: wgpu::Buffer,
-    graphs: HashMap<(usize, Head, bool), Graph>,
-    /// The next decode step's command buffer, encoded while the last one ran.
-    next: Option<((usize, Head, bool), wgpu::CommandBuffer)>,
+    graphs: HashMap<FrameKey, Graph>,
+    /// Where a frame's final streams are read back through (`[8, H*D]`, for the MTP head).
+    hs_stage: wgpu::Buffer,
+    /// The next decode step's command buffer, encoded while the last one ran (keyed by its
+    /// graph and whether it copies the streams out).
+    next: Option<(NextKey, wgpu::CommandBuffer)>,
     recorded: usize,
     /// Names the sequence in the batched steps it takes part in.
     uid: u64,
@@ -878,6 +947,7 @@ impl GpuState {
             ple,
             frame: graph::frame_buffer(ctx),
             stage: readback_buffer(ctx, MAX_BATCH * c.vocab_size),
+            hs_stage: readback_buffer(ctx, MAX_BATCH * hd),
             graphs: HashMap::new(),
             next: None,
             recorded: 0,
@@ -942,6 +1012,106 @@ impl GpuState {
     }
 }
 
+/// The recurrent part of a [`GpuState`] at one position ([`GpuState::save_recurrent`]): device
+/// copies of its GDN conv and recurrent states and PLE conv histories, with the position and
+/// n-gram context. What a rollback restores; the attention caches need nothing (entries past
+/// the position are overwritten by later frames and never read before).
+pub struct GpuRecurrent {
+    model: u64,
+    pos: usize,
+    ngram_ctx: Vec<i64>,
+    bufs: Vec<wgpu::Buffer>,
+}
+
+impl std::fmt::Debug for GpuRecurrent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuRecurrent")
+            .field("pos", &self.pos)
+            .finish()
+    }
+}
+
+impl GpuState {
+    /// The buffers a rollback restores, in a fixed order.
+    fn recurrent_buffers(&self) -> Vec<&wgpu::Buffer> {
+        let mut out = Vec::new();
+        for l in &self.layers {
+            if let LayerDeviceState::Gdn(g) = l {
+                out.extend([&g.conv, &g.s]);
+            }
+        }
+        out.extend(self.ple.iter().flatten().map(|(_, hist)| hist));
+        out
+    }
+
+    /// Copies the recurrent part at the current position into `snap` (its buffers made the
+    /// first time, then reused: a drafting loop saves before every check).
+    pub fn save_recurrent(&self, snap: &mut Option<GpuRecurrent>) -> Result<(), ForwardError> {
+        let srcs = self.recurrent_buffers();
+        let fits = snap.as_ref().is_some_and(|s| {
+            s.model == self.model
+                && s.bufs.len() == srcs.len()
+                && s.bufs.iter().zip(&srcs).all(|(a, b)| a.size() == b.size())
+        });
+        if !fits {
+            let bufs = self.ctx.checked("a recurrent-state snapshot", || {
+                srcs.iter()
+                    .map(|b| {
+                        self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                            label: Some("recurrent snapshot"),
+                            size: b.size(),
+                            usage: b.usage(),
+                            mapped_at_creation: false,
+                        })
+                    })
+                    .collect()
+            })?;
+            *snap = Some(GpuRecurrent {
+                model: self.model,
+                pos: 0,
+                ngram_ctx: Vec::new(),
+                bufs,
+            });
+        }
+        let snap = snap.as_mut().expect("made above");
+        let mut enc = self
+            .ctx
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("save recurrent"),
+            });
+        for (src, dst) in srcs.into_iter().zip(&snap.bufs) {
+            enc.copy_buffer_to_buffer(src, 0, dst, 0, src.size());
+        }
+        self.ctx.queue.submit([enc.finish()]);
+        snap.pos = self.pos;
+        snap.ngram_ctx.clone_from(&self.ngram_ctx);
+        Ok(())
+    }
+
+    /// Returns to the position `snap` was saved at (from this state): its recurrent part
+    /// copied back, the position and n-gram context reset.
+    pub fn rollback(&mut self, snap: &GpuRecurrent) -> Result<(), ForwardError> {
+        let dsts = self.recurrent_buffers();
+        if snap.model != self.model || snap.bufs.len() != dsts.len() || snap.pos > self.pos {
+            return Err(ForwardError::StateMismatch(0));
+        }
+        let mut enc = self
+            .ctx
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                label: Some("rollback"),
+            });
+        for (src, dst) in snap.bufs.iter().zip(dsts) {
+            enc.copy_buffer_to_buffer(src, 0, dst, 0, src.size());
+        }
+        self.ctx.queue.submit([enc.finish()]);
+        self.pos = snap.pos;
+        self.ngram_ctx.clone_from(&snap.ngram_ctx);
+        Ok(())
+    }
+}
+
 impl Clone for GpuState {
     fn clone(&self) -> GpuState {
         let ctx = &self.ctx;
@@ -983,6 +1153,7 @@ impl Clone for GpuState {
             ple,
             frame: graph::frame_buffer(ctx),
             stage: dup(&self.stage),
+            hs_stage: dup(&self.hs_stage),
             graphs: HashMap::new(),
             next: None,
             recorded: 0,
@@ -1027,7 +1198,7 @@ impl CausalLm for GpuModel<'_> {
                 (true, false) => Head::None,
             };
             let mut taps = Vec::new();
-            let out = self.frame(f, st, head, traced.then_some(&mut taps), None)?;
+            let out = self.frame(f, st, head, traced.then_some(&mut taps), None, None)?;
             if let FrameOut::Logits(l) = out {
                 logits.extend(l);
             }

@@ -45,8 +45,8 @@ pub mod synthetic;
 pub mod weights;
 
 pub use forward::{ForwardError, Model, Trace};
-pub use gpu::{GpuModel, GpuState, Head, Unplaced};
+pub use gpu::{GpuModel, GpuRecurrent, GpuState, Head, Unplaced};
 pub use model_core::{BindError, CausalLm, InputError};
-pub use mtp::{MtpOut, MtpState};
+pub use mtp::{MtpDeviceState, MtpGpuOut, MtpHead, MtpOut, MtpState};
 pub use state::{Recurrent, SeqState};
 pub use weights::{WeightError, Weights};

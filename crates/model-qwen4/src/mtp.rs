@@ -11,12 +11,25 @@
 //! reading of the released head and the original engine's; llama.cpp normalises per stream).
 //! Both norms are zero-centred (`1 + w`), as every norm of the model.
 
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use gpu_runtime::ops::graph::{self, Graph, storage};
+use gpu_runtime::{Epilogue, GpuError, GpuMatrix, readback};
+use kernels_wgsl::Op;
+use model_core::check_tokens;
 use model_core::trace::LAYER_OUT;
+use quant_codecs::MAX_BATCH;
 use quant_codecs::ops::linear;
 
+use crate::config::Qwen4ExpTextConfig;
+use crate::device::{Device, Enc, Part};
 use crate::forward::{ForwardError, Model};
+use crate::gpu::{GpuModel, encode_argmax};
+use crate::hc::HcGpu;
+use crate::moe::MoeGpu;
 use crate::ops::rms_norm_1p;
-use crate::qsa::{self, AttnState};
+use crate::qsa::{self, AttnDeviceState, AttnGpu, AttnState};
 use crate::state::SeqState;
 use crate::weights::{MixerWeights, MtpWeights};
 use crate::{CausalLm, hc, moe};
@@ -148,5 +161,315 @@ impl Model<'_> {
             Vec::new()
         };
         Ok(MtpOut { streams: x, logits })
+    }
+}
+
+/// The head's weights on the device, with its input buffers (the frame's embedding rows and
+/// streams, written by the host).
+pub(crate) struct MtpGpu {
+    fc_embedding: Arc<GpuMatrix>,
+    fc_hidden: Arc<GpuMatrix>,
+    norm_embedding: (wgpu::Buffer, usize),
+    norm_hidden: (wgpu::Buffer, usize),
+    attn_hc: HcGpu,
+    attn: AttnGpu,
+    mlp_hc: HcGpu,
+    moe: MoeGpu,
+    final_mixer: HcGpu,
+    /// Injection weights of 1 (`[8, H]`): adds the embedding row to every stream.
+    ones: wgpu::Buffer,
+    /// The rows' token embeddings `[8, D]`.
+    emb_in: wgpu::Buffer,
+    /// The rows' input streams `[8, H*D]`.
+    hs_in: wgpu::Buffer,
+    /// The projected embeddings `[8, D]`.
+    e: wgpu::Buffer,
+}
+
+impl MtpGpu {
+    /// Uploads `w`.
+    pub(crate) fn upload(
+        dev: &Device,
+        w: &MtpWeights<'_>,
+        c: &Qwen4ExpTextConfig,
+        banks: bool,
+    ) -> Result<MtpGpu, GpuError> {
+        let lw = &w.layer;
+        let MixerWeights::Attn(aw) = &lw.mixer else {
+            unreachable!("bound as indexed attention")
+        };
+        let (h, d) = (c.hc_count, c.hidden_size);
+        let n = |v: &model_core::bind::Vector| (dev.vec(v.name(), v), v.len());
+        Ok(MtpGpu {
+            fc_embedding: dev.mat(&w.fc_embedding)?,
+            fc_hidden: dev.mat(&w.fc_hidden)?,
+            norm_embedding: n(&w.pre_fc_norm_embedding),
+            norm_hidden: n(&w.pre_fc_norm_hidden),
+            attn_hc: HcGpu::upload(dev, &lw.attn_hc)?,
+            attn: AttnGpu::upload(dev, aw)?,
+            mlp_hc: HcGpu::upload(dev, &lw.mlp_hc)?,
+            moe: MoeGpu::upload(dev, &lw.moe, banks)?,
+            final_mixer: HcGpu::upload(dev, &w.final_mixer)?,
+            ones: dev.vec("mtp ones", &vec![1.0; MAX_BATCH * h]),
+            emb_in: storage(&dev.ctx, "mtp embedding rows", MAX_BATCH * d),
+            hs_in: storage(&dev.ctx, "mtp streams in", MAX_BATCH * h * d),
+            e: storage(&dev.ctx, "mtp projected embeddings", MAX_BATCH * d),
+        })
+    }
+}
+
+/// What a head frame on the device computes after its layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MtpHead {
+    /// Nothing (entries made for later drafts).
+    None,
+    /// The last row's logits.
+    Logits,
+    /// The last row's greedy token (its logits stay on the device).
+    Argmax,
+}
+
+/// What the head computed on the device for its rows.
+pub struct MtpGpuOut {
+    /// Its output streams `[t, H*D]`.
+    pub streams: Vec<f32>,
+    /// The last row's logits, when asked for.
+    pub logits: Vec<f32>,
+    /// The last row's greedy token, when asked for.
+    pub token: Option<u32>,
+}
+
+/// The head's cache on the device (its attention layer's, preallocated for the model's
+/// context), its position and frame uniform, and the frames recorded against them.
+pub struct MtpDeviceState {
+    model: u64,
+    attn: AttnDeviceState,
+    pos: usize,
+    frame: wgpu::Buffer,
+    /// Streams `[8, H*D]`, then the logits row, then the token: what the host reads back.
+    stage: wgpu::Buffer,
+    graphs: HashMap<(usize, MtpHead), Graph>,
+}
+
+impl std::fmt::Debug for MtpDeviceState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MtpDeviceState")
+            .field("pos", &self.pos)
+            .finish()
+    }
+}
+
+impl MtpDeviceState {
+    /// Entries held (the next position the head runs at).
+    pub fn len(&self) -> usize {
+        self.pos
+    }
+
+    /// Whether it holds nothing.
+    pub fn is_empty(&self) -> bool {
+        self.pos == 0
+    }
+
+    /// Drops the entries from position `n` on (a rejected draft's): later frames overwrite
+    /// them, and a compressed block is only read once the frame that completes it has run.
+    pub fn truncate(&mut self, n: usize) {
+        self.pos = self.pos.min(n);
+    }
+}
+
+impl GpuModel<'_> {
+    /// A new empty head cache on the device; an error when the file has no head.
+    pub fn new_mtp_state(&self) -> Result<MtpDeviceState, ForwardError> {
+        let c = &self.model.config;
+        if self.res.mtp.is_none() {
+            return Err(ForwardError::NoMtp);
+        }
+        let ctx = &self.res.dev.ctx;
+        let (h, d) = (c.hc_count, c.hidden_size);
+        Ok(MtpDeviceState {
+            model: self.res.uid,
+            attn: AttnDeviceState::new(ctx, c, self.res.ctx_len),
+            pos: 0,
+            frame: graph::frame_buffer(ctx),
+            stage: ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("mtp readback"),
+                size: ((MAX_BATCH * h * d + c.vocab_size + 1) * 4) as u64,
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }),
+            graphs: HashMap::new(),
+        })
+    }
+
+    /// [`Model::mtp_forward`] on the device: the head over `t` rows at positions `st.len()..`
+    /// (frames of up to 8), each row's streams `hs[r]` with `tokens[r]`; after the last
+    /// frame, what `head` asks for of the last row.
+    pub fn mtp_forward(
+        &self,
+        hs: &[f32],
+        tokens: &[u32],
+        st: &mut MtpDeviceState,
+        head: MtpHead,
+    ) -> Result<MtpGpuOut, ForwardError> {
+        let c = &self.model.config;
+        let m = self.res.mtp.as_ref().ok_or(ForwardError::NoMtp)?;
+        check_tokens(tokens, c.vocab_size)?;
+        if st.model != self.res.uid {
+            return Err(ForwardError::StateMismatch(0));
+        }
+        if st.pos + tokens.len() > self.res.ctx_len {
+            return Err(ForwardError::Context {
+                needed: st.pos + tokens.len(),
+                ctx: self.res.ctx_len,
+            });
+        }
+        let (h, d, v) = (c.hc_count, c.hidden_size, c.vocab_size);
+        let hd = h * d;
+        assert_eq!(hs.len(), tokens.len() * hd, "streams of every row");
+        let ctx = &self.res.dev.ctx;
+        let ratio = c.qsa().map_or(1, |q| q.ratio);
+        let mut out = MtpGpuOut {
+            streams: Vec::with_capacity(hs.len()),
+            logits: Vec::new(),
+            token: None,
+        };
+        let frames = tokens.len().div_ceil(MAX_BATCH);
+        for (i, (toks, rows)) in tokens
+            .chunks(MAX_BATCH)
+            .zip(hs.chunks(MAX_BATCH * hd))
+            .enumerate()
+        {
+            let nt = toks.len();
+            let fh = if i + 1 == frames { head } else { MtpHead::None };
+            let mut emb = vec![0f32; nt * d];
+            for (r, &id) in toks.iter().enumerate() {
+                let row = &mut emb[r * d..(r + 1) * d];
+                self.model
+                    .weights
+                    .embed
+                    .dequantize_row(id as usize, row)
+                    .expect("id checked");
+            }
+            ctx.queue
+                .write_buffer(&m.emb_in, 0, bytemuck::cast_slice(&emb));
+            ctx.queue
+                .write_buffer(&m.hs_in, 0, bytemuck::cast_slice(rows));
+            let past = st.pos;
+            let blocks = ((past / ratio) as u32, ((past + nt) / ratio) as u32);
+            graph::write_frame(ctx, &st.frame, past as u32, blocks, 0);
+            if !st.graphs.contains_key(&(nt, fh)) {
+                let g = self.build_mtp(m, st, nt, fh)?;
+                st.graphs.insert((nt, fh), g);
+            }
+            let mut enc = ctx
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("mtp frame"),
+                });
+            st.graphs[&(nt, fh)].record(ctx, &mut enc, None);
+            let s = &self.res.scratch;
+            let hd_bytes = (MAX_BATCH * hd * 4) as u64;
+            enc.copy_buffer_to_buffer(&s.x, 0, &st.stage, 0, (nt * hd * 4) as u64);
+            match fh {
+                MtpHead::None => {}
+                MtpHead::Logits => {
+                    enc.copy_buffer_to_buffer(&s.logits, 0, &st.stage, hd_bytes, (v * 4) as u64)
+                }
+                MtpHead::Argmax => {
+                    let at = hd_bytes + (v * 4) as u64;
+                    enc.copy_buffer_to_buffer(&s.token, 0, &st.stage, at, 4)
+                }
+            }
+            ctx.queue.submit([enc.finish()]);
+            st.pos += nt;
+            let read = match fh {
+                MtpHead::None => nt * hd,
+                _ => MAX_BATCH * hd + v + 1,
+            };
+            let data = readback::read_mapped(ctx, &st.stage, read)?;
+            out.streams.extend_from_slice(&data[..nt * hd]);
+            match fh {
+                MtpHead::None => {}
+                MtpHead::Logits => out.logits = data[MAX_BATCH * hd..MAX_BATCH * hd + v].to_vec(),
+                MtpHead::Argmax => out.token = Some(data[MAX_BATCH * hd + v].to_bits()),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Records a head frame of `nt` rows for `st`: the two input projections, the layer, and
+    /// what `head` asks for.
+    fn build_mtp(
+        &self,
+        m: &MtpGpu,
+        st: &MtpDeviceState,
+        nt: usize,
+        head: MtpHead,
+    ) -> Result<Graph, GpuError> {
+        let c = &self.model.config;
+        let (h, d, v) = (c.hc_count, c.hidden_size, c.vocab_size);
+        let eps = c.rms_norm_eps as f32;
+        let mut g = Graph::new();
+        let s = &self.res.scratch;
+        let mut e = Enc {
+            g: &mut g,
+            dev: &self.res.dev,
+            s,
+            frame: &st.frame,
+            nt,
+            traced: false,
+        };
+        // e' = fc_embedding(norm(embed)) into `m.e`.
+        e.rms_norm(&m.emb_in, &m.norm_embedding, &s.u, nt, d, eps)?;
+        e.matvec(&m.fc_embedding, &s.u, &m.e, nt, Epilogue::None)?;
+        // Each stream through fc_hidden: `nt * H` rows of D, in runs of at most 8 rows (the
+        // matvec's tile) staged through `u` and `y` when they do not fit one.
+        e.rms_norm(&m.hs_in, &m.norm_hidden, &s.xn, nt, h * d, eps)?;
+        if nt * h <= MAX_BATCH {
+            e.matvec(&m.fc_hidden, &s.xn, &s.x, nt * h, Epilogue::None)?;
+        } else {
+            let per = (MAX_BATCH / h).max(1);
+            for r0 in (0..nt).step_by(per) {
+                let rows = per.min(nt - r0);
+                let off = (r0 * h * d) as u32;
+                e.map(3, off, &s.xn, &s.g, &s.u, rows * h * d)?;
+                e.matvec(&m.fc_hidden, &s.u, &s.y, rows * h, Epilogue::None)?;
+                e.map(4, off, &s.y, &s.g, &s.x, rows * h * d)?;
+            }
+        }
+        let p = [(nt * h * d) as u32, h as u32, d as u32];
+        e.op_lanes(Op::HcInject, &p, &[&s.x, &m.ones, &m.e], nt * h * d)?;
+
+        hc::encode(&mut e, &m.attn_hc, &s.x, nt, h, d, eps, None)?;
+        let rope = self
+            .res
+            .rope
+            .as_ref()
+            .expect("made for a model with a head");
+        let parts = [Part {
+            frame: &st.frame,
+            state: &st.attn,
+            rows: nt,
+        }];
+        qsa::encode(&mut e, &m.attn, c, rope, &parts, nt, self.res.ctx_len)?;
+        hc::encode(&mut e, &m.mlp_hc, &s.x, nt, h, d, eps, Some(&s.y))?;
+        moe::encode(&mut e, &m.moe, c, &s.y, nt)?;
+        hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
+        if head == MtpHead::None {
+            return Ok(g);
+        }
+        let last = if nt == 1 {
+            &s.x
+        } else {
+            let off = ((nt - 1) * h * d) as u32;
+            e.map(3, off, &s.x, &s.g, &s.x_last, h * d)?;
+            &s.x_last
+        };
+        hc::encode(&mut e, &m.final_mixer, last, 1, h, d, eps, None)?;
+        e.matvec(&self.res.lm_head, &s.u, &s.logits, 1, Epilogue::None)?;
+        if head == MtpHead::Argmax {
+            encode_argmax(&mut e, v)?;
+        }
+        Ok(g)
     }
 }

@@ -365,3 +365,109 @@ fn batched_decode_matches_each_sequence_alone() {
     });
     h::assert_none(&failures);
 }
+
+/// The MTP head on the device against the CPU head (every fixture with a pseudo-random head):
+/// the trunk's final streams read back with its logits, the head over all prompt rows in one
+/// call (frames of 8, each stream's projection in runs of 8 matvec rows), a chained draft's
+/// greedy token on the device, and its cache cut back and run again.
+#[test]
+fn the_mtp_head_on_the_device_matches_the_cpu_head() {
+    use model_qwen4::{MtpHead, MtpState};
+    let mut failures = Vec::new();
+    for (i, case) in CASES.iter().enumerate() {
+        test_support::mtp::with_mtp_head(case, Profile::F32, 3 + i as u64, |cmf| {
+            let c = cpu(cmf);
+            let g = bind(cmf);
+            let mut fail = |what: &str, got: &[f32], want: &[f32]| {
+                let err = test_support::max_abs_diff(got, want);
+                let scale = test_support::max_abs(want);
+                if got.len() != want.len() || err > TOL * scale {
+                    failures.push(format!(
+                        "{case}: {what}: max|diff| {err:.3e} (scale {scale:.3e}, {} vs {} values)",
+                        got.len(),
+                        want.len()
+                    ));
+                }
+            };
+            let ids = test_support::ids(case, 0);
+            let n = ids.len().min(19);
+            let hd = c.config.hc_count * c.config.hidden_size;
+            let mut cs = c.new_state();
+            let (cl, chs) = c.forward_streams(&ids[..n], &mut cs, false).unwrap();
+            let mut gs = g.new_state();
+            let (gl, ghs) = g.forward_streams(&ids[..n], &mut gs, false).unwrap();
+            fail("trunk logits", &gl, &cl);
+            fail("trunk streams", &ghs, &chs);
+
+            let mut cm = MtpState::default();
+            let cw = c
+                .mtp_forward(&chs[..(n - 1) * hd], &ids[1..n], &mut cm, true)
+                .unwrap();
+            let mut gm = g.new_mtp_state().unwrap();
+            let gw = g
+                .mtp_forward(&chs[..(n - 1) * hd], &ids[1..n], &mut gm, MtpHead::Logits)
+                .unwrap();
+            fail("head streams over the prompt", &gw.streams, &cw.streams);
+            fail("head logits", &gw.logits, &cw.logits);
+            assert_eq!(gm.len(), n - 1);
+
+            // A chained draft from the head's own last output.
+            let x = &cw.streams[(n - 2) * hd..];
+            let tok = test_support::argmax(&cw.logits) as u32;
+            let cd = c.mtp_forward(x, &[tok], &mut cm, true).unwrap();
+            let gd = g.mtp_forward(x, &[tok], &mut gm, MtpHead::Argmax).unwrap();
+            fail("chained draft streams", &gd.streams, &cd.streams);
+            let picked = gd.token.expect("asked for") as usize;
+            let best = cd.logits[test_support::argmax(&cd.logits)];
+            // Near-ties may break either way: the pick must be a best within the tolerance.
+            let gap = best - cd.logits[picked];
+            assert!(
+                gap <= TOL * test_support::max_abs(&cd.logits),
+                "{case}: the device's draft {picked} is {gap:.3e} below the best"
+            );
+
+            // Cut back to before the draft and run it again: the same rows.
+            gm.truncate(n - 1);
+            let again = g.mtp_forward(x, &[tok], &mut gm, MtpHead::Logits).unwrap();
+            fail("the cut cache's rerun", &again.logits, &cd.logits);
+        });
+    }
+    h::assert_none(&failures);
+}
+
+/// A rollback on the device (the recurrent state saved before the rows, copied back after;
+/// the attention caches only see their position reset) continues with transformers' logits,
+/// as if the rolled-back tokens had never run, also across an indexer block boundary and
+/// after a saved snapshot's buffers are reused.
+#[test]
+fn device_rollback_forgets_the_rolled_back_tokens() {
+    let failures = each(|case, cmf| {
+        let g = bind(cmf);
+        let ids = test_support::ids(case, 0);
+        let want = g.forward_prefill(&ids).unwrap();
+        let v = g.vocab_size();
+        let mut out = Vec::new();
+        let mut snap = None;
+        let mut st = g.new_state();
+        for (k, extra) in [(3usize, 1usize), (5, 8), (9, 3)] {
+            let k = k.min(ids.len() - 1);
+            g.reset(&mut st);
+            g.forward(&ids[..k], &mut st).unwrap();
+            st.save_recurrent(&mut snap).unwrap();
+            let junk: Vec<u32> = (0..extra as u32).map(|i| (i * 37 + 5) % v as u32).collect();
+            g.forward(&junk, &mut st).unwrap();
+            st.rollback(snap.as_ref().unwrap()).unwrap();
+            assert_eq!(st.pos, k);
+            let got = g.forward(&ids[k..], &mut st).unwrap();
+            let err = test_support::max_abs_diff(&got, &want[k * v..]);
+            let scale = test_support::max_abs(&want);
+            if err > TOL * scale {
+                out.push(format!(
+                    "{case}: k {k}, {extra} rolled back: max|diff| {err:.3e}"
+                ));
+            }
+        }
+        out
+    });
+    h::assert_none(&failures);
+}

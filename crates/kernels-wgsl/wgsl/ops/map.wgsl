@@ -1,6 +1,7 @@
 // Elementwise steps: mode 0 `y = silu(x / a)` (the HC down projection's activation), mode 1
 // `y = 2 sigmoid(x / a)` (the HC injection weights), mode 2 `y = silu(x) * x2` (a SwiGLU),
-// mode 3 `y = x[i + a]` (`a` a word offset: one row copied out).
+// mode 3 `y = x[i + a]` (`a` a word offset: rows copied out), mode 4 `y[i + a] = x[i]` (rows
+// copied in).
 struct Params {
     n: u32,
     mode: u32,
@@ -30,8 +31,11 @@ fn main(@builtin(global_invocation_id) gid: vec3<u32>) {
         case 2u: {
             y[i] = silu(x[i]) * x2[i];
         }
-        default: {
+        case 3u: {
             y[i] = x[i + P.a];
+        }
+        default: {
+            y[i + P.a] = x[i];
         }
     }
 }
