@@ -74,6 +74,11 @@ pub struct ServeArgs {
     /// memory on the GPU); 0 turns it off.
     #[arg(long, value_name = "MIB", default_value_t = 2048)]
     pub cache_mb: u64,
+    /// Drafting with the model's MTP head while one request decodes alone (with others
+    /// active, their tokens are batched instead): up to N tokens a step (1..=7), `auto`, or
+    /// `off`. Replies are the same either way.
+    #[arg(long, value_name = "N|auto|off", default_value = "off")]
+    pub mtp: engine::speculative::MtpMode,
     /// Sampling defaults for requests that leave a field out, and the context (-c).
     #[command(flatten)]
     pub sampling: SamplingArgs,

@@ -285,6 +285,11 @@ impl<'r> Decoder<'r> {
         }
     }
 
+    /// Tokens the reply may still take.
+    pub fn room(&self) -> usize {
+        self.max_new.saturating_sub(self.tokens.len())
+    }
+
     /// Takes `next`, the token sampled from the last logits: reports it and any text it
     /// completes; returns the token to feed for the next logits, or `None` when the
     /// generation ended (EOS, a stop string, the limit, a cancellation).

@@ -708,6 +708,9 @@ fn run_serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     let mut wopts = engine::serve::worker::WorkerOptions::new(ctx);
     wopts.parallel = usize::from(args.parallel);
     wopts.cache_bytes = args.cache_mb << 20;
+    // An explicit depth on a model without a head is refused before the server starts.
+    engine::speculative::drafter(&runner, args.mtp)?;
+    wopts.mtp = args.mtp;
     let worker = engine::serve::worker::Worker::spawn(runner, wopts)?;
     let state = engine::serve::ServerState::new(worker, &name, api_key, defaults);
     let rt = tokio::runtime::Builder::new_multi_thread()

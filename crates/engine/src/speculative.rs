@@ -402,6 +402,256 @@ impl Speculate for GpuModel<'_> {
     }
 }
 
+/// How a drafting step ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Stepped {
+    /// The sampler's draw after the last row kept, not pushed yet (the plain loop's `next`).
+    Sampled(u32),
+    /// A kept draft ended the reply (pushed, never fed).
+    Ended,
+}
+
+/// One sequence's drafting: the head's cache (an entry per trunk position from where the
+/// session began: positions before have no streams, so the head attends to what it sees from
+/// there, its positions counted from there), the entries not made yet, the trunk's streams at
+/// the last position fed, the monitor and the statistics. [`Runner::complete_mtp`] runs one
+/// over a whole generation; the server runs one while a sequence decodes alone.
+pub(crate) struct DraftSession<B: Speculate> {
+    ms: B::Head,
+    /// The trunk position of the head's first entry.
+    base: usize,
+    /// The head's entries not made yet: trunk streams `[n, H*D]` and the token after each.
+    pending_hs: Vec<f32>,
+    pending: Vec<u32>,
+    /// The trunk's streams at the last position fed (`None` before the first forward).
+    hs_last: Option<Vec<f32>>,
+    snap: Option<B::Snap>,
+    monitor: Monitor,
+    /// What it has drafted so far.
+    pub stats: DraftStats,
+}
+
+impl<B: Speculate> DraftSession<B> {
+    /// A session for `st` from its current position, drafting up to `max_depth`.
+    pub fn new(m: &B, st: &B::State, max_depth: usize) -> Result<Self, ForwardError> {
+        Ok(DraftSession {
+            ms: m.new_head()?,
+            base: m.pos(st),
+            pending_hs: Vec::new(),
+            pending: Vec::new(),
+            hs_last: None,
+            snap: None,
+            monitor: Monitor::new(max_depth),
+            stats: DraftStats::default(),
+        })
+    }
+
+    /// Feeds prompt ids `part` through the trunk and returns the last row's logits; `after`
+    /// are the ids known to follow its rows (the rest of the prompt, possibly empty), whose
+    /// head entries are made at once; the entry of a last row without a known successor waits
+    /// for the next step.
+    pub fn prefill(
+        &mut self,
+        m: &B,
+        st: &mut B::State,
+        part: &[u32],
+        after: &[u32],
+    ) -> Result<Vec<f32>, ForwardError> {
+        let hd = m.streams_width();
+        // The row before this part, when its entry waits, now has its successor.
+        if let Some(hs) = self.hs_last.take() {
+            self.pending_hs.extend_from_slice(&hs);
+            self.pending.push(part[0]);
+        }
+        self.flush(m)?;
+        let (logits, streams) = m.trunk(part, st, true)?;
+        let pairs = after.len().min(part.len());
+        if pairs > 0 {
+            m.head(&streams[..pairs * hd], &after[..pairs], &mut self.ms, false)?;
+        }
+        // The last row's entry waits for its successor when it is not known yet.
+        if pairs < part.len() {
+            self.hs_last = Some(streams[(part.len() - 1) * hd..].to_vec());
+        }
+        Ok(logits)
+    }
+
+    /// Makes the waiting head entries.
+    fn flush(&mut self, m: &B) -> Result<(), ForwardError> {
+        if !self.pending.is_empty() {
+            m.head(&self.pending_hs, &self.pending, &mut self.ms, false)?;
+            (self.pending_hs, self.pending) = (Vec::new(), Vec::new());
+        }
+        Ok(())
+    }
+
+    /// One step: feeds `token` (the one the decoder just took), with as many drafts after it
+    /// as the monitor picks (at most what is left of the reply, `dec`'s room), and keeps the
+    /// drafts the sampler draws itself from the trunk's logits (each pushed to `dec`). Rows
+    /// past the last kept one are rolled back.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step(
+        &mut self,
+        m: &B,
+        st: &mut B::State,
+        token: u32,
+        sampler: &mut Sampler,
+        dec: &mut Decoder<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+        oracle: Option<&Oracle<'_>>,
+    ) -> Result<Stepped, ForwardError> {
+        let hd = m.streams_width();
+        let step = Instant::now();
+        // Drafting past the reply's limit is wasted: the check would drop it. Nothing is
+        // drafted before the trunk's streams are known (a session's first step).
+        let depth = match &self.hs_last {
+            Some(_) => self.monitor.depth().min(dec.room()),
+            None => 0,
+        };
+        // `token` goes in at position `at`. The head's entry at `at - 1` is the trunk's
+        // streams there and `token`. Entries wait while the monitor does not draft (the
+        // head's cache must stay whole, but a step that does not draft need not pay for
+        // them): the next drafting step makes them all in one multi-row call, then each
+        // draft's entry, from the head's own output and the draft.
+        let at = m.pos(st);
+        let mut rows = vec![token];
+        if let Some(hs) = self.hs_last.take() {
+            self.pending_hs.extend_from_slice(&hs);
+            self.pending.push(token);
+        }
+        if depth == 0 {
+            if self.pending.len() >= MAX_PENDING {
+                self.flush(m)?;
+            }
+            let (l, streams) = m.trunk(&rows, st, true)?;
+            let next = sampler.sample(&l);
+            self.hs_last = Some(streams);
+            self.monitor.record(0, 0, step.elapsed().as_secs_f64());
+            return Ok(Stepped::Sampled(next));
+        }
+        let (first, mut draft) = m.head(&self.pending_hs, &self.pending, &mut self.ms, true)?;
+        // The waiting entries belong to the steps that did not draft: not this step's cost.
+        let step = Instant::now();
+        (self.pending_hs, self.pending) = (Vec::new(), Vec::new());
+        let mut x = first[first.len() - hd..].to_vec();
+        for i in 0..depth {
+            let tok = match oracle {
+                Some(o) => o(dec.generated().len(), i),
+                None => draft.expect("the head drafts when asked"),
+            };
+            rows.push(tok);
+            if i + 1 < depth {
+                (x, draft) = m.head(&x, &[tok], &mut self.ms, true)?;
+            }
+        }
+        m.save(st, &mut self.snap)?;
+        let (l, streams) = m.trunk(&rows, st, false)?;
+        let v = m.vocab();
+        let mut kept = 0;
+        let mut ended = false;
+        let mut next;
+        loop {
+            next = sampler.sample(&l[kept * v..(kept + 1) * v]);
+            if kept < depth && next == rows[kept + 1] {
+                kept += 1;
+                if dec.push(next, sampler, on_event).is_none() {
+                    ended = true;
+                    break;
+                }
+                continue;
+            }
+            break;
+        }
+        let stats = &mut self.stats;
+        stats.checks += 1;
+        stats.drafted += depth;
+        stats.accepted += kept;
+        for (i, p) in stats.by_position.iter_mut().take(depth).enumerate() {
+            if i <= kept {
+                p.0 += 1;
+                p.1 += usize::from(i < kept);
+            }
+        }
+        // Rows fed that the sequence keeps: the sampled token and the kept drafts; when the
+        // reply ended on a kept draft, that one is its last token, never fed.
+        let keep_rows = if ended { kept } else { kept + 1 };
+        if keep_rows < rows.len() {
+            m.rollback(st, self.snap.as_ref().expect("saved before the check"))?;
+            if keep_rows > 0 {
+                m.trunk(&rows[..keep_rows], st, true)?;
+            }
+        }
+        // The head's entries for the kept rows (the trunk's streams with the token after
+        // each) replace the drafts' own.
+        m.cut_head(&mut self.ms, at - self.base);
+        if ended {
+            return Ok(Stepped::Ended);
+        }
+        self.pending_hs.extend_from_slice(&streams[..kept * hd]);
+        self.pending.extend_from_slice(&rows[1..=kept]);
+        self.hs_last = Some(streams[kept * hd..(kept + 1) * hd].to_vec());
+        self.monitor
+            .record(depth, kept, step.elapsed().as_secs_f64());
+        Ok(Stepped::Sampled(next))
+    }
+}
+
+/// A drafting session on either backend (what the server keeps for a sequence decoding
+/// alone).
+pub(crate) enum AnySession<'m> {
+    /// On the CPU forward.
+    Cpu(DraftSession<Model<'m>>),
+    /// On the device forward.
+    Gpu(DraftSession<GpuModel<'m>>),
+}
+
+impl<'m> AnySession<'m> {
+    /// What it has drafted so far.
+    pub fn stats(&self) -> DraftStats {
+        match self {
+            AnySession::Cpu(s) => s.stats,
+            AnySession::Gpu(s) => s.stats,
+        }
+    }
+}
+
+impl<'m> Drafter<'m> {
+    /// A session for the sequence in `st` from its current position.
+    pub(crate) fn session(self, st: &AnyState, depth: usize) -> Result<AnySession<'m>, RunError> {
+        Ok(match (self, st) {
+            (Drafter::Cpu(m), AnyState::Qwen4(st)) => {
+                AnySession::Cpu(DraftSession::new(m, st, depth)?)
+            }
+            (Drafter::Gpu(m), AnyState::Qwen4Gpu(st)) => {
+                AnySession::Gpu(DraftSession::new(m, &**st, depth)?)
+            }
+            _ => return Err(RunError::Forward(crate::model::ForwardError::StateMismatch)),
+        })
+    }
+
+    /// [`DraftSession::step`] on the sequence in `st`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn step(
+        self,
+        session: &mut AnySession<'m>,
+        st: &mut AnyState,
+        token: u32,
+        sampler: &mut Sampler,
+        dec: &mut Decoder<'_>,
+        on_event: &mut dyn FnMut(Event<'_>),
+    ) -> Result<Stepped, RunError> {
+        Ok(match (self, session, st) {
+            (Drafter::Cpu(m), AnySession::Cpu(s), AnyState::Qwen4(st)) => {
+                s.step(m, st, token, sampler, dec, on_event, None)?
+            }
+            (Drafter::Gpu(m), AnySession::Gpu(s), AnyState::Qwen4Gpu(st)) => {
+                s.step(m, st, token, sampler, dec, on_event, None)?
+            }
+            _ => return Err(RunError::Forward(crate::model::ForwardError::StateMismatch)),
+        })
+    }
+}
+
 impl Runner {
     /// [`Runner::complete`] with the MTP head drafting (the model and depth from
     /// [`drafter`]): the same tokens, fewer trunk forwards where drafts are kept. `state` ends
@@ -422,40 +672,20 @@ impl Runner {
         let cancelled = || opts.cancel.as_ref().is_some_and(CancelToken::is_cancelled);
         let integrity = self.model.integrity();
         let t0 = Instant::now();
-        let hd = m.streams_width();
-        // The head's cache, an entry per trunk position from `held` on: the positions a state
-        // carried over from an earlier call holds have no entries (their streams are gone),
-        // so the head attends to what it sees from here on, its positions counted from
-        // there (RoPE sees the same distances).
-        let mut ms = m.new_head()?;
-        let held = m.pos(st);
+        let mut session = DraftSession::new(m, st, max_depth)?;
         let chunk = match opts.prefill_chunk {
             0 => prompt.len(),
             c => c,
         };
         let mut logits = Vec::new();
-        let mut hs_last = Vec::new();
         let mut done = 0;
         for (i, part) in prompt.chunks(chunk).enumerate() {
             if i > 0 && cancelled() {
                 return Ok(());
             }
-            let (l, streams) = m.trunk(part, st, true)?;
-            logits = l;
-            // The head's entries for these positions: each row's streams with the token
-            // after it (the last prompt row's waits for the sampled token).
-            let end = done + part.len();
-            let pairs = if end == prompt.len() {
-                part.len() - 1
-            } else {
-                part.len()
-            };
-            if pairs > 0 {
-                let next_tokens = &prompt[done + 1..=done + pairs];
-                m.head(&streams[..pairs * hd], next_tokens, &mut ms, false)?;
-            }
-            hs_last = streams[(part.len() - 1) * hd..].to_vec();
-            done = end;
+            // The last prompt row's entry waits for the sampled token.
+            logits = session.prefill(m, st, part, &prompt[done + 1..])?;
+            done += part.len();
             if chunk < prompt.len() {
                 on_event(Event::Prefill {
                     done,
@@ -473,104 +703,18 @@ impl Runner {
         g.prompt_seconds = t0.elapsed().as_secs_f64();
 
         let t1 = Instant::now();
-        let mut monitor = Monitor::new(max_depth);
-        // The head's entries not made yet: trunk streams `[n, H*D]` and the token after each.
-        let (mut pending_hs, mut pending) = (Vec::new(), Vec::new());
-        let mut stats = DraftStats::default();
-        let mut snap = None;
         let mut dec = Decoder::new(self, opts);
-        'generate: while let Some(token) = dec.push(next, sampler, on_event) {
+        while let Some(token) = dec.push(next, sampler, on_event) {
             integrity.check()?;
-            let step = Instant::now();
-            // Drafting past the reply's limit is wasted: the check would drop it.
-            let room = opts.max_new.saturating_sub(dec.generated().len());
-            let depth = monitor.depth().min(room);
-            // `token` goes in at position `at`. The head's entry at `at - 1` is the trunk's
-            // streams there and `token`. Entries wait while the monitor does not draft (the
-            // head's cache must stay whole, but a step that does not draft need not pay for
-            // them): the next drafting step makes them all in one multi-row call, then each
-            // draft's entry, from the head's own output and the draft.
-            let at = m.pos(st);
-            let mut rows = vec![token];
-            pending_hs.extend_from_slice(&hs_last);
-            pending.push(token);
-            if depth == 0 {
-                if pending.len() >= MAX_PENDING {
-                    m.head(&pending_hs, &pending, &mut ms, false)?;
-                    (pending_hs, pending) = (Vec::new(), Vec::new());
-                }
-                let (l, streams) = m.trunk(&rows, st, true)?;
-                next = sampler.sample(&l);
-                hs_last = streams;
-                monitor.record(0, 0, step.elapsed().as_secs_f64());
-                continue;
+            match session.step(m, st, token, sampler, &mut dec, on_event, oracle)? {
+                Stepped::Sampled(n) => next = n,
+                Stepped::Ended => break,
             }
-            let (first, mut draft) = m.head(&pending_hs, &pending, &mut ms, true)?;
-            // The waiting entries belong to the steps that did not draft: not this step's
-            // cost.
-            let step = Instant::now();
-            (pending_hs, pending) = (Vec::new(), Vec::new());
-            let mut x = first[first.len() - hd..].to_vec();
-            for i in 0..depth {
-                let tok = match oracle {
-                    Some(o) => o(dec.generated().len(), i),
-                    None => draft.expect("the head drafts when asked"),
-                };
-                rows.push(tok);
-                if i + 1 < depth {
-                    (x, draft) = m.head(&x, &[tok], &mut ms, true)?;
-                }
-            }
-            m.save(st, &mut snap)?;
-            let (l, streams) = m.trunk(&rows, st, false)?;
-            let v = m.vocab();
-            let mut kept = 0;
-            let mut ended = false;
-            loop {
-                next = sampler.sample(&l[kept * v..(kept + 1) * v]);
-                if kept < depth && next == rows[kept + 1] {
-                    kept += 1;
-                    if dec.push(next, sampler, on_event).is_none() {
-                        ended = true;
-                        break;
-                    }
-                    continue;
-                }
-                break;
-            }
-            stats.checks += 1;
-            stats.drafted += depth;
-            stats.accepted += kept;
-            for (i, p) in stats.by_position.iter_mut().take(depth).enumerate() {
-                if i <= kept {
-                    p.0 += 1;
-                    p.1 += usize::from(i < kept);
-                }
-            }
-            // Rows fed that the sequence keeps: the sampled token and the kept drafts; when
-            // the reply ended on a kept draft, that one is its last token, never fed.
-            let keep_rows = if ended { kept } else { kept + 1 };
-            if keep_rows < rows.len() {
-                m.rollback(st, snap.as_ref().expect("saved before the check"))?;
-                if keep_rows > 0 {
-                    m.trunk(&rows[..keep_rows], st, true)?;
-                }
-            }
-            if ended {
-                break 'generate;
-            }
-            // The head's entries for the kept rows (the trunk's streams with the token after
-            // each) replace the drafts' own.
-            m.cut_head(&mut ms, at - held);
-            pending_hs.extend_from_slice(&streams[..kept * hd]);
-            pending.extend_from_slice(&rows[1..=kept]);
-            hs_last = streams[kept * hd..(kept + 1) * hd].to_vec();
-            monitor.record(depth, kept, step.elapsed().as_secs_f64());
         }
         let d = dec.end(on_event);
         integrity.check()?;
         g.finish_with(d, t1);
-        g.drafts = Some(stats);
+        g.drafts = Some(session.stats);
         Ok(())
     }
 }

@@ -517,6 +517,90 @@ fn concurrent_requests_on_the_gpu_each_get_their_own_reply() {
     }
 }
 
+/// `--mtp`: a request decoding alone drafts with the demo model's head (its token and drafts
+/// checked in one trunk forward, rejected rows rolled back) and answers exactly as without
+/// drafting, on the CPU and the GPU; requests decoding together are batched instead (drafting
+/// resumes when one is left alone); a sampled request with a seed gets the reply a server
+/// without drafting gives it; a later turn starts from the state a drafting reply left in the
+/// prompt cache.
+#[test]
+fn drafting_replies_are_the_plain_replies() {
+    for gpu in [false, true] {
+        let r = if gpu {
+            let Some(r) = gpu_runner(CTX) else { return };
+            r
+        } else {
+            runner()
+        };
+        let opts = WorkerOptions {
+            parallel: 2,
+            mtp: engine::speculative::MtpMode::Depth(3),
+            ..WorkerOptions::new(CTX)
+        };
+        let (port, state) = spawn_server(r.clone(), opts, None);
+        for p in ["ROMEO:", "To be, or not to be"] {
+            let req = json!({
+                "messages": [{"role": "user", "content": p}],
+                "temperature": 0, "max_tokens": 40,
+            });
+            let (status, v) = post(port, "/v1/chat/completions", &req);
+            assert_eq!(status, 200, "{v}");
+            let (want, tokens) = witness_chat(p, 40);
+            assert_eq!(
+                v["choices"][0]["message"]["content"],
+                want.as_str(),
+                "gpu {gpu}: {p}"
+            );
+            assert_eq!(v["usage"]["completion_tokens"], tokens, "gpu {gpu}: {p}");
+        }
+        let load = state.load();
+        assert!(load.drafts_kept > 0, "gpu {gpu}: no draft kept: {load:?}");
+
+        let (want_first, _) = witness_chat("ROMEO:", 40);
+        let turns = vec![
+            Message::new("user", "ROMEO:"),
+            Message::new("assistant", &want_first),
+            Message::new("user", "And then, JULIET?"),
+        ];
+        let second = json!({
+            "messages": serde_json::to_value(&turns).unwrap(),
+            "temperature": 0, "max_tokens": 24,
+        });
+        let (status, v) = post(port, "/v1/chat/completions", &second);
+        assert_eq!(status, 200, "{v}");
+        let cached = &v["usage"]["prompt_tokens_details"]["cached_tokens"];
+        assert!(cached.as_u64().unwrap() > 0, "gpu {gpu}: {v}");
+        let lib = runner();
+        let mut chat = Chat::new(&lib, None, Sampling::default()).unwrap();
+        chat.messages = turns;
+        let want = chat.respond(24, &mut |_| {}).unwrap();
+        assert_eq!(
+            v["choices"][0]["message"]["content"],
+            want.text.as_str(),
+            "gpu {gpu}"
+        );
+
+        concurrent_replies(port);
+
+        let sampled = json!({
+            "messages": [{"role": "user", "content": "KING HENRY:\nWhat news?"}],
+            "temperature": 0.8, "seed": 11, "max_tokens": 32,
+        });
+        let plain = WorkerOptions {
+            parallel: 2,
+            ..WorkerOptions::new(CTX)
+        };
+        let plain_port = spawn_server(r, plain, None).0;
+        let (s1, got) = post(port, "/v1/chat/completions", &sampled);
+        let (s2, want) = post(plain_port, "/v1/chat/completions", &sampled);
+        assert_eq!((s1, s2), (200, 200), "{got} {want}");
+        assert_eq!(
+            got["choices"][0]["message"]["content"], want["choices"][0]["message"]["content"],
+            "gpu {gpu}: sampled"
+        );
+    }
+}
+
 fn concurrent_replies(port: u16) {
     let prompts = [
         "ROMEO:",

@@ -598,24 +598,32 @@ fn the_mtp_head_matches_its_training_code() {
 /// token for token those without drafting, and drafts are kept (the head is not noise).
 #[test]
 fn mtp_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
-    drafting_is_exact_on(&Runner::from_cmf(engine::embedded_model().unwrap()).unwrap());
+    let r = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
+    let prompts = ["ROMEO:", "To be, or not to be", "KING HENRY:\nWhat news?"];
+    drafting_is_exact_on(&r, &prompts, &[1, 2, 3], 48);
 }
 
-/// The same on the device: the trunk's check frames, the head and the rollback all on the GPU.
+/// The same on the device: the trunk's check frames, the head and the rollback all on the GPU
+/// (fewer generations: lavapipe is slow).
 #[test]
 fn gpu_mtp_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
     let Some(place) = gpu(256) else { return };
     let r = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
     assert_eq!(r.model.model().backend_name(), "gpu");
-    drafting_is_exact_on(&r);
+    drafting_is_exact_on(
+        &r,
+        &["To be, or not to be", "KING HENRY:\nWhat news?"],
+        &[1, 3],
+        32,
+    );
 }
 
-fn drafting_is_exact_on(r: &Runner) {
+fn drafting_is_exact_on(r: &Runner, prompts: &[&str], depths: &[usize], max_new: usize) {
     use engine::generate::GenerateOptions;
     use engine::sampling::Sampler;
     use engine::speculative::MtpMode;
     let mut kept = 0;
-    for prompt in ["ROMEO:", "To be, or not to be", "KING HENRY:\nWhat news?"] {
+    for prompt in prompts {
         let ids = r.encode(prompt).unwrap();
         for sampling in [
             Sampling {
@@ -631,7 +639,7 @@ fn drafting_is_exact_on(r: &Runner) {
             let run = |mtp: MtpMode| {
                 let opts = GenerateOptions {
                     mtp,
-                    ..GenerateOptions::new(48)
+                    ..GenerateOptions::new(max_new)
                 };
                 let mut st = r.model.model().new_state();
                 let mut s = Sampler::new(sampling);
@@ -639,12 +647,12 @@ fn drafting_is_exact_on(r: &Runner) {
                     .unwrap()
             };
             let want = run(MtpMode::Off);
-            for depth in 1..=3 {
+            for &depth in depths {
                 let got = run(MtpMode::Depth(depth));
                 assert_eq!(got.tokens, want.tokens, "{prompt:?} depth {depth}");
                 kept += got.drafts.unwrap().accepted;
             }
         }
     }
-    assert!(kept > 0, "no draft kept in 18 generations");
+    assert!(kept > 0, "no draft kept");
 }

@@ -205,7 +205,10 @@ fn log(path: &str, status: u16, outcome: Option<&Outcome>, t0: Instant) {
 async fn health(State(state): State<ServerState>) -> Json<Value> {
     tracing::info!(method = "GET", path = "/health", status = 200, "request");
     let load = state.worker.load();
-    Json(json!({"status": "ok", "slots_busy": load.active, "queued": load.queued}))
+    Json(json!({
+        "status": "ok", "slots_busy": load.active, "queued": load.queued,
+        "mtp_drafted": load.drafted, "mtp_drafts_kept": load.drafts_kept,
+    }))
 }
 
 impl ServerState {

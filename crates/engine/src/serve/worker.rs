@@ -22,6 +22,7 @@ use crate::generate::{CancelToken, Decoder, Event as GenEvent, Finish, GenerateO
 use crate::model::{AnyModel, AnyState};
 use crate::run::{RunError, Runner};
 use crate::sampling::Sampler;
+use crate::speculative::{AnySession, Drafter, MtpMode, Stepped};
 
 /// What a job reports, in order: text pieces, then one `Done` or `Failed`.
 #[derive(Debug, Clone)]
@@ -83,6 +84,8 @@ pub struct WorkerOptions {
     pub prefill_chunk: usize,
     /// Bytes of sequence states the prompt cache may keep (0: off).
     pub cache_bytes: u64,
+    /// Drafting with the MTP head for a sequence that decodes alone.
+    pub mtp: MtpMode,
 }
 
 impl WorkerOptions {
@@ -93,6 +96,7 @@ impl WorkerOptions {
             parallel: 4,
             prefill_chunk: 512,
             cache_bytes: 2 << 30,
+            mtp: MtpMode::Off,
         }
     }
 }
@@ -108,6 +112,10 @@ pub struct Load {
     pub cancelled: u64,
     /// Sequences ended so far in any way.
     pub ended: u64,
+    /// MTP drafts checked so far (`--mtp`).
+    pub drafted: u64,
+    /// MTP drafts kept so far.
+    pub drafts_kept: u64,
 }
 
 /// The handle requests are submitted through (cheap to clone).
@@ -167,6 +175,11 @@ struct Slot<'r> {
     next: Option<u32>,
     /// The logits after the whole prompt, when the cache had them (no forward needed).
     ready: Option<Vec<f32>>,
+    /// Its drafting session while it decodes alone (dropped when another sequence joins:
+    /// the batched forward returns no streams for the head).
+    draft: Option<AnySession<'r>>,
+    /// Drafts checked and kept, over its sessions.
+    drafted: (usize, usize),
     t0: Instant,
 }
 
@@ -195,16 +208,24 @@ struct Scheduler<'r> {
     /// recorded frames).
     pool: Vec<AnyState>,
     load: Arc<Mutex<Load>>,
+    /// The MTP drafter and depth, where `--mtp` asks for one and the model has a head.
+    drafter: Option<(Drafter<'r>, usize)>,
 }
 
 impl<'r> Scheduler<'r> {
     fn new(runner: &'r Runner, opts: WorkerOptions, load: Arc<Mutex<Load>>) -> Scheduler<'r> {
+        // The command line checks an explicit depth against the model before it starts.
+        let drafter = crate::speculative::drafter(runner, opts.mtp).unwrap_or_else(|e| {
+            tracing::warn!("{e}: not drafting");
+            None
+        });
         Scheduler {
             runner,
             opts,
             cache: PromptCache::new(opts.cache_bytes),
             pool: Vec::new(),
             load,
+            drafter,
         }
     }
 
@@ -395,6 +416,8 @@ impl<'r> Scheduler<'r> {
             cached,
             next: None,
             ready,
+            draft: None,
+            drafted: (0, 0),
             t0: Instant::now(),
         }))
     }
@@ -417,6 +440,26 @@ impl<'r> Scheduler<'r> {
         if let Err(e) = self.runner.model.integrity().check() {
             self.fail_all(slots, &e.to_string());
             return;
+        }
+        // A sequence decoding alone drafts with the MTP head (when `--mtp` asks): its token
+        // and drafts go through the trunk in one check, with the streams the head reads.
+        if let (Some((drafter, depth)), [slot]) = (self.drafter, &mut slots[..])
+            && let Some(token) = slot.next
+        {
+            if let Err(e) = self.draft_step(drafter, depth, slot, token) {
+                self.fail_all(slots, &e.to_string());
+            } else if slot.next.is_none() {
+                let slot = slots.swap_remove(0);
+                self.finish(slot, None);
+            }
+            return;
+        }
+        for slot in slots.iter_mut() {
+            if let Some(d) = slot.draft.take() {
+                let st = d.stats();
+                slot.drafted.0 += st.drafted;
+                slot.drafted.1 += st.accepted;
+            }
         }
         // Prompts share one budget of ids per step, so a step (and every decoding sequence
         // waiting on it) stays short however many prompts arrive; a slot whose prompt the
@@ -476,6 +519,41 @@ impl<'r> Scheduler<'r> {
         }
     }
 
+    /// One drafting step of the only active sequence, decoding: feeds `token` and the drafts,
+    /// pushes the kept drafts and the sampled token to its decoder.
+    fn draft_step(
+        &mut self,
+        drafter: Drafter<'r>,
+        depth: usize,
+        slot: &mut Slot<'r>,
+        token: u32,
+    ) -> Result<(), RunError> {
+        if slot.draft.is_none() {
+            slot.draft = Some(drafter.session(&slot.state, depth)?);
+        }
+        let session = slot.draft.as_mut().expect("made above");
+        let (pos, generated) = (slot.state.pos(), slot.decoder.generated().len());
+        let mut on_event = text_sink(&slot.events, &slot.cancel);
+        let stepped = drafter.step(
+            session,
+            &mut slot.state,
+            token,
+            &mut slot.sampler,
+            &mut slot.decoder,
+            &mut on_event,
+        )?;
+        // The rows the state kept: `token` (the decoder's last token before the step) and
+        // the kept drafts after it.
+        let kept = slot.state.pos() - pos;
+        let fed = &slot.decoder.generated()[generated - 1..generated - 1 + kept];
+        slot.held.extend_from_slice(fed);
+        slot.next = match stepped {
+            Stepped::Sampled(n) => slot.decoder.push(n, &mut slot.sampler, &mut on_event),
+            Stepped::Ended => None,
+        };
+        Ok(())
+    }
+
     /// Ends a sequence: its last text and outcome (or `failure`) go out, its state goes to the
     /// prompt cache, its buffers back to the pool.
     fn finish(&mut self, slot: Slot<'r>, failure: Option<(u16, String)>) {
@@ -488,8 +566,15 @@ impl<'r> Scheduler<'r> {
             held,
             cached,
             t0,
+            draft,
+            mut drafted,
             ..
         } = slot;
+        if let Some(d) = draft {
+            let st = d.stats();
+            drafted.0 += st.drafted;
+            drafted.1 += st.accepted;
+        }
         // A corrupt tensor found while the last tokens were made taints them too.
         let failure = failure.or_else(|| {
             self.runner
@@ -509,6 +594,8 @@ impl<'r> Scheduler<'r> {
             load.active = load.active.saturating_sub(1);
             load.ended += 1;
             load.cancelled += u64::from(failure.is_none() && d.finish == Finish::Cancelled);
+            load.drafted += drafted.0 as u64;
+            load.drafts_kept += drafted.1 as u64;
         }
         let failed = failure.is_some();
         let ev = match failure {
@@ -526,6 +613,8 @@ impl<'r> Scheduler<'r> {
             prompt = prompt.len(),
             cached,
             generated = d.tokens.len(),
+            drafted = drafted.0,
+            kept = drafted.1,
             ms = t0.elapsed().as_millis() as u64,
             "sequence ended"
         );
