@@ -825,7 +825,7 @@ pub(crate) fn encode_argmax(e: &mut Enc<'_>, v: usize) -> Result<(), GpuError> {
 }
 
 /// A buffer of `floats` f32 the host maps to read what a frame copied into it.
-fn readback_buffer(ctx: &GpuContext, floats: usize) -> wgpu::Buffer {
+pub(crate) fn readback_buffer(ctx: &GpuContext, floats: usize) -> wgpu::Buffer {
     ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("logits readback"),
         size: (floats * 4) as u64,

@@ -25,7 +25,7 @@ use quant_codecs::ops::linear;
 use crate::config::Qwen4ExpTextConfig;
 use crate::device::{Device, Enc, Part};
 use crate::forward::{ForwardError, Model};
-use crate::gpu::{GpuModel, encode_argmax};
+use crate::gpu::{GpuModel, encode_argmax, readback_buffer};
 use crate::hc::HcGpu;
 use crate::moe::MoeGpu;
 use crate::ops::rms_norm_1p;
@@ -246,8 +246,10 @@ pub struct MtpDeviceState {
     attn: AttnDeviceState,
     pos: usize,
     frame: wgpu::Buffer,
-    /// Streams `[8, H*D]`, then the logits row, then the token: what the host reads back.
+    /// The streams `[8, H*D]` the host reads back.
     stage: wgpu::Buffer,
+    /// The logits row, or the token, the host reads back (only what was asked for is read).
+    stage_head: wgpu::Buffer,
     graphs: HashMap<(usize, MtpHead), Graph>,
 }
 
@@ -291,12 +293,8 @@ impl GpuModel<'_> {
             attn: AttnDeviceState::new(ctx, c, self.res.ctx_len),
             pos: 0,
             frame: graph::frame_buffer(ctx),
-            stage: ctx.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("mtp readback"),
-                size: ((MAX_BATCH * h * d + c.vocab_size + 1) * 4) as u64,
-                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            }),
+            stage: readback_buffer(ctx, MAX_BATCH * h * d),
+            stage_head: readback_buffer(ctx, c.vocab_size),
             graphs: HashMap::new(),
         })
     }
@@ -368,30 +366,31 @@ impl GpuModel<'_> {
                 });
             st.graphs[&(nt, fh)].record(ctx, &mut enc, None);
             let s = &self.res.scratch;
-            let hd_bytes = (MAX_BATCH * hd * 4) as u64;
             enc.copy_buffer_to_buffer(&s.x, 0, &st.stage, 0, (nt * hd * 4) as u64);
-            match fh {
-                MtpHead::None => {}
-                MtpHead::Logits => {
-                    enc.copy_buffer_to_buffer(&s.logits, 0, &st.stage, hd_bytes, (v * 4) as u64)
-                }
-                MtpHead::Argmax => {
-                    let at = hd_bytes + (v * 4) as u64;
-                    enc.copy_buffer_to_buffer(&s.token, 0, &st.stage, at, 4)
-                }
+            let read = match fh {
+                MtpHead::None => 0,
+                MtpHead::Logits => v,
+                MtpHead::Argmax => 1,
+            };
+            let src = if fh == MtpHead::Argmax {
+                &s.token
+            } else {
+                &s.logits
+            };
+            if read > 0 {
+                enc.copy_buffer_to_buffer(src, 0, &st.stage_head, 0, (read * 4) as u64);
             }
             ctx.queue.submit([enc.finish()]);
             st.pos += nt;
-            let read = match fh {
-                MtpHead::None => nt * hd,
-                _ => MAX_BATCH * hd + v + 1,
-            };
-            let data = readback::read_mapped(ctx, &st.stage, read)?;
-            out.streams.extend_from_slice(&data[..nt * hd]);
+            out.streams
+                .extend(readback::read_mapped(ctx, &st.stage, nt * hd)?);
             match fh {
                 MtpHead::None => {}
-                MtpHead::Logits => out.logits = data[MAX_BATCH * hd..MAX_BATCH * hd + v].to_vec(),
-                MtpHead::Argmax => out.token = Some(data[MAX_BATCH * hd + v].to_bits()),
+                MtpHead::Logits => out.logits = readback::read_mapped(ctx, &st.stage_head, v)?,
+                MtpHead::Argmax => {
+                    let t = readback::read_mapped(ctx, &st.stage_head, 1)?;
+                    out.token = Some(t[0].to_bits());
+                }
             }
         }
         Ok(out)
