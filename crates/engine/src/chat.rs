@@ -121,6 +121,8 @@ pub struct Chat<'r> {
     pub prefill_chunk: usize,
     /// Drafting with the MTP head ([`GenerateOptions::mtp`]).
     pub mtp: crate::speculative::MtpMode,
+    /// Drafting by prompt lookup ([`GenerateOptions::lookup`]).
+    pub lookup: usize,
 }
 
 /// A Jinja environment holding the chat template as `chat`, with what Hugging Face templates
@@ -206,6 +208,7 @@ impl<'r> Chat<'r> {
             ctx_limit: None,
             prefill_chunk: 0,
             mtp: crate::speculative::MtpMode::default(),
+            lookup: 0,
         })
     }
 
@@ -304,6 +307,7 @@ impl<'r> Chat<'r> {
             keep_prompt_state: true,
             prefill_chunk: self.prefill_chunk,
             mtp: self.mtp,
+            lookup: self.lookup,
             ..GenerateOptions::default()
         };
         let g = self.runner.complete(

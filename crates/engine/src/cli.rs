@@ -79,6 +79,11 @@ pub struct ServeArgs {
     /// `off`. Replies are the same either way.
     #[arg(long, value_name = "N|auto|off", default_value = "off")]
     pub mtp: engine::speculative::MtpMode,
+    /// Prompt-lookup drafting instead: up to N tokens a step (1..=7; 0: off) copied from where
+    /// the last 2-4 tokens occurred before in the context, checked like MTP drafts (the same
+    /// tokens either way; no head needed). Pays on text that repeats its context.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub lookup: usize,
     /// Sampling defaults for requests that leave a field out, and the context (-c).
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -383,6 +388,11 @@ pub struct RunArgs {
     /// the same either way; a monitor drafts less, or not at all, while drafting does not pay.
     #[arg(long, value_name = "N|auto|off", default_value = "off")]
     pub mtp: engine::speculative::MtpMode,
+    /// Prompt-lookup drafting instead: up to N tokens a step (1..=7; 0: off) copied from where
+    /// the last 2-4 tokens occurred before in the context, checked like MTP drafts (the same
+    /// tokens either way; no head needed). Pays on text that repeats its context.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub lookup: usize,
     /// Threads.
     #[command(flatten)]
     pub compute: ComputeArgs,
@@ -405,6 +415,11 @@ pub struct ChatArgs {
     /// the same either way; a monitor drafts less, or not at all, while drafting does not pay.
     #[arg(long, value_name = "N|auto|off", default_value = "off")]
     pub mtp: engine::speculative::MtpMode,
+    /// Prompt-lookup drafting instead: up to N tokens a step (1..=7; 0: off) copied from where
+    /// the last 2-4 tokens occurred before in the context, checked like MTP drafts (the same
+    /// tokens either way; no head needed). Pays on text that repeats its context.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub lookup: usize,
     /// Threads.
     #[command(flatten)]
     pub compute: ComputeArgs,

@@ -57,6 +57,8 @@ pub struct GenerateOptions {
     pub ignore_eos: bool,
     /// Drafting with the model's MTP head (the same tokens, fewer trunk forwards).
     pub mtp: crate::speculative::MtpMode,
+    /// Drafting by prompt lookup, up to this many tokens a step (0: off; not with `mtp`).
+    pub lookup: usize,
 }
 
 impl GenerateOptions {
@@ -156,14 +158,15 @@ impl Runner {
         }
         let integrity = self.model.integrity();
         integrity.check()?;
-        if let Some((d, depth)) = crate::speculative::drafter(self, opts.mtp)? {
+        if let Some(plan) = crate::speculative::drafter(self, opts.mtp, opts.lookup)? {
             use crate::speculative::Drafter;
-            match (d, state) {
+            let how = (plan.depth, plan.source);
+            match (plan.drafter, state) {
                 (Drafter::Cpu(m), AnyState::Qwen4(st)) => {
-                    self.complete_mtp(m, depth, st, prompt, sampler, opts, on_event, &mut g, None)?
+                    self.complete_mtp(m, how, st, prompt, sampler, opts, on_event, &mut g, None)?
                 }
                 (Drafter::Gpu(m), AnyState::Qwen4Gpu(st)) => {
-                    self.complete_mtp(m, depth, st, prompt, sampler, opts, on_event, &mut g, None)?
+                    self.complete_mtp(m, how, st, prompt, sampler, opts, on_event, &mut g, None)?
                 }
                 _ => return Err(RunError::Forward(crate::model::ForwardError::StateMismatch)),
             }

@@ -528,6 +528,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
             0
         },
         mtp: args.mtp,
+        lookup: args.lookup,
         ..GenerateOptions::default()
     };
     let mut out = io::stdout().lock();
@@ -595,6 +596,7 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
     let mut chat = engine::chat::Chat::new(&runner, args.system.as_deref(), settings)?;
     chat.ctx_limit = args.sampling.ctx.or(runner.context_length());
     chat.mtp = args.mtp;
+    chat.lookup = args.lookup;
     const HELP: &str = "commands: /reset starts over, /quit or /exit (or Ctrl-D) ends, /help";
     let interactive = io::stdin().is_terminal();
     if interactive {
@@ -709,8 +711,9 @@ fn run_serve(args: cli::ServeArgs) -> anyhow::Result<ExitCode> {
     wopts.parallel = usize::from(args.parallel);
     wopts.cache_bytes = args.cache_mb << 20;
     // An explicit depth on a model without a head is refused before the server starts.
-    engine::speculative::drafter(&runner, args.mtp)?;
+    engine::speculative::drafter(&runner, args.mtp, args.lookup)?;
     wopts.mtp = args.mtp;
+    wopts.lookup = args.lookup;
     let worker = engine::serve::worker::Worker::spawn(runner, wopts)?;
     let state = engine::serve::ServerState::new(worker, &name, api_key, defaults);
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -1,8 +1,9 @@
 //! Drafting with the MTP head changes nothing but speed: on every qwen4_exp fixture with an MTP
 //! head added (pseudo-random, so its drafts are mostly rejected and every rollback path runs),
-//! `--mtp 1..=4` generates, token for token, what `--mtp off` generates, greedy and sampled
-//! (temperature, top-p, repeat penalty, a seed), through the reply's limit and EOS, over two
-//! chat-like turns that reuse the state; and the state each leaves is the same sequence.
+//! `--mtp 1..=4` (and prompt lookup, `--lookup 3`) generates, token for token, what plain
+//! decoding generates, greedy and sampled (temperature, top-p, repeat penalty, a seed), through
+//! the reply's limit and EOS, over two chat-like turns that reuse the state; and the state each
+//! leaves is the same sequence.
 
 use engine::generate::GenerateOptions;
 use engine::model::Placement;
@@ -16,7 +17,7 @@ const CASES: [&str; 3] = ["qwen4_exp_a", "qwen4_exp_b", "qwen4_exp_c"];
 
 fn generate(
     r: &Runner,
-    mtp: MtpMode,
+    (mtp, lookup): (MtpMode, usize),
     sampling: Sampling,
     max_new: usize,
 ) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
@@ -25,13 +26,17 @@ fn generate(
     let mut sampler = Sampler::new(sampling);
     let opts = GenerateOptions {
         mtp,
+        lookup,
         ..GenerateOptions::new(max_new)
     };
-    let first = r.encode("The quick brown fox").unwrap();
+    // Repeats itself, so prompt lookup finds drafts from the first step.
+    let first = r
+        .encode("The quick brown fox and the quick brown fox and the quick brown")
+        .unwrap();
     let g1 = r
         .complete(&mut st, &first, &mut sampler, &opts, &mut |_| {})
         .unwrap();
-    assert_eq!(g1.drafts.is_some(), mtp != MtpMode::Off);
+    assert_eq!(g1.drafts.is_some(), mtp != MtpMode::Off || lookup > 0);
     // The second turn: the last token of the first and a new message, on the same state.
     let mut second = vec![*g1.tokens.last().unwrap()];
     second.extend(r.encode(" and then").unwrap());
@@ -99,21 +104,23 @@ fn drafting_is_exact(place: &Placement, lengths: &[usize], depths: &[usize]) {
         };
         for (name, s) in [("greedy", greedy), ("sampled", sampled)] {
             for &max_new in lengths {
-                let want = generate(&r, MtpMode::Off, s, max_new);
-                for &depth in depths {
-                    let got = generate(&r, MtpMode::Depth(depth), s, max_new);
+                let want = generate(&r, (MtpMode::Off, 0), s, max_new);
+                let modes = depths.iter().map(|&d| (MtpMode::Depth(d), 0));
+                for mode in modes.chain([(MtpMode::Off, 3)]) {
+                    let depth = format!("{mode:?}");
+                    let got = generate(&r, mode, s, max_new);
                     assert_eq!(
                         got.0, want.0,
-                        "{backend} {case} {name} max {max_new} depth {depth}: turn 1"
+                        "{backend} {case} {name} max {max_new} mode {depth}: turn 1"
                     );
                     assert_eq!(
                         got.1, want.1,
-                        "{backend} {case} {name} max {max_new} depth {depth}: turn 2"
+                        "{backend} {case} {name} max {max_new} mode {depth}: turn 2"
                     );
                     let err = test_support::max_abs_diff(&got.2, &want.2);
                     assert!(
                         err <= 1e-5 * test_support::max_abs(&want.2),
-                        "{backend} {case} {name} max {max_new} depth {depth}: the states differ ({err:.3e})"
+                        "{backend} {case} {name} max {max_new} mode {depth}: the states differ ({err:.3e})"
                     );
                 }
             }

@@ -603,6 +603,60 @@ fn mtp_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
     drafting_is_exact_on(&r, &prompts, &[1, 2, 3], 48);
 }
 
+/// Prompt-lookup drafting on the demo model (whose greedy text repeats itself, so lookup
+/// finds drafts): the same tokens as without drafting, drafts kept, CPU and GPU.
+#[test]
+fn lookup_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
+    use engine::generate::GenerateOptions;
+    use engine::sampling::Sampler;
+    let cpu = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
+    let gpu = gpu(256).map(|p| Runner::from_cmf_on(engine::embedded_model().unwrap(), &p).unwrap());
+    for r in std::iter::once(cpu).chain(gpu) {
+        let backend = r.model.model().backend_name();
+        let mut kept = 0;
+        // (One prompt on the GPU: lavapipe is slow.)
+        let prompts: &[&str] = match backend {
+            "gpu" => &["To be, or not to be"],
+            _ => &["ROMEO:", "To be, or not to be"],
+        };
+        for prompt in prompts {
+            let ids = r.encode(prompt).unwrap();
+            for sampling in [
+                Sampling {
+                    temperature: 0.0,
+                    ..Sampling::default()
+                },
+                Sampling {
+                    temperature: 0.8,
+                    seed: 5,
+                    ..Sampling::default()
+                },
+            ] {
+                let run = |lookup: usize| {
+                    let opts = GenerateOptions {
+                        lookup,
+                        ..GenerateOptions::new(64)
+                    };
+                    let mut st = r.model.model().new_state();
+                    let mut s = Sampler::new(sampling);
+                    r.complete(&mut st, &ids, &mut s, &opts, &mut |_| {})
+                        .unwrap()
+                };
+                let want = run(0);
+                for depth in [2, 5] {
+                    let got = run(depth);
+                    assert_eq!(
+                        got.tokens, want.tokens,
+                        "{backend} {prompt:?} depth {depth}"
+                    );
+                    kept += got.drafts.unwrap().accepted;
+                }
+            }
+        }
+        assert!(kept > 0, "{backend}: no lookup draft kept");
+    }
+}
+
 /// The same on the device: the trunk's check frames, the head and the rollback all on the GPU
 /// (fewer generations: lavapipe is slow).
 #[test]

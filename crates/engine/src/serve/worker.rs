@@ -22,7 +22,7 @@ use crate::generate::{CancelToken, Decoder, Event as GenEvent, Finish, GenerateO
 use crate::model::{AnyModel, AnyState};
 use crate::run::{RunError, Runner};
 use crate::sampling::Sampler;
-use crate::speculative::{AnySession, Drafter, MtpMode, Stepped};
+use crate::speculative::{AnySession, MtpMode, Plan, Stepped};
 
 /// What a job reports, in order: text pieces, then one `Done` or `Failed`.
 #[derive(Debug, Clone)]
@@ -86,6 +86,8 @@ pub struct WorkerOptions {
     pub cache_bytes: u64,
     /// Drafting with the MTP head for a sequence that decodes alone.
     pub mtp: MtpMode,
+    /// Drafting by prompt lookup instead, up to this many tokens a step (0: off).
+    pub lookup: usize,
 }
 
 impl WorkerOptions {
@@ -97,6 +99,7 @@ impl WorkerOptions {
             prefill_chunk: 512,
             cache_bytes: 2 << 30,
             mtp: MtpMode::Off,
+            lookup: 0,
         }
     }
 }
@@ -208,17 +211,19 @@ struct Scheduler<'r> {
     /// recorded frames).
     pool: Vec<AnyState>,
     load: Arc<Mutex<Load>>,
-    /// The MTP drafter and depth, where `--mtp` asks for one and the model has a head.
-    drafter: Option<(Drafter<'r>, usize)>,
+    /// How a sequence decoding alone drafts, where `--mtp` or `--lookup` asks and the model
+    /// can.
+    drafter: Option<Plan<'r>>,
 }
 
 impl<'r> Scheduler<'r> {
     fn new(runner: &'r Runner, opts: WorkerOptions, load: Arc<Mutex<Load>>) -> Scheduler<'r> {
         // The command line checks an explicit depth against the model before it starts.
-        let drafter = crate::speculative::drafter(runner, opts.mtp).unwrap_or_else(|e| {
-            tracing::warn!("{e}: not drafting");
-            None
-        });
+        let drafter =
+            crate::speculative::drafter(runner, opts.mtp, opts.lookup).unwrap_or_else(|e| {
+                tracing::warn!("{e}: not drafting");
+                None
+            });
         Scheduler {
             runner,
             opts,
@@ -443,10 +448,10 @@ impl<'r> Scheduler<'r> {
         }
         // A sequence decoding alone drafts with the MTP head (when `--mtp` asks): its token
         // and drafts go through the trunk in one check, with the streams the head reads.
-        if let (Some((drafter, depth)), [slot]) = (self.drafter, &mut slots[..])
+        if let (Some(plan), [slot]) = (self.drafter, &mut slots[..])
             && let Some(token) = slot.next
         {
-            if let Err(e) = self.draft_step(drafter, depth, slot, token) {
+            if let Err(e) = self.draft_step(plan, slot, token) {
                 self.fail_all(slots, &e.to_string());
             } else if slot.next.is_none() {
                 let slot = slots.swap_remove(0);
@@ -523,13 +528,13 @@ impl<'r> Scheduler<'r> {
     /// pushes the kept drafts and the sampled token to its decoder.
     fn draft_step(
         &mut self,
-        drafter: Drafter<'r>,
-        depth: usize,
+        plan: Plan<'r>,
         slot: &mut Slot<'r>,
         token: u32,
     ) -> Result<(), RunError> {
+        let drafter = plan.drafter;
         if slot.draft.is_none() {
-            slot.draft = Some(drafter.session(&slot.state, depth)?);
+            slot.draft = Some(drafter.session(&slot.state, plan.depth, plan.source)?);
         }
         let session = slot.draft.as_mut().expect("made above");
         let (pos, generated) = (slot.state.pos(), slot.decoder.generated().len());
