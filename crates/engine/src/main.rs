@@ -572,7 +572,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
     );
     if let Some(d) = g.drafts {
         eprintln!(
-            "cortiq: MTP drafts: {} checked in {} steps, {} kept ({:.1}%); {:.2} tokens per check",
+            "cortiq: drafts: {} checked in {} steps, {} kept ({:.1}%); {:.2} tokens per check",
             d.drafted,
             d.checks,
             d.accepted,

@@ -493,6 +493,12 @@ pub enum DraftSource {
 /// The longest and shortest n-gram prompt lookup matches on.
 const LOOKUP_NGRAM: (usize, usize) = (4, 2);
 
+/// The running rate of kept first drafts under which prompt lookup mostly stops drafting.
+const LOOKUP_MIN_KEEP: f64 = 0.5;
+
+/// Below [`LOOKUP_MIN_KEEP`], one match in this many is still checked.
+const LOOKUP_PROBE: usize = 8;
+
 /// Up to `max` drafts by prompt lookup: the tokens after the most recent earlier occurrence of
 /// `history`'s last n tokens (the longest n in [`LOOKUP_NGRAM`] that occurs).
 pub fn lookup_drafts(history: &[u32], max: usize) -> Vec<u32> {
@@ -525,8 +531,13 @@ enum Proposer<H> {
         pending: Vec<u32>,
         hs_last: Option<Vec<f32>>,
     },
-    /// Prompt lookup over the tokens the session has seen.
-    Lookup { history: Vec<u32> },
+    /// Prompt lookup over the tokens the session has seen, with the running rate at which its
+    /// first draft is kept and the matches passed over since the last check.
+    Lookup {
+        history: Vec<u32>,
+        keep1: f64,
+        passed: usize,
+    },
 }
 
 /// One sequence's drafting: where its drafts come from, the monitor and the statistics.
@@ -571,6 +582,8 @@ impl<B: Speculate> DraftSession<B> {
             },
             DraftSource::Lookup => Proposer::Lookup {
                 history: Vec::new(),
+                keep1: LOOKUP_MIN_KEEP + 0.1,
+                passed: 0,
             },
         };
         Ok(DraftSession {
@@ -601,7 +614,7 @@ impl<B: Speculate> DraftSession<B> {
             ..
         } = &mut self.proposer
         else {
-            let Proposer::Lookup { history } = &mut self.proposer else {
+            let Proposer::Lookup { history, .. } = &mut self.proposer else {
                 unreachable!()
             };
             history.extend_from_slice(part);
@@ -644,15 +657,24 @@ impl<B: Speculate> DraftSession<B> {
         oracle: Option<&Oracle<'_>>,
     ) -> Result<Stepped, ForwardError> {
         let step = Instant::now();
-        let cap = self.monitor.depth().min(dec.room());
         match &mut self.proposer {
-            Proposer::Lookup { history } => {
+            Proposer::Lookup {
+                history,
+                keep1,
+                passed,
+            } => {
                 history.push(token);
-                let drafts = if cap > 0 {
-                    lookup_drafts(history, cap)
-                } else {
-                    Vec::new()
-                };
+                // A match is itself the evidence a lookup draft needs (the text is repeating
+                // its context): the whole depth is drafted wherever one is found, while first
+                // drafts are kept at least half the time (a check that keeps nothing costs
+                // more than a plain step); below that, one draft of one match in 8 is still
+                // checked, to notice when the text starts repeating.
+                let mut drafts = lookup_drafts(history, self.monitor.max.min(dec.room()));
+                if !drafts.is_empty() && *keep1 < LOOKUP_MIN_KEEP {
+                    *passed += 1;
+                    // A probe checks one draft: a miss costs a 2-row check.
+                    drafts.truncate(if *passed < LOOKUP_PROBE { 0 } else { 1 });
+                }
                 let mut rows = vec![token];
                 rows.extend(drafts.iter().enumerate().map(|(i, &t)| match oracle {
                     Some(o) => o(dec.generated().len(), i),
@@ -664,10 +686,17 @@ impl<B: Speculate> DraftSession<B> {
                     return Ok(Stepped::Sampled(next));
                 }
                 let c = self.check(m, st, &rows, false, sampler, dec, on_event)?;
-                let Proposer::Lookup { history } = &mut self.proposer else {
+                let Proposer::Lookup {
+                    history,
+                    keep1,
+                    passed,
+                } = &mut self.proposer
+                else {
                     unreachable!()
                 };
                 history.extend_from_slice(&rows[1..=c.kept]);
+                *keep1 = 0.8 * *keep1 + 0.2 * f64::from(u8::from(c.kept > 0));
+                *passed = 0;
                 let depth = rows.len() - 1;
                 self.monitor
                     .record(depth, c.kept, step.elapsed().as_secs_f64());
@@ -678,6 +707,7 @@ impl<B: Speculate> DraftSession<B> {
                 })
             }
             Proposer::Head { .. } => {
+                let cap = self.monitor.depth().min(dec.room());
                 self.head_step(m, st, token, cap, sampler, dec, on_event, oracle)
             }
         }
