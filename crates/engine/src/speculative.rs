@@ -565,12 +565,13 @@ struct Checked {
 
 impl<B: Speculate> DraftSession<B> {
     /// A session for `st` from its current position, drafting up to `max_depth` from
-    /// `source`.
+    /// `source`; `context` is what `st` holds, where known (prompt lookup searches it).
     pub fn new(
         m: &B,
         st: &B::State,
         max_depth: usize,
         source: DraftSource,
+        context: &[u32],
     ) -> Result<Self, ForwardError> {
         let proposer = match source {
             DraftSource::Head => Proposer::Head {
@@ -581,7 +582,7 @@ impl<B: Speculate> DraftSession<B> {
                 hs_last: None,
             },
             DraftSource::Lookup => Proposer::Lookup {
-                history: Vec::new(),
+                history: context.to_vec(),
                 keep1: LOOKUP_MIN_KEEP + 0.1,
                 passed: 0,
             },
@@ -889,19 +890,19 @@ impl<'m> AnySession<'m> {
 }
 
 impl<'m> Drafter<'m> {
-    /// A session for the sequence in `st` from its current position.
+    /// A session for the sequence in `st` (which holds `context`) from its current position.
     pub(crate) fn session(
         self,
         st: &AnyState,
-        depth: usize,
-        source: DraftSource,
+        (depth, source): (usize, DraftSource),
+        context: &[u32],
     ) -> Result<AnySession<'m>, RunError> {
         Ok(match (self, st) {
             (Drafter::Cpu(m), AnyState::Qwen4(st)) => {
-                AnySession::Cpu(DraftSession::new(m, st, depth, source)?)
+                AnySession::Cpu(DraftSession::new(m, st, depth, source, context)?)
             }
             (Drafter::Gpu(m), AnyState::Qwen4Gpu(st)) => {
-                AnySession::Gpu(DraftSession::new(m, &**st, depth, source)?)
+                AnySession::Gpu(DraftSession::new(m, &**st, depth, source, context)?)
             }
             _ => return Err(RunError::Forward(crate::model::ForwardError::StateMismatch)),
         })
@@ -950,7 +951,8 @@ impl Runner {
         let cancelled = || opts.cancel.as_ref().is_some_and(CancelToken::is_cancelled);
         let integrity = self.model.integrity();
         let t0 = Instant::now();
-        let mut session = DraftSession::new(m, st, max_depth, source)?;
+        // (What `st` held before this call is not known here: lookup searches from the prompt.)
+        let mut session = DraftSession::new(m, st, max_depth, source, &[])?;
         let chunk = match opts.prefill_chunk {
             0 => prompt.len(),
             c => c,

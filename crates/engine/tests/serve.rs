@@ -601,6 +601,40 @@ fn drafting_replies_are_the_plain_replies() {
     }
 }
 
+/// `--lookup`: the same for prompt-lookup drafting, on text completions (the demo model's
+/// greedy text repeats itself, so drafts are found and kept).
+#[test]
+fn lookup_drafting_replies_are_the_plain_replies() {
+    let opts = WorkerOptions {
+        lookup: 4,
+        ..WorkerOptions::new(CTX)
+    };
+    let (port, state) = spawn_server(runner(), opts, None);
+    let r = runner();
+    for p in ["ROMEO:", "To be, or not to be"] {
+        let req = json!({"prompt": p, "temperature": 0, "max_tokens": 64});
+        let (status, v) = post(port, "/v1/completions", &req);
+        assert_eq!(status, 200, "{v}");
+        let greedy = Sampling {
+            temperature: 0.0,
+            ..Sampling::default()
+        };
+        let ids = r.encode(p).unwrap();
+        let want = r
+            .complete(
+                &mut r.model.model().new_state(),
+                &ids,
+                &mut Sampler::new(greedy),
+                &GenerateOptions::new(64),
+                &mut |_| {},
+            )
+            .unwrap();
+        assert_eq!(v["choices"][0]["text"], want.text.as_str(), "{p}");
+    }
+    let load = state.load();
+    assert!(load.drafts_kept > 0, "no draft kept: {load:?}");
+}
+
 fn concurrent_replies(port: u16) {
     let prompts = [
         "ROMEO:",

@@ -15,6 +15,7 @@ use engine::model::{AnyModel, Placement};
 use engine::perplexity::{PerplexityOptions, perplexity};
 use engine::run::Runner;
 use engine::sampling::Sampling;
+use engine::speculative::MtpMode;
 
 /// The trained fixtures; both score the same held-out text (fixtures/shakespeare/heldout.txt).
 const CASES: [&str; 2] = ["shakespeare", "deepseek_v4_shakespeare"];
@@ -600,61 +601,7 @@ fn the_mtp_head_matches_its_training_code() {
 fn mtp_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
     let r = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
     let prompts = ["ROMEO:", "To be, or not to be", "KING HENRY:\nWhat news?"];
-    drafting_is_exact_on(&r, &prompts, &[1, 2, 3], 48);
-}
-
-/// Prompt-lookup drafting on the demo model (whose greedy text repeats itself, so lookup
-/// finds drafts): the same tokens as without drafting, drafts kept, CPU and GPU.
-#[test]
-fn lookup_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
-    use engine::generate::GenerateOptions;
-    use engine::sampling::Sampler;
-    let cpu = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
-    let gpu = gpu(256).map(|p| Runner::from_cmf_on(engine::embedded_model().unwrap(), &p).unwrap());
-    for r in std::iter::once(cpu).chain(gpu) {
-        let backend = r.model.model().backend_name();
-        let mut kept = 0;
-        // (One prompt on the GPU: lavapipe is slow.)
-        let prompts: &[&str] = match backend {
-            "gpu" => &["To be, or not to be"],
-            _ => &["ROMEO:", "To be, or not to be"],
-        };
-        for prompt in prompts {
-            let ids = r.encode(prompt).unwrap();
-            for sampling in [
-                Sampling {
-                    temperature: 0.0,
-                    ..Sampling::default()
-                },
-                Sampling {
-                    temperature: 0.8,
-                    seed: 5,
-                    ..Sampling::default()
-                },
-            ] {
-                let run = |lookup: usize| {
-                    let opts = GenerateOptions {
-                        lookup,
-                        ..GenerateOptions::new(64)
-                    };
-                    let mut st = r.model.model().new_state();
-                    let mut s = Sampler::new(sampling);
-                    r.complete(&mut st, &ids, &mut s, &opts, &mut |_| {})
-                        .unwrap()
-                };
-                let want = run(0);
-                for depth in [2, 5] {
-                    let got = run(depth);
-                    assert_eq!(
-                        got.tokens, want.tokens,
-                        "{backend} {prompt:?} depth {depth}"
-                    );
-                    kept += got.drafts.unwrap().accepted;
-                }
-            }
-        }
-        assert!(kept > 0, "{backend}: no lookup draft kept");
-    }
+    drafting_is_exact_on(&r, &prompts, &[MTP1, MTP2, MTP3], 48);
 }
 
 /// The same on the device: the trunk's check frames, the head and the rollback all on the GPU
@@ -664,18 +611,34 @@ fn gpu_mtp_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
     let Some(place) = gpu(256) else { return };
     let r = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
     assert_eq!(r.model.model().backend_name(), "gpu");
-    drafting_is_exact_on(
-        &r,
-        &["To be, or not to be", "KING HENRY:\nWhat news?"],
-        &[1, 3],
-        32,
-    );
+    let prompts = ["To be, or not to be", "KING HENRY:\nWhat news?"];
+    drafting_is_exact_on(&r, &prompts, &[MTP1, MTP3], 32);
 }
 
-fn drafting_is_exact_on(r: &Runner, prompts: &[&str], depths: &[usize], max_new: usize) {
+/// Prompt-lookup drafting on the demo model (whose greedy text repeats itself, so lookup
+/// finds drafts): the same tokens as without drafting, drafts kept, CPU and GPU (one prompt:
+/// lavapipe is slow).
+#[test]
+fn lookup_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
+    let cpu = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
+    let lookup = [(MtpMode::Off, 2), (MtpMode::Off, 5)];
+    drafting_is_exact_on(&cpu, &["ROMEO:", "To be, or not to be"], &lookup, 64);
+    if let Some(place) = gpu(256) {
+        let r = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
+        drafting_is_exact_on(&r, &["To be, or not to be"], &lookup, 64);
+    }
+}
+
+const MTP1: (MtpMode, usize) = (MtpMode::Depth(1), 0);
+const MTP2: (MtpMode, usize) = (MtpMode::Depth(2), 0);
+const MTP3: (MtpMode, usize) = (MtpMode::Depth(3), 0);
+
+/// Each prompt, greedy and sampled, with each drafting mode (`--mtp`, `--lookup`) against no
+/// drafting: the same tokens; and some draft kept over all of them.
+fn drafting_is_exact_on(r: &Runner, prompts: &[&str], modes: &[(MtpMode, usize)], max_new: usize) {
     use engine::generate::GenerateOptions;
     use engine::sampling::Sampler;
-    use engine::speculative::MtpMode;
+    let backend = r.model.model().backend_name();
     let mut kept = 0;
     for prompt in prompts {
         let ids = r.encode(prompt).unwrap();
@@ -690,9 +653,10 @@ fn drafting_is_exact_on(r: &Runner, prompts: &[&str], depths: &[usize], max_new:
                 ..Sampling::default()
             },
         ] {
-            let run = |mtp: MtpMode| {
+            let run = |(mtp, lookup): (MtpMode, usize)| {
                 let opts = GenerateOptions {
                     mtp,
+                    lookup,
                     ..GenerateOptions::new(max_new)
                 };
                 let mut st = r.model.model().new_state();
@@ -700,13 +664,13 @@ fn drafting_is_exact_on(r: &Runner, prompts: &[&str], depths: &[usize], max_new:
                 r.complete(&mut st, &ids, &mut s, &opts, &mut |_| {})
                     .unwrap()
             };
-            let want = run(MtpMode::Off);
-            for &depth in depths {
-                let got = run(MtpMode::Depth(depth));
-                assert_eq!(got.tokens, want.tokens, "{prompt:?} depth {depth}");
+            let want = run((MtpMode::Off, 0));
+            for &mode in modes {
+                let got = run(mode);
+                assert_eq!(got.tokens, want.tokens, "{backend} {prompt:?} {mode:?}");
                 kept += got.drafts.unwrap().accepted;
             }
         }
     }
-    assert!(kept > 0, "no draft kept");
+    assert!(kept > 0, "{backend} {modes:?}: no draft kept");
 }

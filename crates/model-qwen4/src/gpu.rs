@@ -523,15 +523,23 @@ impl<'a> GpuModel<'a> {
         let c = &self.model.config;
         let (h, d) = (c.hc_count, c.hidden_size);
         let mut xs = vec![0f32; tokens.len() * h * d];
-        for (r, &id) in tokens.iter().enumerate() {
-            let row = &mut xs[r * h * d..r * h * d + d];
-            let embed = &self.model.weights.embed;
-            embed.dequantize_row(id as usize, row).expect("id checked");
-            for k in 1..h {
-                xs.copy_within(r * h * d..r * h * d + d, r * h * d + k * d);
+        for (r, e) in self.embeddings(tokens).chunks(d).enumerate() {
+            for k in 0..h {
+                xs[r * h * d + k * d..r * h * d + (k + 1) * d].copy_from_slice(e);
             }
         }
         xs
+    }
+
+    /// Each token's embedding row `[nt, D]`, gathered on the host from the mapped table.
+    pub(crate) fn embeddings(&self, tokens: &[u32]) -> Vec<f32> {
+        let d = self.model.config.hidden_size;
+        let mut e = vec![0f32; tokens.len() * d];
+        for (row, &id) in e.chunks_mut(d).zip(tokens) {
+            let embed = &self.model.weights.embed;
+            embed.dequantize_row(id as usize, row).expect("id checked");
+        }
+        e
     }
 
     /// `st`'s n-gram history after `tokens`, and per PLE layer the gathered n-gram rows of

@@ -339,15 +339,7 @@ impl GpuModel<'_> {
         {
             let nt = toks.len();
             let fh = if i + 1 == frames { head } else { MtpHead::None };
-            let mut emb = vec![0f32; nt * d];
-            for (r, &id) in toks.iter().enumerate() {
-                let row = &mut emb[r * d..(r + 1) * d];
-                self.model
-                    .weights
-                    .embed
-                    .dequantize_row(id as usize, row)
-                    .expect("id checked");
-            }
+            let emb = self.embeddings(toks);
             ctx.queue
                 .write_buffer(&m.emb_in, 0, bytemuck::cast_slice(&emb));
             ctx.queue

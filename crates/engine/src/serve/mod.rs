@@ -207,7 +207,7 @@ async fn health(State(state): State<ServerState>) -> Json<Value> {
     let load = state.worker.load();
     Json(json!({
         "status": "ok", "slots_busy": load.active, "queued": load.queued,
-        "mtp_drafted": load.drafted, "mtp_drafts_kept": load.drafts_kept,
+        "drafted": load.drafted, "drafts_kept": load.drafts_kept,
     }))
 }
 

@@ -115,9 +115,9 @@ pub struct Load {
     pub cancelled: u64,
     /// Sequences ended so far in any way.
     pub ended: u64,
-    /// MTP drafts checked so far (`--mtp`).
+    /// Drafts checked so far (`--mtp`, `--lookup`).
     pub drafted: u64,
-    /// MTP drafts kept so far.
+    /// Drafts kept so far.
     pub drafts_kept: u64,
 }
 
@@ -534,7 +534,8 @@ impl<'r> Scheduler<'r> {
     ) -> Result<(), RunError> {
         let drafter = plan.drafter;
         if slot.draft.is_none() {
-            slot.draft = Some(drafter.session(&slot.state, plan.depth, plan.source)?);
+            let how = (plan.depth, plan.source);
+            slot.draft = Some(drafter.session(&slot.state, how, &slot.held)?);
         }
         let session = slot.draft.as_mut().expect("made above");
         let (pos, generated) = (slot.state.pos(), slot.decoder.generated().len());
