@@ -874,9 +874,9 @@ impl<B: Speculate> DraftSession<B> {
 /// alone).
 pub(crate) enum AnySession<'m> {
     /// On the CPU forward.
-    Cpu(DraftSession<Model<'m>>),
+    Cpu(Box<DraftSession<Model<'m>>>),
     /// On the device forward.
-    Gpu(DraftSession<GpuModel<'m>>),
+    Gpu(Box<DraftSession<GpuModel<'m>>>),
 }
 
 impl<'m> AnySession<'m> {
@@ -899,11 +899,11 @@ impl<'m> Drafter<'m> {
     ) -> Result<AnySession<'m>, RunError> {
         Ok(match (self, st) {
             (Drafter::Cpu(m), AnyState::Qwen4(st)) => {
-                AnySession::Cpu(DraftSession::new(m, st, depth, source, context)?)
+                AnySession::Cpu(Box::new(DraftSession::new(m, st, depth, source, context)?))
             }
-            (Drafter::Gpu(m), AnyState::Qwen4Gpu(st)) => {
-                AnySession::Gpu(DraftSession::new(m, &**st, depth, source, context)?)
-            }
+            (Drafter::Gpu(m), AnyState::Qwen4Gpu(st)) => AnySession::Gpu(Box::new(
+                DraftSession::new(m, &**st, depth, source, context)?,
+            )),
             _ => return Err(RunError::Forward(crate::model::ForwardError::StateMismatch)),
         })
     }

@@ -487,7 +487,10 @@ impl<'a> GpuModel<'a> {
             }
         };
         ctx.queue.submit([cb]);
-        if plain && nt == 1 {
+        // The next frame of the same shape is encoded while this one runs (a decode step's
+        // next, a prefill's next frame of 8, a drafting loop's next check of the same depth);
+        // a frame of another shape encodes its own.
+        if plain {
             let g = &st.graphs[&key];
             let mut enc = ctx
                 .device

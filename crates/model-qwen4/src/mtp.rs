@@ -251,6 +251,8 @@ pub struct MtpDeviceState {
     /// The logits row, or the token, the host reads back (only what was asked for is read).
     stage_head: wgpu::Buffer,
     graphs: HashMap<(usize, MtpHead), Graph>,
+    /// The next head frame of the last one's shape, encoded while that one ran.
+    next: Option<((usize, MtpHead), wgpu::CommandBuffer)>,
 }
 
 impl std::fmt::Debug for MtpDeviceState {
@@ -296,6 +298,7 @@ impl GpuModel<'_> {
             stage: readback_buffer(ctx, MAX_BATCH * h * d),
             stage_head: readback_buffer(ctx, c.vocab_size),
             graphs: HashMap::new(),
+            next: None,
         })
     }
 
@@ -351,28 +354,39 @@ impl GpuModel<'_> {
                 let g = self.build_mtp(m, st, nt, fh)?;
                 st.graphs.insert((nt, fh), g);
             }
-            let mut enc = ctx
-                .device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("mtp frame"),
-                });
-            st.graphs[&(nt, fh)].record(ctx, &mut enc, None);
-            let s = &self.res.scratch;
-            enc.copy_buffer_to_buffer(&s.x, 0, &st.stage, 0, (nt * hd * 4) as u64);
-            let read = match fh {
-                MtpHead::None => 0,
-                MtpHead::Logits => v,
-                MtpHead::Argmax => 1,
+            let key = (nt, fh);
+            let encode = |st: &MtpDeviceState| {
+                let mut enc = ctx
+                    .device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("mtp frame"),
+                    });
+                st.graphs[&key].record(ctx, &mut enc, None);
+                let s = &self.res.scratch;
+                enc.copy_buffer_to_buffer(&s.x, 0, &st.stage, 0, (nt * hd * 4) as u64);
+                let read = match fh {
+                    MtpHead::None => 0,
+                    MtpHead::Logits => v,
+                    MtpHead::Argmax => 1,
+                };
+                let src = if fh == MtpHead::Argmax {
+                    &s.token
+                } else {
+                    &s.logits
+                };
+                if read > 0 {
+                    enc.copy_buffer_to_buffer(src, 0, &st.stage_head, 0, (read * 4) as u64);
+                }
+                enc.finish()
             };
-            let src = if fh == MtpHead::Argmax {
-                &s.token
-            } else {
-                &s.logits
+            // Encoded while the last head frame ran, when it had this shape (the graph does
+            // not depend on the rows: their inputs go up by `write_buffer`).
+            let cb = match st.next.take() {
+                Some((k, cb)) if k == key => cb,
+                _ => encode(st),
             };
-            if read > 0 {
-                enc.copy_buffer_to_buffer(src, 0, &st.stage_head, 0, (read * 4) as u64);
-            }
-            ctx.queue.submit([enc.finish()]);
+            ctx.queue.submit([cb]);
+            st.next = Some((key, encode(st)));
             st.pos += nt;
             out.streams
                 .extend(readback::read_mapped(ctx, &st.stage, nt * hd)?);
