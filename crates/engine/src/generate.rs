@@ -119,7 +119,7 @@ pub struct Generation {
     pub gen_seconds: f64,
     /// The state right after the prompt, when [`GenerateOptions::keep_prompt_state`] asked.
     pub prompt_state: Option<AnyState>,
-    /// What drafting did, when the MTP head drafted.
+    /// What drafting did, when the generation drafted (`--mtp`, `--lookup`).
     pub drafts: Option<crate::speculative::DraftStats>,
 }
 

@@ -1,5 +1,5 @@
-//! Drafting with the model's MTP head: the head drafts up to N tokens after the one just
-//! sampled, the trunk checks them in one multi-row forward, and every draft that equals what
+//! Drafting: the model's MTP head (or prompt lookup, [`DraftSource`]) drafts up to N tokens
+//! after the one just sampled, the trunk checks them in one multi-row forward, and every draft that equals what
 //! the sampler draws from the trunk's own logits is kept, with the sampler's draw after the
 //! last kept one. The sampler is the one the plain loop runs, drawing from the same logits in
 //! the same order, so a generation is token for token the one without drafting, with any
@@ -10,9 +10,11 @@
 //! Rows past the last kept draft are rolled back: the attention caches are cut back to the
 //! position, the recurrent state (GDN, PLE conv, n-gram context) is restored from a snapshot
 //! taken before the check, and the kept rows are fed again (a forward of the kept rows; the
-//! next step needs nothing else from it). A [`Monitor`] picks the depth of each step from the
-//! acceptance and the time each depth costs, turning drafting off while it does not pay and
-//! back on (by probing) when it would.
+//! next step needs nothing else from it). A [`Monitor`] picks the depth of each head step from
+//! the acceptance and the time each depth costs, turning drafting off while it does not pay and
+//! back on (by probing) when it would; prompt lookup drafts wherever its context repeats, while
+//! its drafts are kept. One loop ([`DraftSession`] over the [`Speculate`] trait) serves the CPU
+//! and the device forward.
 
 use std::str::FromStr;
 use std::time::Instant;
@@ -83,7 +85,8 @@ pub struct DraftStats {
     pub drafted: usize,
     /// Drafts kept.
     pub accepted: usize,
-    /// Per draft position (1-based index - 1): drafts made there, and kept.
+    /// Per draft position (1-based index - 1): drafts checked there (those after a miss are
+    /// not), and kept.
     pub by_position: [(usize, usize); MAX_DEPTH],
 }
 
@@ -932,8 +935,7 @@ impl<'m> Drafter<'m> {
 }
 
 impl Runner {
-    /// [`Runner::complete`] with the MTP head drafting (the model and depth from
-    /// [`drafter`]): the same tokens, fewer trunk forwards where drafts are kept. `state` ends
+    /// [`Runner::complete`] with drafting (the model, depth and source from [`drafter`]): the same tokens, fewer trunk forwards where drafts are kept. `state` ends
     /// as the plain loop leaves it (the prompt and every generated token but the last).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn complete_mtp<B: Speculate>(

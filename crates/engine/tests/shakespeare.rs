@@ -625,6 +625,7 @@ fn lookup_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
     drafting_is_exact_on(&cpu, &["ROMEO:", "To be, or not to be"], &lookup, 64);
     if let Some(place) = gpu(256) {
         let r = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
+        assert_eq!(r.model.model().backend_name(), "gpu");
         drafting_is_exact_on(&r, &["To be, or not to be"], &lookup, 64);
     }
 }

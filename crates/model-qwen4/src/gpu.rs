@@ -204,11 +204,21 @@ impl<'a> GpuModel<'a> {
         }
         let final_mixer = HcGpu::upload(&dev, &w.final_mixer)?;
         let lm_head = dev.mat(&w.lm_head)?;
-        let mtp = w
-            .mtp
-            .as_deref()
-            .map(|m| MtpGpu::upload(&dev, m, c, banks))
-            .transpose()?;
+        // The head goes up last and is optional: a model whose trunk fits runs on the device
+        // without drafting when the head does not fit or its attention geometry is refused.
+        let mtp = match w.mtp.as_deref() {
+            Some(m) => match qsa::device_limits(c)
+                .map_err(unsupported)
+                .and_then(|()| MtpGpu::upload(&dev, m, c, banks))
+            {
+                Ok(head) => Some(head),
+                Err(e) => {
+                    tracing::warn!("the MTP head stays off the device (no drafting there): {e}");
+                    None
+                }
+            },
+            None => None,
+        };
         // The head is an indexed-attention layer whatever the trunk's layers are.
         let has_attn = has_attn || mtp.is_some();
         let rope = has_attn.then(|| RopeGpu::new(&dev, model.rope(), c.rotary_dim(), ctx_len));
@@ -488,8 +498,8 @@ impl<'a> GpuModel<'a> {
         };
         ctx.queue.submit([cb]);
         // The next frame of the same shape is encoded while this one runs (a decode step's
-        // next, a prefill's next frame of 8, a drafting loop's next check of the same depth);
-        // a frame of another shape encodes its own.
+        // next, a prefill's next frame of 8); a frame of another shape (a drafting loop
+        // alternates checks and re-fed rows) encodes its own and this one is dropped.
         if plain {
             let g = &st.graphs[&key];
             let mut enc = ctx
@@ -884,8 +894,8 @@ pub struct GpuState {
     graphs: HashMap<FrameKey, Graph>,
     /// Where a frame's final streams are read back through (`[8, H*D]`, for the MTP head).
     hs_stage: wgpu::Buffer,
-    /// The next decode step's command buffer, encoded while the last one ran (keyed by its
-    /// graph and whether it copies the streams out).
+    /// The next frame's command buffer, encoded while the last one (of the same shape) ran
+    /// (keyed by its graph and whether it copies the streams out).
     next: Option<(NextKey, wgpu::CommandBuffer)>,
     recorded: usize,
     /// Names the sequence in the batched steps it takes part in.
@@ -977,7 +987,8 @@ impl GpuState {
     /// Device memory a snapshot of the sequence takes (what [`Clone`] allocates).
     pub fn bytes(&self) -> u64 {
         let gathered: u64 = self.ple.iter().flatten().map(|(rows, _)| rows.size()).sum();
-        self.buffers().iter().map(|b| b.size()).sum::<u64>() + gathered + self.stage.size()
+        let stages = self.stage.size() + self.hs_stage.size();
+        self.buffers().iter().map(|b| b.size()).sum::<u64>() + gathered + stages
     }
 
     /// A snapshot ([`Clone`]), or the device's refusal (out of device memory) as an error.

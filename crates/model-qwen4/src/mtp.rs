@@ -290,7 +290,7 @@ impl GpuModel<'_> {
         }
         let ctx = &self.res.dev.ctx;
         let (h, d) = (c.hc_count, c.hidden_size);
-        Ok(MtpDeviceState {
+        let st = ctx.checked("the MTP head's cache", || MtpDeviceState {
             model: self.res.uid,
             attn: AttnDeviceState::new(ctx, c, self.res.ctx_len),
             pos: 0,
@@ -299,7 +299,8 @@ impl GpuModel<'_> {
             stage_head: readback_buffer(ctx, c.vocab_size),
             graphs: HashMap::new(),
             next: None,
-        })
+        })?;
+        Ok(st)
     }
 
     /// [`Model::mtp_forward`] on the device: the head over `t` rows at positions `st.len()..`
@@ -433,13 +434,12 @@ impl GpuModel<'_> {
         if nt * h <= MAX_BATCH {
             e.matvec(&m.fc_hidden, &s.xn, &s.x, nt * h, Epilogue::None)?;
         } else {
-            let per = (MAX_BATCH / h).max(1);
-            for r0 in (0..nt).step_by(per) {
-                let rows = per.min(nt - r0);
-                let off = (r0 * h * d) as u32;
-                e.map(3, off, &s.xn, &s.g, &s.u, rows * h * d)?;
-                e.matvec(&m.fc_hidden, &s.u, &s.y, rows * h, Epilogue::None)?;
-                e.map(4, off, &s.y, &s.g, &s.x, rows * h * d)?;
+            for r0 in (0..nt * h).step_by(MAX_BATCH) {
+                let rows = MAX_BATCH.min(nt * h - r0);
+                let off = (r0 * d) as u32;
+                e.map(3, off, &s.xn, &s.g, &s.u, rows * d)?;
+                e.matvec(&m.fc_hidden, &s.u, &s.y, rows, Epilogue::None)?;
+                e.map(4, off, &s.y, &s.g, &s.x, rows * d)?;
             }
         }
         let p = [(nt * h * d) as u32, h as u32, d as u32];

@@ -390,7 +390,7 @@ fn the_mtp_head_on_the_device_matches_the_cpu_head() {
                 }
             };
             let ids = test_support::ids(case, 0);
-            let n = ids.len().min(19);
+            let n = (ids.len() - 1).min(19);
             let hd = c.config.hc_count * c.config.hidden_size;
             let mut cs = c.new_state();
             let (cl, chs) = c.forward_streams(&ids[..n], &mut cs, false).unwrap();
@@ -398,6 +398,18 @@ fn the_mtp_head_on_the_device_matches_the_cpu_head() {
             let (gl, ghs) = g.forward_streams(&ids[..n], &mut gs, false).unwrap();
             fail("trunk logits", &gl, &cl);
             fail("trunk streams", &ghs, &chs);
+            // The streams of frames with no head and with the last row's head, and of a
+            // one-row step (what the drafting loop's prefill and plain steps read).
+            let mut cs2 = c.new_state();
+            let (cl2, chs2) = c.forward_streams(&ids[..n], &mut cs2, true).unwrap();
+            let mut gs2 = g.new_state();
+            let (gl2, ghs2) = g.forward_streams(&ids[..n], &mut gs2, true).unwrap();
+            fail("last-row logits", &gl2, &cl2);
+            fail("streams of a last-row forward", &ghs2, &chs2);
+            let (cl3, chs3) = c.forward_streams(&ids[n..n + 1], &mut cs2, true).unwrap();
+            let (gl3, ghs3) = g.forward_streams(&ids[n..n + 1], &mut gs2, true).unwrap();
+            fail("a one-row step's logits", &gl3, &cl3);
+            fail("a one-row step's streams", &ghs3, &chs3);
 
             let mut cm = MtpState::default();
             let cw = c

@@ -446,7 +446,7 @@ impl<'r> Scheduler<'r> {
             self.fail_all(slots, &e.to_string());
             return;
         }
-        // A sequence decoding alone drafts with the MTP head (when `--mtp` asks): its token
+        // A sequence decoding alone drafts (when `--mtp` or `--lookup` asks): its token
         // and drafts go through the trunk in one check, with the streams the head reads.
         if let (Some(plan), [slot]) = (self.drafter, &mut slots[..])
             && let Some(token) = slot.next
