@@ -308,6 +308,7 @@ impl<'r> Chat<'r> {
             prefill_chunk: self.prefill_chunk,
             mtp: self.mtp,
             lookup: self.lookup,
+            context: ids[..reused].to_vec(),
             ..GenerateOptions::default()
         };
         let g = self.runner.complete(

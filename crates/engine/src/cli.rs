@@ -80,8 +80,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "N|auto|off", default_value = "off")]
     pub mtp: engine::speculative::MtpMode,
     /// Prompt-lookup drafting instead: up to N tokens a step (1..=7; 0: off) copied from where
-    /// the last 2-4 tokens occurred before in this prompt and reply (in `serve`: anything the
-    /// sequence holds), checked like MTP drafts (the same tokens either way; no head needed).
+    /// the last 2-4 tokens occurred before in the context (the conversation so far, the
+    /// prompt, the reply), checked like MTP drafts (the same tokens either way; no head needed).
     /// Pays on text that repeats its context.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub lookup: usize,
@@ -390,8 +390,8 @@ pub struct RunArgs {
     #[arg(long, value_name = "N|auto|off", default_value = "off")]
     pub mtp: engine::speculative::MtpMode,
     /// Prompt-lookup drafting instead: up to N tokens a step (1..=7; 0: off) copied from where
-    /// the last 2-4 tokens occurred before in this prompt and reply (in `serve`: anything the
-    /// sequence holds), checked like MTP drafts (the same tokens either way; no head needed).
+    /// the last 2-4 tokens occurred before in the context (the conversation so far, the
+    /// prompt, the reply), checked like MTP drafts (the same tokens either way; no head needed).
     /// Pays on text that repeats its context.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub lookup: usize,
@@ -418,8 +418,8 @@ pub struct ChatArgs {
     #[arg(long, value_name = "N|auto|off", default_value = "off")]
     pub mtp: engine::speculative::MtpMode,
     /// Prompt-lookup drafting instead: up to N tokens a step (1..=7; 0: off) copied from where
-    /// the last 2-4 tokens occurred before in this prompt and reply (in `serve`: anything the
-    /// sequence holds), checked like MTP drafts (the same tokens either way; no head needed).
+    /// the last 2-4 tokens occurred before in the context (the conversation so far, the
+    /// prompt, the reply), checked like MTP drafts (the same tokens either way; no head needed).
     /// Pays on text that repeats its context.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub lookup: usize,

@@ -59,6 +59,9 @@ pub struct GenerateOptions {
     pub mtp: crate::speculative::MtpMode,
     /// Drafting by prompt lookup, up to this many tokens a step (0: off; not with `mtp`).
     pub lookup: usize,
+    /// The ids the state already holds, where the caller knows them (prompt lookup searches
+    /// them with the prompt and the reply).
+    pub context: Vec<u32>,
 }
 
 impl GenerateOptions {

@@ -953,8 +953,7 @@ impl Runner {
         let cancelled = || opts.cancel.as_ref().is_some_and(CancelToken::is_cancelled);
         let integrity = self.model.integrity();
         let t0 = Instant::now();
-        // (What `st` held before this call is not known here: lookup searches from the prompt.)
-        let mut session = DraftSession::new(m, st, max_depth, source, &[])?;
+        let mut session = DraftSession::new(m, st, max_depth, source, &opts.context)?;
         let chunk = match opts.prefill_chunk {
             0 => prompt.len(),
             c => c,

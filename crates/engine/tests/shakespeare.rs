@@ -630,6 +630,31 @@ fn lookup_drafting_on_the_demo_model_is_exact_and_drafts_are_kept() {
     }
 }
 
+/// A chat of two turns (the second resumes from the first's state) answers the same with
+/// `--mtp 2` and with `--lookup 4` as without drafting.
+#[test]
+fn chat_turns_with_drafting_answer_as_without() {
+    use engine::chat::{Chat, Message};
+    let r = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
+    let converse = |(mtp, lookup): (MtpMode, usize)| {
+        let mut chat = Chat::new(&r, None, Sampling::default()).unwrap();
+        chat.mtp = mtp;
+        chat.lookup = lookup;
+        let mut replies = Vec::new();
+        for user in ["ROMEO:", "And then, JULIET?"] {
+            chat.messages.push(Message::new("user", user));
+            let reply = chat.respond(40, &mut |_| {}).unwrap();
+            replies.push((reply.text, reply.reused));
+        }
+        replies
+    };
+    let want = converse((MtpMode::Off, 0));
+    assert!(want[1].1 > 0, "the second turn resumes the first's state");
+    for mode in [MTP2, (MtpMode::Off, 4)] {
+        assert_eq!(converse(mode), want, "{mode:?}");
+    }
+}
+
 const MTP1: (MtpMode, usize) = (MtpMode::Depth(1), 0);
 const MTP2: (MtpMode, usize) = (MtpMode::Depth(2), 0);
 const MTP3: (MtpMode, usize) = (MtpMode::Depth(3), 0);
