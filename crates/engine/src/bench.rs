@@ -181,7 +181,10 @@ fn finish(backend: &str, device: String, mut records: Vec<BenchRecord>) -> Bench
         .find(|r| r.test == "read_ceiling")
         .map_or(0.0, |r| r.gbps);
     for r in records.iter_mut().filter(|r| r.test != "launch_floor") {
-        r.cache_resident = r.test != "read_ceiling" && r.bytes <= cache;
+        // The experts rows judge residency by their whole bank (the caller sets it).
+        if r.test != "experts" {
+            r.cache_resident = r.test != "read_ceiling" && r.bytes <= cache;
+        }
         r.pct_of_ceiling = if ceiling > 0.0 {
             100.0 * r.gbps / ceiling
         } else {
@@ -361,8 +364,110 @@ fn gpu(
             r.path = path_name(ran);
             push(r, &mut records);
         }
+        for r in grouped_experts(ctx, opts, dtype, &reps_for)? {
+            push(r, &mut records);
+        }
     }
     Ok(finish("wgpu", ctx.describe(), records))
+}
+
+/// Qwen3.8-Flash-Next's routed experts: 512 of `[2 x 640, 2560]` gate/up and `[2560, 640]`
+/// down, top-10 per token row.
+const EXPERTS: (usize, usize, usize, usize) = (512, 1280, 2560, 10);
+
+/// One MoE layer's routed experts through the grouped kernels (gate/up + SiLU, then down, one
+/// dispatch each plus the int8 quantisers) at [`EXPERTS`]' shape, T = 1 and 8, every path. The
+/// bytes are those of the distinct experts the rows chose (what must be read), averaged over
+/// 32 id sets the repetitions cycle through, so the chosen experts are not cache-resident from
+/// the last repetition. The bank holds fewer experts when `--large` or one binding is smaller.
+fn grouped_experts(
+    ctx: &GpuContext,
+    opts: &KernelBenchOptions,
+    dtype: DType,
+    reps_for: &dyn Fn(f64) -> usize,
+) -> Result<Vec<BenchRecord>, GpuError> {
+    use gpu_runtime::ops::experts::ExpertBank;
+    let (count, gu_rows, d, k) = EXPERTS;
+    let inter = gu_rows / 2;
+    let gu = synthetic_payload(dtype, gu_rows, d, 11)?;
+    let dn = synthetic_payload(dtype, d, inter, 13)?;
+    let expert_bytes = (gu.len() + dn.len()) as u64;
+    let slot = |b: usize| (b as u64).next_multiple_of(16);
+    let fit = (ctx.max_binding() / slot(gu.len())).min(ctx.max_binding() / slot(dn.len()));
+    let experts = (opts.large_bytes / expert_bytes)
+        .clamp(2 * k as u64, count as u64)
+        .min(fit) as usize;
+    if experts < k {
+        return Ok(Vec::new());
+    }
+    let gu_m = MatRef::new(dtype, gu_rows, d, &gu)?;
+    let dn_m = MatRef::new(dtype, d, inter, &dn)?;
+    let gate_up = ExpertBank::upload(ctx, &vec![gu_m; experts])?;
+    let down = ExpertBank::upload(ctx, &vec![dn_m; experts])?;
+    let mut out = Vec::new();
+    let h200 = ctx.info.name.contains("H200");
+    for nt in [1, 8] {
+        let (sets, distinct) = expert_id_sets(experts, nt, k, 32);
+        let bytes = (distinct * expert_bytes as f64) as u64;
+        for path in gpu_paths(ctx, dtype) {
+            let run = |reps| {
+                gpu_runtime::bench::grouped_experts(ctx, &gate_up, &down, &sets, nt, k, path, reps)
+            };
+            let probe = run(1)?;
+            let (t, ran) = run(reps_for(probe.0.seconds))?;
+            let mut r = record(
+                "experts",
+                dtype.name().into(),
+                format!("{experts}x[{gu_rows}x{d}+{d}x{inter}] top{k}"),
+                nt,
+                bytes,
+                t.seconds,
+                if t.timestamps { "timestamps" } else { "wall" },
+            );
+            r.path = path_name(ran);
+            r.cache_resident = experts as u64 * expert_bytes <= cache_bytes("wgpu");
+            if h200 && dtype == DType::Q4tp && nt == 1 {
+                r.llama_cpp = Some("q4_K MUL_MAT_ID 15-17%".into());
+            }
+            out.push(r);
+        }
+    }
+    Ok(out)
+}
+
+/// `sets` sets of `nt * k` expert ids below `experts`, each token row's `k` distinct (a fixed
+/// pseudo-random draw), and the mean number of distinct experts per set.
+fn expert_id_sets(experts: usize, nt: usize, k: usize, sets: usize) -> (Vec<Vec<u32>>, f64) {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        // splitmix64
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    };
+    let mut all = Vec::with_capacity(sets);
+    let mut distinct = 0usize;
+    for _ in 0..sets {
+        let mut set = Vec::with_capacity(nt * k);
+        for _ in 0..nt {
+            let mut row: Vec<u32> = Vec::with_capacity(k);
+            while row.len() < k {
+                let e = (next() % experts as u64) as u32;
+                if !row.contains(&e) {
+                    row.push(e);
+                }
+            }
+            set.extend(row);
+        }
+        let mut seen = set.clone();
+        seen.sort_unstable();
+        seen.dedup();
+        distinct += seen.len();
+        all.push(set);
+    }
+    (all, distinct as f64 / sets as f64)
 }
 
 /// Seconds per call of `f`: one timed first call sizes the measurement to about `seconds` (it
@@ -518,5 +623,36 @@ impl BenchReport {
             )?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::expert_id_sets;
+
+    #[test]
+    fn expert_id_sets_draw_distinct_experts_per_row_and_count_the_distinct_per_set() {
+        for (experts, nt, k) in [(512, 1, 10), (512, 8, 10), (20, 8, 10), (10, 3, 10)] {
+            let (sets, mean) = expert_id_sets(experts, nt, k, 32);
+            assert_eq!(sets.len(), 32);
+            let mut total = 0usize;
+            for set in &sets {
+                assert_eq!(set.len(), nt * k);
+                for row in set.chunks(k) {
+                    assert!(row.iter().all(|&e| (e as usize) < experts));
+                    let uniq: std::collections::BTreeSet<_> = row.iter().collect();
+                    assert_eq!(uniq.len(), k, "a row chose an expert twice: {row:?}");
+                }
+                total += set.iter().collect::<std::collections::BTreeSet<_>>().len();
+            }
+            assert!((mean - total as f64 / 32.0).abs() < 1e-12);
+            // With every expert chosen by each row, a set holds them all.
+            if experts == k {
+                assert_eq!(mean, k as f64);
+            }
+        }
+        // The sets differ (the repetitions cycle through different experts).
+        let (sets, _) = expert_id_sets(512, 1, 10, 32);
+        assert_ne!(sets[0], sets[1]);
     }
 }

@@ -256,3 +256,92 @@ pub fn act_quant(
     let step = crate::ops::act8::prepare(ctx, &x, &acts, None)?;
     time_pass(ctx, reps, &|pass| step.record(pass))
 }
+
+/// Time of one MoE layer's routed experts through the grouped kernels, as the forward runs
+/// them: gate/up with SiLU over `nt * k` slots (expert ids read on the device), then down over
+/// the slots (each step with its own activation quantiser on the int8 path). `id_sets` holds
+/// sets of `nt * k` expert ids (token row `t`'s experts at `t * k ..`); the repetitions cycle
+/// through them, so with enough sets the experts read are not still in the cache from the last
+/// repetition, as in a forward whose layers each read their own experts. Returns the time per
+/// repetition and the path that ran.
+#[allow(clippy::too_many_arguments)]
+pub fn grouped_experts(
+    ctx: &GpuContext,
+    gate_up: &crate::ops::experts::ExpertBank,
+    down: &crate::ops::experts::ExpertBank,
+    id_sets: &[Vec<u32>],
+    nt: usize,
+    k: usize,
+    path: crate::Path,
+    reps: usize,
+) -> Result<(Timing, crate::Path), GpuError> {
+    let slots = nt * k;
+    let buffer = |label, bytes: usize| {
+        ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes.max(16) as u64,
+            usage: wgpu::BufferUsages::STORAGE,
+            mapped_at_creation: false,
+        })
+    };
+    let x = buffer("x", nt * gate_up.cols * 4);
+    let mid = buffer("expert mid", slots * gate_up.rows / 2 * 4);
+    let out = buffer("expert out", slots * down.rows * 4);
+    let mut steps = Vec::with_capacity(id_sets.len());
+    let mut ran = path;
+    for set in id_sets {
+        if set.len() != slots
+            || set
+                .iter()
+                .any(|&e| e as usize >= gate_up.count.min(down.count))
+        {
+            return Err(GpuError::BadLength {
+                what: "expert ids per set (each below the bank's expert count)",
+                expected: slots,
+                found: set.len(),
+            });
+        }
+        let ids = ctx
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("expert ids"),
+                contents: bytemuck::cast_slice(set),
+                usage: wgpu::BufferUsages::STORAGE,
+            });
+        let plan = |rows| Plan::for_matrix(ctx, rows).with_path(path);
+        let gu = crate::ops::experts::prepare_grouped(
+            ctx,
+            gate_up,
+            &x,
+            nt,
+            &ids,
+            &mid,
+            slots,
+            k,
+            plan(gate_up.rows),
+            crate::Epilogue::SiluGateUp,
+        )?;
+        let dn = crate::ops::experts::prepare_grouped(
+            ctx,
+            down,
+            &mid,
+            slots,
+            &ids,
+            &out,
+            slots,
+            1,
+            plan(down.rows),
+            crate::Epilogue::None,
+        )?;
+        ran = gu.path;
+        steps.push((gu, dn));
+    }
+    let next = std::cell::Cell::new(0usize);
+    let t = time_pass(ctx, reps, &|pass| {
+        let i = next.get();
+        next.set((i + 1) % steps.len());
+        steps[i].0.record(pass);
+        steps[i].1.record(pass);
+    })?;
+    Ok((t, ran))
+}

@@ -157,7 +157,17 @@ pub fn prepare_grouped(
     if path == Path::Int8 && codec == Codec::Q8_2f {
         path = Path::F32;
     }
-    let plan = plan.with_path(path);
+    let mut plan = plan.with_path(path);
+    if path == Path::Int8 {
+        // An expert row at decode shapes is only 20-80 int8 blocks: with a subgroup per row
+        // most lanes load one or two blocks, or none (the down projection's 640 columns).
+        // Eight lanes per row, and four rows per row group for the plain (down) kernel,
+        // measured best of the splits tried on the H200 (docs/perf.md, grouped experts: T=8
+        // q4tp 36.7% -> 52.8% of the read ceiling); the float paths, whose rows are 2-4x
+        // more bytes, keep the caller's plan (f16 T=8 72% either way, T=1 71% -> 48%).
+        plan = plan.split(8);
+        plan.rows = if pair { plan.rows } else { 4 };
+    }
     let out_rows = if pair { bank.rows / 2 } else { bank.rows };
     let need = [
         ("x buffer bytes", x_rows * bank.cols * 4, x.size()),
