@@ -241,6 +241,9 @@ def make_prompts(case, tok):
     return out
 
 
+DSV41_README_MARKER = "<!-- deepseek_v41 section: written by tools/reference/make_dsv41_fixtures.py -->"
+
+
 def write_readme(out_root: Path, metas):
     L = ["# Reference fixtures (generated — do not edit)", "",
          "Written by `python tools/reference/make_fixtures.py --out fixtures` (see tools/reference/README.md).",
@@ -285,4 +288,10 @@ def write_readme(out_root: Path, metas):
         for site, g in m["topk_gaps"].items():
             L.append(f"- top-k at `{site}`: {g['decisions']} decisions, min gap {g['min_gap']:.3e}")
         L.append("")
-    (out_root / "README.md").write_text("\n".join(L) + "\n")
+    text = "\n".join(L) + "\n"
+    # keep the DeepSeek-V4.1 section that make_dsv41_fixtures.py appends (it is not rebuilt here)
+    old = out_root / "README.md"
+    if old.exists() and DSV41_README_MARKER in old.read_text():
+        tail = old.read_text()
+        text = text + "\n" + tail[tail.index(DSV41_README_MARKER):]
+    (out_root / "README.md").write_text(text)
