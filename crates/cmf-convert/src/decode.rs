@@ -1,5 +1,7 @@
-//! Source dtypes to f32: IEEE floats, DeepSeek's FP8 e4m3 with 128x128 block scales, and the
-//! FP4 e2m1 experts (two per byte, a scale per 32 inputs), plus exact integer tensors.
+//! Source dtypes to f32: IEEE floats, DeepSeek's FP8 e4m3 with block scales (a
+//! `weight_block_size` grid: 128x128 in V4, 32x32 in V4.1), FP8 rows with a scale per 32
+//! inputs (V4.1's Engram tables, which are mxfp8 as stored), and the FP4 e2m1 experts (two per
+//! byte, a scale per 32 inputs), plus exact integer tensors.
 
 use quant_codecs::float::{bf16_bits_to_f32, f16_bits_to_f32};
 use quant_codecs::mxfp4::{e2m1, e8m0};
@@ -8,25 +10,14 @@ use safetensors::Dtype;
 use super::ConvertError;
 use super::source::SourceTensor;
 
-/// Side of DeepSeek's FP8 scale blocks (`weight_block_size` [128, 128]).
-pub const FP8_BLOCK: usize = 128;
+/// OCP FP8 E4M3 (the "fn" variant: no infinities, S.1111.111 is NaN): quant-codecs' decoder,
+/// the one the CMF mxfp8 dtype uses, so the converter and the engine read FP8 alike.
+pub use quant_codecs::mxfp8::e4m3;
+
 /// Inputs per FP4 scale.
 pub const FP4_GROUP: usize = 32;
-
-/// OCP FP8 E4M3 (the "fn" variant: no infinities, S.1111.111 is NaN).
-pub fn e4m3(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = ((b >> 3) & 0xf) as i32;
-    let m = (b & 7) as f32;
-    if e == 15 && b & 7 == 7 {
-        return f32::NAN;
-    }
-    if e == 0 {
-        sign * m / 8.0 * 2f32.powi(-6)
-    } else {
-        sign * (1.0 + m / 8.0) * 2f32.powi(e - 7)
-    }
-}
+/// Inputs per scale of an FP8 row-scaled table (mxfp8's group).
+pub const MX8_GROUP: usize = quant_codecs::GROUP;
 
 /// True for the dtypes [`plain_f32`] reads.
 pub fn is_float(d: Dtype) -> bool {
@@ -106,24 +97,97 @@ pub fn integer_f32(t: &SourceTensor<'_>) -> Result<Vec<f32>, ConvertError> {
     Ok(v.into_iter().map(|x| x as f32).collect())
 }
 
-/// FP8 e4m3 `[rows, cols]` times its block scale grid `[ceil(rows/128), ceil(cols/128)]`
-/// (E8M0 or F32) to f32.
-pub fn fp8_f32(w: &SourceTensor<'_>, s: &SourceTensor<'_>) -> Result<Vec<f32>, ConvertError> {
+/// Checks an FP8 e4m3 `[rows, cols]` weight against its block scale grid, which must be
+/// `[ceil(rows/bm), ceil(cols/bn)]` for `block = [bm, bn]` (`weight_block_size`), E8M0 or a
+/// float dtype. Returns the weight's shape.
+pub fn fp8_grid(
+    w: &SourceTensor<'_>,
+    s: &SourceTensor<'_>,
+    block: [usize; 2],
+) -> Result<[usize; 2], ConvertError> {
     let [rows, cols] = matrix(w)?;
-    let grid = [rows.div_ceil(FP8_BLOCK), cols.div_ceil(FP8_BLOCK)];
-    expect_shape(s, &grid)?;
+    if !matches!(s.dtype, Dtype::F8_E8M0) && !is_float(s.dtype) {
+        return Err(unsupported(s, s.dtype));
+    }
+    if s.shape != fp8_grid_shape([rows, cols], block) {
+        return Err(ConvertError::ScaleGrid {
+            path: w.file.to_path_buf(),
+            tensor: w.name.to_string(),
+            weight: [rows, cols],
+            block,
+            found: s.shape.to_vec(),
+        });
+    }
+    Ok([rows, cols])
+}
+
+/// The scale grid of a `[rows, cols]` FP8 weight in blocks of `block`: partial blocks at the
+/// edges get a scale of their own.
+pub fn fp8_grid_shape([rows, cols]: [usize; 2], block: [usize; 2]) -> [usize; 2] {
+    [rows.div_ceil(block[0]), cols.div_ceil(block[1])]
+}
+
+/// FP8 e4m3 `[rows, cols]` times its block scale grid (see [`fp8_grid`]) to f32.
+pub fn fp8_f32(
+    w: &SourceTensor<'_>,
+    s: &SourceTensor<'_>,
+    block: [usize; 2],
+) -> Result<Vec<f32>, ConvertError> {
+    let [rows, cols] = fp8_grid(w, s, block)?;
+    let gcols = cols.div_ceil(block[1]);
     let scales = scale_values(s)?;
     let mut out = Vec::with_capacity(rows * cols);
     for r in 0..rows {
-        let srow = &scales[(r / FP8_BLOCK) * grid[1]..][..grid[1]];
+        let srow = &scales[(r / block[0]) * gcols..][..gcols];
         let wrow = &w.bytes[r * cols..][..cols];
         out.extend(
             wrow.iter()
                 .enumerate()
-                .map(|(i, &b)| e4m3(b) * srow[i / FP8_BLOCK]),
+                .map(|(i, &b)| e4m3(b) * srow[i / block[1]]),
         );
     }
     Ok(out)
+}
+
+/// An FP8 table with a scale per 32 inputs of a row (DeepSeek-V4.1's Engram tables): E4M3
+/// `[rows, cols]` and E8M0 `[rows, cols/32]`, which is exactly an mxfp8 payload's two planes.
+/// Returns `[rows, cols]`.
+pub fn mx8_shape(w: &SourceTensor<'_>, s: &SourceTensor<'_>) -> Result<[usize; 2], ConvertError> {
+    if w.dtype != Dtype::F8_E4M3 {
+        return Err(unsupported(w, w.dtype));
+    }
+    let [rows, cols] = matrix(w)?;
+    if s.dtype != Dtype::F8_E8M0 {
+        return Err(ConvertError::UnsupportedDtype {
+            path: s.file.to_path_buf(),
+            tensor: s.name.to_string(),
+            dtype: format!(
+                "{:?} (the scales of an FP8 row table must be F8_E8M0, one per {MX8_GROUP} inputs)",
+                s.dtype
+            ),
+        });
+    }
+    if cols == 0 || !cols.is_multiple_of(MX8_GROUP) {
+        return Err(ConvertError::Shape {
+            path: w.file.to_path_buf(),
+            tensor: w.name.to_string(),
+            expected: format!("FP8 rows of a multiple of {MX8_GROUP} values"),
+            found: w.shape.to_vec(),
+        });
+    }
+    expect_shape(s, &[rows, cols / MX8_GROUP])?;
+    Ok([rows, cols])
+}
+
+/// An FP8 row table (see [`mx8_shape`]) to f32: `e4m3(code) * e8m0(scale)`, as mxfp8 decodes.
+pub fn mx8_f32(w: &SourceTensor<'_>, s: &SourceTensor<'_>) -> Result<Vec<f32>, ConvertError> {
+    let [_, cols] = mx8_shape(w, s)?;
+    let gpr = cols / MX8_GROUP;
+    Ok(w.bytes
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| e4m3(b) * e8m0(s.bytes[(i / cols) * gpr + (i % cols) / MX8_GROUP]))
+        .collect())
 }
 
 /// FP4 experts: `I8 [rows, cols/2]` (low nibble = even input) and E8M0 `[rows, cols/32]`.

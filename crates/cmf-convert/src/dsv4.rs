@@ -11,7 +11,7 @@ use safetensors::Dtype;
 use serde_json::Value;
 
 use super::source::Checkpoint;
-use super::{ConvertError, Job, Role, Src, config_usize, expect_job_shape, push_job};
+use super::{ConvertError, Job, Plan, Role, Src, config_usize, expect_job_shape, push_job};
 
 const ARCH: &str = "deepseek_v4";
 
@@ -125,67 +125,19 @@ pub fn role(name: &str, integer: bool) -> Role {
     }
 }
 
-/// (config, jobs) for a `deepseek_v4` checkpoint.
-pub fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<(Value, Vec<Job>), ConvertError> {
+/// The plan for a `deepseek_v4` checkpoint.
+pub(crate) fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<Plan, ConvertError> {
     let cfg = &ckpt.config;
-    let d = config_usize(cfg, "hidden_size", config_path)?;
-    let v = config_usize(cfg, "vocab_size", config_path)?;
-    let e = config_usize(cfg, "n_routed_experts", config_path)?;
-    let i = config_usize(cfg, "moe_intermediate_size", config_path)?;
     let layers = config_usize(cfg, "num_hidden_layers", config_path)?;
+    let e = config_usize(cfg, "n_routed_experts", config_path)?;
 
-    let push = |jobs: &mut Vec<Job>, name: String, src: Src| push_job(ckpt, jobs, name, src, role);
     let mut jobs = Vec::new();
     for name in ckpt.names() {
-        // Scales travel with their weight.
-        if let Some(stem) = name.strip_suffix(".scale") {
-            let w = format!("{stem}.weight");
-            if ckpt
-                .meta(&w)
-                .is_some_and(|m| matches!(m.dtype, Dtype::F8_E4M3 | Dtype::I8))
-            {
-                continue;
-            }
+        if is_companion_scale(ckpt, name) {
+            continue;
         }
-        let bad = |expected: String, found: Vec<usize>| ConvertError::Shape {
-            path: ckpt.file_of(name),
-            tensor: name.to_string(),
-            expected,
-            found,
-        };
-        if let Some(l) = name
-            .strip_prefix("layers.")
-            .and_then(|r| r.split('.').next())
-            .and_then(|l| l.parse::<usize>().ok())
-            && l >= layers
-        {
-            return Err(bad(
-                format!("a layer index below num_hidden_layers = {layers}"),
-                vec![l],
-            ));
-        }
-        // Routed experts: layers.L.ffn.experts.E.w{1,2,3}.weight
-        if let Some((layer, expert, w)) = routed_expert(name) {
-            if expert >= e {
-                return Err(bad(
-                    format!("an expert index below n_routed_experts = {e}"),
-                    vec![expert],
-                ));
-            }
-            let stem = format!("model.layers.{layer}.mlp.experts.{expert}");
-            match w {
-                "w1" => {
-                    let up = name.replace(".w1.weight", ".w3.weight");
-                    let src = Src::Rows(vec![Src::Tensor(name.to_string()), Src::Tensor(up)]);
-                    push(&mut jobs, format!("{stem}.gate_up_proj.weight"), src)?;
-                }
-                "w2" => push(
-                    &mut jobs,
-                    format!("{stem}.down_proj.weight"),
-                    Src::Tensor(name.to_string()),
-                )?,
-                _ => {} // w3: taken with w1
-            }
+        check_layer(ckpt, name, layers)?;
+        if routed_expert_job(ckpt, &mut jobs, name, e, role)? {
             continue;
         }
         let Some(canon) = canonical(name) else {
@@ -195,23 +147,114 @@ pub fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<(Value, Vec<Job>), 
                 arch: ARCH.into(),
             });
         };
-        push(&mut jobs, canon, Src::Tensor(name.to_string()))?;
+        push_job(ckpt, &mut jobs, canon, Src::Tensor(name.to_string()), role)?;
     }
+    check_shapes(ckpt, &jobs, cfg, config_path)?;
+    Ok(Plan {
+        config: cfg.clone(),
+        jobs,
+        skipped: 0,
+    })
+}
+
+/// True for `<stem>.scale` next to an FP8 or FP4 `<stem>.weight`: scales travel with their
+/// weight and get no CMF tensor of their own.
+pub(crate) fn is_companion_scale(ckpt: &Checkpoint, name: &str) -> bool {
+    name.strip_suffix(".scale").is_some_and(|stem| {
+        ckpt.meta(&format!("{stem}.weight"))
+            .is_some_and(|m| matches!(m.dtype, Dtype::F8_E4M3 | Dtype::I8))
+    })
+}
+
+/// Refuses `layers.L.*` with `L >= num_hidden_layers`, naming the tensor.
+pub(crate) fn check_layer(
+    ckpt: &Checkpoint,
+    name: &str,
+    layers: usize,
+) -> Result<(), ConvertError> {
+    if let Some(l) = name
+        .strip_prefix("layers.")
+        .and_then(|r| r.split('.').next())
+        .and_then(|l| l.parse::<usize>().ok())
+        && l >= layers
+    {
+        return Err(ConvertError::Shape {
+            path: ckpt.file_of(name),
+            tensor: name.to_string(),
+            expected: format!("a layer index below num_hidden_layers = {layers}"),
+            found: vec![l],
+        });
+    }
+    Ok(())
+}
+
+/// For a routed expert `layers.L.ffn.experts.E.w{1,2,3}.weight`: adds its job (w1 with w3's
+/// rows as `gate_up_proj`, w2 as `down_proj`; w3 alone adds nothing) and returns true.
+/// `experts` is `n_routed_experts`; `role` the architecture's role rule.
+pub(crate) fn routed_expert_job(
+    ckpt: &Checkpoint,
+    jobs: &mut Vec<Job>,
+    name: &str,
+    experts: usize,
+    role: fn(&str, bool) -> Role,
+) -> Result<bool, ConvertError> {
+    let Some((layer, expert, w)) = routed_expert(name) else {
+        return Ok(false);
+    };
+    if expert >= experts {
+        return Err(ConvertError::Shape {
+            path: ckpt.file_of(name),
+            tensor: name.to_string(),
+            expected: format!("an expert index below n_routed_experts = {experts}"),
+            found: vec![expert],
+        });
+    }
+    let stem = format!("model.layers.{layer}.mlp.experts.{expert}");
+    match w {
+        "w1" => {
+            let up = name.replace(".w1.weight", ".w3.weight");
+            let src = Src::Rows(vec![Src::Tensor(name.to_string()), Src::Tensor(up)]);
+            push_job(ckpt, jobs, format!("{stem}.gate_up_proj.weight"), src, role)?;
+        }
+        "w2" => push_job(
+            ckpt,
+            jobs,
+            format!("{stem}.down_proj.weight"),
+            Src::Tensor(name.to_string()),
+            role,
+        )?,
+        _ => {} // w3: taken with w1
+    }
+    Ok(true)
+}
+
+/// The plan's shapes against the config `cfg` (`hidden_size`, `vocab_size`,
+/// `moe_intermediate_size`): embedding and head `[V, D]`, final norm `[D]`, every routed
+/// expert `[2I, D]` / `[D, I]`.
+pub(crate) fn check_shapes(
+    ckpt: &Checkpoint,
+    jobs: &[Job],
+    cfg: &Value,
+    config_path: &Path,
+) -> Result<(), ConvertError> {
+    let d = config_usize(cfg, "hidden_size", config_path)?;
+    let v = config_usize(cfg, "vocab_size", config_path)?;
+    let i = config_usize(cfg, "moe_intermediate_size", config_path)?;
     for name in ["model.embed_tokens.weight", "lm_head.weight"] {
-        expect_job_shape(ckpt, &jobs, name, &[v, d], config_path)?;
+        expect_job_shape(ckpt, jobs, name, &[v, d], config_path)?;
     }
-    expect_job_shape(ckpt, &jobs, "model.norm.weight", &[d], config_path)?;
-    for j in &jobs {
-        if j.name.contains(".mlp.experts.") {
+    expect_job_shape(ckpt, jobs, "model.norm.weight", &[d], config_path)?;
+    for j in jobs {
+        if j.name.starts_with("model.layers.") && j.name.contains(".mlp.experts.") {
             let want = if j.role == Role::ExpertDown {
                 [d, i]
             } else {
                 [2 * i, d]
             };
-            expect_job_shape(ckpt, &jobs, &j.name, &want, config_path)?;
+            expect_job_shape(ckpt, jobs, &j.name, &want, config_path)?;
         }
     }
-    Ok((cfg.clone(), jobs))
+    Ok(())
 }
 
 /// (layer, expert, "w1" | "w2" | "w3") of `layers.L.ffn.experts.E.wK.weight`.

@@ -3,7 +3,7 @@
 //! This crate needs nothing above the format and the codecs, so model crates convert their test
 //! fixtures without the engine. The principal function is [`convert`]. It opens the directory ([`source::Checkpoint`]: the
 //! safetensors shards are memory-mapped, never read whole), asks the architecture's mapping
-//! (`qwen4`, `dsv4`) for a plan (one [`Job`] per CMF tensor: canonical name, role, where its
+//! (`qwen4`, `dsv4`, `dsv41`) for a plan (one [`Job`] per CMF tensor: canonical name, role, where its
 //! values come from), checks the plan against `config.json`, then converts and writes the
 //! tensors one at a time. The canonical names, the roles and every profile's dtypes are
 //! documented in `docs/convert.md`.
@@ -20,6 +20,7 @@
 
 mod decode;
 mod dsv4;
+mod dsv41;
 mod profile;
 mod qwen4;
 pub mod source;
@@ -93,12 +94,16 @@ pub struct ConvertReport {
     pub source_bytes: u64,
     /// Size of the CMF file.
     pub output_bytes: u64,
-    /// Tensors written verbatim from the source encoding (DeepSeek FP4 experts under `fp4`).
+    /// Tensors written verbatim from the source encoding (DeepSeek FP4 experts under `fp4`,
+    /// DeepSeek-V4.1's FP8 Engram tables as mxfp8 under every profile).
     pub verbatim: usize,
     /// Tensors whose profile format did not fit their width and fell back (docs/convert.md).
     pub fallbacks: usize,
     /// Matrices quantised a block of rows at a time (see [`ConvertOptions::stream_above`]).
     pub streamed: usize,
+    /// Source tensors deliberately not converted: a vision tower, its aligner and image
+    /// delimiters (the engine is text-only).
+    pub skipped: usize,
 }
 
 /// Why a conversion failed. Every variant names the file and, where one is involved, the tensor.
@@ -144,7 +149,7 @@ pub enum ConvertError {
         detail: String,
     },
     /// `model_type` is not one the converter knows.
-    #[error("{}: unknown model_type {found:?} (supported: qwen4_exp, deepseek_v4)", path.display())]
+    #[error("{}: unknown model_type {found:?} (supported: qwen4_exp, deepseek_v4, deepseek_v41)", path.display())]
     UnknownModelType {
         /// config.json.
         path: PathBuf,
@@ -211,6 +216,26 @@ pub enum ConvertError {
         /// What the file holds.
         found: Vec<usize>,
     },
+    /// An FP8 weight's block-scale grid (its `<stem>.scale`) does not fit its shape in blocks of
+    /// `quantization_config.weight_block_size`.
+    #[error(
+        "{}: tensor {tensor:?} {weight:?}: scale {:?} is {found:?}, expected {:?} (blocks of {block:?}, quantization_config.weight_block_size)",
+        path.display(),
+        scale_name(tensor),
+        decode::fp8_grid_shape(*weight, *block)
+    )]
+    ScaleGrid {
+        /// The shard holding the weight.
+        path: PathBuf,
+        /// The FP8 weight.
+        tensor: String,
+        /// The weight's shape.
+        weight: [usize; 2],
+        /// `[rows, cols]` of one block.
+        block: [usize; 2],
+        /// The scale tensor's shape.
+        found: Vec<usize>,
+    },
     /// A tensor's dtype is not one the converter reads for it.
     #[error("{}: tensor {tensor:?}: unsupported dtype {dtype}", path.display())]
     UnsupportedDtype {
@@ -259,9 +284,12 @@ pub enum ConvertError {
 /// Where a CMF tensor's values come from.
 #[derive(Debug, Clone)]
 pub enum Src {
-    /// One source tensor. Float, integer, FP8 (`<stem>.scale` alongside) or FP4 (`I8`, with
-    /// `<stem>.scale`).
+    /// One source tensor. Float, integer, FP8 (`<stem>.scale` alongside, a block grid of
+    /// `weight_block_size`) or FP4 (`I8`, with `<stem>.scale`).
     Tensor(String),
+    /// An FP8 E4M3 table with one E8M0 scale per 32 inputs of a row (`<stem>.scale`
+    /// `[rows, cols/32]`): an mxfp8 payload as stored (DeepSeek-V4.1's Engram tables).
+    Mxfp8(String),
     /// Matrix `index` of a stacked `[E, rows, cols]` source tensor.
     Slice {
         /// The stacked tensor.
@@ -271,6 +299,16 @@ pub enum Src {
     },
     /// The rows of several sources, one after the other (gate rows, then up rows).
     Rows(Vec<Src>),
+}
+
+/// What an architecture's mapping produced: the header config and the tensors to write.
+pub(crate) struct Plan {
+    /// The config for the CMF header (a composite config's `text_config`).
+    pub config: Value,
+    /// One job per CMF tensor.
+    pub jobs: Vec<Job>,
+    /// Source tensors deliberately left out (vision tower and the like).
+    pub skipped: usize,
 }
 
 /// One CMF tensor to write.
@@ -302,9 +340,14 @@ pub fn convert(
         .and_then(Value::as_str)
         .unwrap_or("")
         .to_string();
-    let (text_config, jobs) = match model_type.as_str() {
+    let Plan {
+        config: text_config,
+        jobs,
+        skipped,
+    } = match model_type.as_str() {
         "qwen4_exp" => qwen4::plan(&ckpt, &config_path)?,
         "deepseek_v4" => dsv4::plan(&ckpt, &config_path)?,
+        "deepseek_v41" => dsv41::plan(&ckpt, &config_path)?,
         _ => {
             return Err(ConvertError::UnknownModelType {
                 path: config_path,
@@ -343,16 +386,21 @@ pub fn convert(
             progress(&report(bytes_done));
             continue;
         }
-        if stream_job(&ckpt, job, opts.profile, opts.stream_above, &mut writer).map_err(
-            |e| match e {
-                ConvertError::Cmf(source) => ConvertError::WriteTensor {
-                    path: opts.output.clone(),
-                    tensor: job.name.clone(),
-                    source: Box::new(source),
-                },
-                e => e,
+        let writing = |e| match e {
+            ConvertError::Cmf(source) => ConvertError::WriteTensor {
+                path: opts.output.clone(),
+                tensor: job.name.clone(),
+                source: Box::new(source),
             },
-        )? {
+            e => e,
+        };
+        if mxfp8_verbatim_job(&ckpt, job, opts.profile, &mut writer).map_err(writing)? {
+            verbatim += 1;
+            bytes_done += job.source_bytes;
+            progress(&report(bytes_done));
+            continue;
+        }
+        if stream_job(&ckpt, job, opts.profile, opts.stream_above, &mut writer).map_err(writing)? {
             streamed += 1;
             bytes_done += job.source_bytes;
             progress(&report(bytes_done));
@@ -393,6 +441,7 @@ pub fn convert(
         verbatim,
         fallbacks,
         streamed,
+        skipped,
     })
 }
 
@@ -427,6 +476,63 @@ const STREAM_F32_BYTES: usize = 64 << 20;
 
 /// f32 bytes of source rows decoded per block when streaming.
 const BLOCK_F32_BYTES: usize = 16 << 20;
+
+/// Copies an FP8 row table ([`Src::Mxfp8`]) into an mxfp8 tensor when the profile keeps it
+/// mxfp8 (the Engram role always does): the code plane is the source's E4M3 bytes, the scale
+/// plane its E8M0 bytes, streamed to the writer a block at a time with each block's source
+/// pages released, so a table of hundreds of GB never sits in memory. Returns false for a job
+/// it does not handle.
+fn mxfp8_verbatim_job(
+    ckpt: &Checkpoint,
+    job: &Job,
+    profile: Profile,
+    writer: &mut CmfWriter,
+) -> Result<bool, ConvertError> {
+    let Src::Mxfp8(name) = &job.src else {
+        return Ok(false);
+    };
+    if profile.dtype_for(job.role, &job.shape) != DType::Mxfp8 {
+        return Ok(false);
+    }
+    let w = ckpt.get(name, &job.name)?;
+    let s = ckpt.get(&scale_name(name), &job.name)?;
+    decode::mx8_shape(&w, &s)?;
+    let mut chunks = [w, s].into_iter().flat_map(|t| {
+        t.bytes
+            .chunks(BLOCK_F32_BYTES)
+            .map(move |bytes| SourceTensor { bytes, ..t })
+    });
+    let blocks = std::iter::from_fn(|| {
+        let part = chunks.next()?;
+        let bytes = part.bytes.to_vec();
+        ckpt.release(&part);
+        Some(Ok(bytes))
+    });
+    write_blocks(writer, job, DType::Mxfp8, blocks)?;
+    Ok(true)
+}
+
+/// Writes `job` from encoded blocks pulled as the writer asks; a failure inside an iterator
+/// is returned as itself once the writer reports the broken stream.
+fn write_blocks(
+    writer: &mut CmfWriter,
+    job: &Job,
+    dtype: DType,
+    mut blocks: impl Iterator<Item = Result<Vec<u8>, ConvertError>>,
+) -> Result<(), ConvertError> {
+    let failure = std::cell::RefCell::new(None);
+    let mut source = BlockReader {
+        blocks: &mut blocks,
+        current: std::io::Cursor::new(Vec::new()),
+        failure: &failure,
+    };
+    let result = writer.add_tensor_from_reader(&job.name, dtype, &job.shape, &mut source);
+    if let Some(e) = failure.into_inner() {
+        return Err(e);
+    }
+    result?;
+    Ok(())
+}
 
 /// Converts a large plain-float (f32, f16, bf16) matrix block by block: each block of rows is
 /// decoded, quantised and written, its source pages released (q8_2f first reads every block
@@ -483,7 +589,8 @@ fn stream_job(
         quant_codecs::RowEncoder::new(dtype, rows, cols, colmax.as_deref()).map_err(codec_err)?,
     );
     let mut next = 0usize;
-    let mut blocks = std::iter::from_fn(|| {
+    // The writer pulls bytes and blocks are encoded as it asks.
+    let blocks = std::iter::from_fn(|| {
         let e = enc.as_mut()?;
         if next < rows {
             let r1 = (next + block).min(rows);
@@ -494,19 +601,7 @@ fn stream_job(
             Some(enc.take()?.finish().map_err(codec_err))
         }
     });
-    // The writer pulls bytes and blocks are encoded as it asks; a failure inside is kept here
-    // and returned as itself once the writer reports the broken stream.
-    let failure = std::cell::RefCell::new(None);
-    let mut source = BlockReader {
-        blocks: &mut blocks,
-        current: std::io::Cursor::new(Vec::new()),
-        failure: &failure,
-    };
-    let result = writer.add_tensor_from_reader(&job.name, dtype, &job.shape, &mut source);
-    if let Some(e) = failure.into_inner() {
-        return Err(e);
-    }
-    result?;
+    write_blocks(writer, job, dtype, blocks)?;
     Ok(true)
 }
 
@@ -573,7 +668,7 @@ fn encode_job(
 
 fn first_name(src: &Src) -> &str {
     match src {
-        Src::Tensor(n) | Src::Slice { name: n, .. } => n,
+        Src::Tensor(n) | Src::Mxfp8(n) | Src::Slice { name: n, .. } => n,
         Src::Rows(parts) => parts.first().map(first_name).unwrap_or(""),
     }
 }
@@ -592,6 +687,13 @@ fn values(ckpt: &Checkpoint, src: &Src, needed_by: &str) -> Result<Vec<f32>, Con
         Src::Tensor(name) => {
             let t = ckpt.get(name, needed_by)?;
             let v = tensor_values(ckpt, &t, needed_by)?;
+            ckpt.release(&t);
+            Ok(v)
+        }
+        Src::Mxfp8(name) => {
+            let t = ckpt.get(name, needed_by)?;
+            let s = ckpt.get(&scale_name(name), needed_by)?;
+            let v = decode::mx8_f32(&t, &s)?;
             ckpt.release(&t);
             Ok(v)
         }
@@ -634,7 +736,7 @@ fn tensor_values(
         d if decode::is_integer(d) => decode::integer_f32(t),
         Dtype::F8_E4M3 => {
             let s = ckpt.get(&scale_name(t.name), needed_by)?;
-            decode::fp8_f32(t, &s)
+            decode::fp8_f32(t, &s, ckpt.fp8_block)
         }
         Dtype::I8 => {
             let s = ckpt.get(&scale_name(t.name), needed_by)?;
@@ -658,7 +760,7 @@ fn fp4_verbatim(ckpt: &Checkpoint, job: &Job) -> Result<Option<Vec<u8>>, Convert
                 out.push(n);
                 true
             }
-            Src::Slice { .. } => false,
+            Src::Slice { .. } | Src::Mxfp8(_) => false,
             Src::Rows(parts) => parts.iter().all(|p| collect(p, out)),
         }
     }
@@ -722,7 +824,9 @@ pub(crate) fn src_shape(
                     Ok((shape.to_vec(), (t.bytes.len() + s.bytes.len()) as u64))
                 }
                 Dtype::F8_E4M3 => {
+                    // The grid is checked here, before anything is written.
                     let s = ckpt.get(&scale_name(name), needed_by)?;
+                    decode::fp8_grid(&t, &s, ckpt.fp8_block)?;
                     Ok((t.shape.to_vec(), (t.bytes.len() + s.bytes.len()) as u64))
                 }
                 d if decode::is_float(d) || decode::is_integer(d) => {
@@ -734,6 +838,12 @@ pub(crate) fn src_shape(
                     dtype: format!("{other:?}"),
                 }),
             }
+        }
+        Src::Mxfp8(name) => {
+            let t = ckpt.get(name, needed_by)?;
+            let s = ckpt.get(&scale_name(name), needed_by)?;
+            let shape = decode::mx8_shape(&t, &s)?;
+            Ok((shape.to_vec(), (t.bytes.len() + s.bytes.len()) as u64))
         }
         Src::Slice { name, .. } => {
             let t = ckpt.get(name, needed_by)?;

@@ -25,6 +25,12 @@ pub enum Role {
     ExpertGateUp,
     /// Routed expert down projection.
     ExpertDown,
+    /// DeepSeek-V4.1 Engram lookup tables stored as FP8 rows with a scale per 32 inputs: mxfp8
+    /// in every profile, copied verbatim. That is exact (the stored values, bit for bit) and
+    /// the smallest a lossless copy can be (8.25 bits a value; f32 or bf16 would be 4x or 2x
+    /// the release's ~200 GB of tables, and any requantisation would add error to a table
+    /// whose rows are only ever gathered, never multiplied through a kernel that cares).
+    EngramTable,
 }
 
 /// A `--quant` profile.
@@ -76,6 +82,9 @@ impl Profile {
         if role == Role::Integer {
             return DType::F32;
         }
+        if role == Role::EngramTable && is_matrix {
+            return DType::Mxfp8;
+        }
         match self {
             Profile::F32 => return DType::F32,
             Profile::F16 => return DType::F16,
@@ -101,6 +110,7 @@ impl Profile {
                 _ => DType::Q4tp,
             },
             Role::Vector | Role::Integer => DType::F32,
+            Role::EngramTable => DType::Mxfp8,
         }
     }
 
@@ -110,7 +120,9 @@ impl Profile {
         let is_matrix = shape.len() == 2 && shape.iter().all(|&d| d > 0);
         let d = self.wanted(role, is_matrix);
         match d {
-            DType::Q4tp | DType::Q2tp | DType::Mxfp4 if !shape[1].is_multiple_of(GROUP) => {
+            DType::Q4tp | DType::Q2tp | DType::Mxfp4 | DType::Mxfp8
+                if !shape.get(1).is_some_and(|c| c.is_multiple_of(GROUP)) =>
+            {
                 DType::Q8_2f
             }
             _ => d,
@@ -158,5 +170,16 @@ mod tests {
         assert_eq!(Profile::Q8.dtype_for(Role::Router, &[8, 64]), DType::Q8_2f);
         assert_eq!(Profile::Q4.dtype_for(Role::Router, &[8, 64]), DType::F16);
         assert_eq!(Profile::Bf16.dtype_for(Role::Integer, &[8]), DType::F32);
+    }
+
+    #[test]
+    fn engram_tables_are_mxfp8_in_every_profile() {
+        for p in Profile::ALL {
+            assert_eq!(
+                p.dtype_for(Role::EngramTable, &[834, 64]),
+                DType::Mxfp8,
+                "{p}"
+            );
+        }
     }
 }

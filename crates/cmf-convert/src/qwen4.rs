@@ -6,10 +6,8 @@
 
 use std::path::Path;
 
-use serde_json::Value;
-
 use super::source::Checkpoint;
-use super::{ConvertError, Job, Role, Src, config_usize, expect_job_shape, push_job};
+use super::{ConvertError, Job, Plan, Role, Src, config_usize, expect_job_shape, push_job};
 
 const ARCH: &str = "qwen4_exp";
 
@@ -40,8 +38,8 @@ pub fn role(name: &str, integer: bool) -> Role {
     }
 }
 
-/// (text config, jobs) for a `qwen4_exp` checkpoint.
-pub fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<(Value, Vec<Job>), ConvertError> {
+/// The plan (text config, jobs) for a `qwen4_exp` checkpoint.
+pub(crate) fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<Plan, ConvertError> {
     let text = ckpt
         .config
         .get("text_config")
@@ -57,6 +55,7 @@ pub fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<(Value, Vec<Job>), 
     let layers = config_usize(&text, "num_hidden_layers", config_path)?;
 
     let mut jobs = Vec::new();
+    let mut skipped = 0;
     let push = |jobs: &mut Vec<Job>, name: String, src: Src| push_job(ckpt, jobs, name, src, role);
     for src_name in ckpt.names() {
         let canon = if let Some(rest) = src_name.strip_prefix("model.language_model.") {
@@ -64,7 +63,8 @@ pub fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<(Value, Vec<Job>), 
         } else if src_name.starts_with("lm_head.") || src_name.starts_with("mtp.") {
             src_name.to_string()
         } else if src_name.starts_with("model.visual.") {
-            continue; // vision tower: not converted (text-only engine)
+            skipped += 1; // vision tower: not converted (text-only engine)
+            continue;
         } else {
             return Err(ConvertError::UnknownTensor {
                 path: ckpt.file_of(src_name),
@@ -145,7 +145,16 @@ pub fn plan(ckpt: &Checkpoint, config_path: &Path) -> Result<(Value, Vec<Job>), 
             expect_job_shape(ckpt, &jobs, &j.name, &want, config_path)?;
         }
     }
-    Ok((text, jobs))
+    if skipped > 0 {
+        tracing::info!(
+            "{ARCH}: skipped {skipped} vision tensors (model.visual.*; text-only engine)"
+        );
+    }
+    Ok(Plan {
+        config: text,
+        jobs,
+        skipped,
+    })
 }
 
 /// `L` of `model.layers.L.…`.

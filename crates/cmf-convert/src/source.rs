@@ -54,6 +54,10 @@ pub struct Checkpoint {
     pub dir: PathBuf,
     /// `config.json`, parsed.
     pub config: Value,
+    /// `[rows, cols]` of one FP8 scale block: `quantization_config.weight_block_size` (top
+    /// level, or inside `text_config` for a flat text config), [`DEFAULT_FP8_BLOCK`] when the
+    /// config has none. DeepSeek-V4 uses 128 x 128, V4.1 32 x 32.
+    pub fp8_block: [usize; 2],
     shards: Vec<Shard>,
     tensors: BTreeMap<String, TensorMeta>,
 }
@@ -62,6 +66,7 @@ impl std::fmt::Debug for Checkpoint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Checkpoint")
             .field("dir", &self.dir)
+            .field("fp8_block", &self.fp8_block)
             .field("shards", &self.shards.len())
             .field("tensors", &self.tensors.len())
             .finish()
@@ -88,11 +93,44 @@ pub fn read_json(path: &Path) -> Result<Value, ConvertError> {
     })
 }
 
+/// The FP8 scale block when the config does not say (DeepSeek-V4's, and the converter's
+/// before V4.1).
+pub const DEFAULT_FP8_BLOCK: [usize; 2] = [128, 128];
+
+/// `quantization_config.weight_block_size` of `config` (top level first, then `text_config`'s,
+/// where transformers copies it), or [`DEFAULT_FP8_BLOCK`]; anything but two positive integers
+/// is an error naming the file.
+fn fp8_block(config: &Value, path: &Path) -> Result<[usize; 2], ConvertError> {
+    let field = [Some(config), config.get("text_config")]
+        .into_iter()
+        .flatten()
+        .find_map(|c| c.get("quantization_config")?.get("weight_block_size"));
+    let Some(v) = field else {
+        return Ok(DEFAULT_FP8_BLOCK);
+    };
+    let dims: Option<Vec<usize>> = v.as_array().map(|a| {
+        a.iter()
+            .filter_map(|x| x.as_u64().filter(|&n| n > 0).map(|n| n as usize))
+            .collect()
+    });
+    match (dims, v.as_array().map(Vec::len)) {
+        (Some(d), Some(2)) if d.len() == 2 => Ok([d[0], d[1]]),
+        _ => Err(ConvertError::Config {
+            path: path.to_path_buf(),
+            detail: format!(
+                "quantization_config.weight_block_size must be two positive integers, found {v}"
+            ),
+        }),
+    }
+}
+
 impl Checkpoint {
     /// Opens `dir`: parses `config.json`, maps every shard and reads every shard's header.
     /// Checks that each tensor the index names is in the shard it names.
     pub fn open(dir: &Path) -> Result<Checkpoint, ConvertError> {
-        let config = read_json(&dir.join("config.json"))?;
+        let config_path = dir.join("config.json");
+        let config = read_json(&config_path)?;
+        let fp8_block = fp8_block(&config, &config_path)?;
         let index_path = dir.join("model.safetensors.index.json");
         let single = dir.join("model.safetensors");
         // (file name, tensors the index promises in it)
@@ -162,6 +200,7 @@ impl Checkpoint {
         Ok(Checkpoint {
             dir: dir.to_path_buf(),
             config,
+            fp8_block,
             shards,
             tensors,
         })

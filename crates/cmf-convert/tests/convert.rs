@@ -1,9 +1,11 @@
 //! The converter on the committed reference fixtures (fixtures/<case>/hf).
 //!
 //! Expected values come from the source safetensors read here independently (the `safetensors`
-//! crate, bf16 -> f32 by shifting bits, FP8/FP4 decoded by this file's own tables) and from this
-//! file's own copy of the name mapping (tools/reference/make_fixtures.py's `_DS_LEAF`, applied in
-//! the HF -> DeepSeek direction, as the fixture generator applied it), never from the converter.
+//! crate, bf16 -> f32 by shifting bits, FP8/FP4 decoded by this file's own tables, the FP8 block
+//! read from each fixture's config) and from this file's own copy of the name mappings
+//! (tools/reference/make_fixtures.py's `_DS_LEAF` and make_dsv41_fixtures.py's `_LEAF` /
+//! `released_name`, applied in the HF -> DeepSeek direction, as the fixture generators applied
+//! them), never from the converter.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -13,13 +15,42 @@ use cmf_format::Cmf;
 use quant_codecs::{self, DType};
 use safetensors::{Dtype, SafeTensors};
 
-const CASES: [&str; 5] = [
+const CASES: [&str; 7] = [
     "qwen4_exp_a",
     "qwen4_exp_b",
     "qwen4_exp_c",
     "deepseek_v4_a",
     "deepseek_v4_b",
+    "deepseek_v41_a",
+    "deepseek_v41_b",
 ];
+
+/// The DeepSeek-V4.1 fixtures.
+const V41: [&str; 2] = ["deepseek_v41_a", "deepseek_v41_b"];
+
+/// The `model_type` a case's fixture declares.
+fn architecture(case: &str) -> &'static str {
+    if case.starts_with("qwen") {
+        "qwen4_exp"
+    } else if case.starts_with("deepseek_v41") {
+        "deepseek_v41"
+    } else {
+        "deepseek_v4"
+    }
+}
+
+/// `quantization_config.weight_block_size` of a fixture's config.json (128 x 128 if absent).
+fn fp8_block(case: &str) -> [usize; 2] {
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture(case).join("config.json")).unwrap()).unwrap();
+    match cfg["quantization_config"]["weight_block_size"].as_array() {
+        Some(b) => [
+            b[0].as_u64().unwrap() as usize,
+            b[1].as_u64().unwrap() as usize,
+        ],
+        None => [128, 128],
+    }
+}
 
 fn fixture(case: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -111,11 +142,24 @@ fn floats(t: &Raw) -> Vec<f32> {
     }
 }
 
-/// Dequantised f32 of a DeepSeek weight (FP8 block-scaled, FP4, or plain).
-fn ds_values(src: &HashMap<String, Raw>, name: &str) -> Vec<f32> {
+/// Dequantised f32 of a DeepSeek weight (FP8 block-scaled in blocks of `block`, FP8 Engram
+/// rows with a scale per 32 values, FP4, or plain).
+fn ds_values(src: &HashMap<String, Raw>, name: &str, block: [usize; 2]) -> Vec<f32> {
     let t = &src[name];
     let scale = || &src[&name.replace(".weight", ".scale")];
     match t.dtype {
+        Dtype::F8_E4M3 if name.ends_with(".engram.embed.weight") => {
+            let s = scale();
+            let cols = t.shape[1];
+            t.bytes
+                .iter()
+                .enumerate()
+                .map(|(i, &b)| {
+                    let (r, c) = (i / cols, i % cols);
+                    fp8(b) * pow2(s.bytes[r * (cols / 32) + c / 32] as i32 - 127)
+                })
+                .collect()
+        }
         Dtype::F8_E4M3 => {
             let s = scale();
             let cols = t.shape[1];
@@ -124,7 +168,8 @@ fn ds_values(src: &HashMap<String, Raw>, name: &str) -> Vec<f32> {
                 .enumerate()
                 .map(|(i, &b)| {
                     let (r, c) = (i / cols, i % cols);
-                    fp8(b) * pow2(s.bytes[(r / 128) * s.shape[1] + c / 128] as i32 - 127)
+                    let k = s.bytes[(r / block[0]) * s.shape[1] + c / block[1]];
+                    fp8(b) * pow2(k as i32 - 127)
                 })
                 .collect()
         }
@@ -214,8 +259,113 @@ const DS_TOP: [(&str, &str); 6] = [
     ("model.hc_head.hc_scale", "hc_head_scale"),
 ];
 
+/// make_dsv41_fixtures.py `_LEAF` (HF piece after `model.layers.L.` -> released piece), its
+/// regex groups written out; `true` marks a pattern anchored at both ends (`...$`).
+const V41_LEAF: [(&str, &str, bool); 32] = [
+    (
+        "self_attn.compressor.kv_proj.",
+        "attn.compressor.wkv.",
+        false,
+    ),
+    (
+        "self_attn.compressor.gate_proj.",
+        "attn.compressor.wgate.",
+        false,
+    ),
+    (
+        "self_attn.compressor.kv_norm.",
+        "attn.compressor.norm.",
+        false,
+    ),
+    ("self_attn.indexer.q_b_proj.", "attn.indexer.wq_b.", false),
+    ("self_attn.indexer.k_proj.", "attn.indexer.wk.", false),
+    (
+        "self_attn.indexer.weights_proj.",
+        "attn.indexer.weights_proj.",
+        false,
+    ),
+    ("self_attn.indexer.k_norm.", "attn.indexer.k_norm.", false),
+    ("self_attn.q_a_proj.", "attn.wq_a.", false),
+    ("self_attn.q_a_norm.", "attn.q_norm.", false),
+    ("self_attn.q_b_proj.", "attn.wq_b.", false),
+    ("self_attn.kv_proj.", "attn.wkv.", false),
+    ("self_attn.kv_norm.", "attn.kv_norm.", false),
+    ("self_attn.o_a_proj.", "attn.wo_a.", false),
+    ("self_attn.o_b_proj.", "attn.wo_b.", false),
+    ("self_attn.sinks", "attn.attn_sink", true),
+    ("input_layernorm.", "attn_norm.", false),
+    ("post_attention_layernorm.", "ffn_norm.", false),
+    ("attn_hc.fn", "hc_attn_fn", true),
+    ("attn_hc.base", "hc_attn_base", true),
+    ("attn_hc.scale", "hc_attn_scale", true),
+    ("ffn_hc.fn", "hc_ffn_fn", true),
+    ("ffn_hc.base", "hc_ffn_base", true),
+    ("ffn_hc.scale", "hc_ffn_scale", true),
+    (
+        "mlp.gate.e_score_correction_bias_vl",
+        "ffn.gate.bias_vl",
+        true,
+    ),
+    ("mlp.gate.e_score_correction_bias", "ffn.gate.bias", true),
+    ("mlp.gate.weight", "ffn.gate.weight", true),
+    (
+        "mlp.shared_experts.gate_proj.",
+        "ffn.shared_experts.w1.",
+        false,
+    ),
+    (
+        "mlp.shared_experts.down_proj.",
+        "ffn.shared_experts.w2.",
+        false,
+    ),
+    (
+        "mlp.shared_experts.up_proj.",
+        "ffn.shared_experts.w3.",
+        false,
+    ),
+    ("engram.wkv.weight", "engram.wkv.weight", true),
+    ("engram.q_weight", "engram.q_weight", true),
+    ("engram.k_weight", "engram.k_weight", true),
+];
+
+/// make_dsv41_fixtures.py `released_name`: a transformers V4.1 name (not a routed expert) to
+/// the released checkpoint's name.
+fn released_v41(hf: &str) -> String {
+    for (h, r) in [
+        ("model.embed_tokens.weight", "embed.weight"),
+        ("lm_head.weight", "head.weight"),
+        ("model.norm.weight", "norm.weight"),
+    ] {
+        if hf == h {
+            return r.to_string();
+        }
+    }
+    if let Some(l) = hf
+        .strip_prefix("model.engram_tables.")
+        .and_then(|r| r.strip_suffix(".weight"))
+    {
+        return format!("layers.{l}.engram.embed.weight");
+    }
+    let rest = hf
+        .strip_prefix("model.layers.")
+        .unwrap_or_else(|| panic!("no released name for {hf}"));
+    let (l, tail) = rest.split_once('.').unwrap();
+    let (h, r, _) = V41_LEAF
+        .iter()
+        .find(|(h, _, whole)| {
+            if *whole {
+                tail == *h
+            } else {
+                tail.starts_with(h)
+            }
+        })
+        .unwrap_or_else(|| panic!("no released name for {hf}"));
+    format!("layers.{l}.{r}{}", &tail[h.len()..])
+}
+
 /// The exact f32 values a CMF tensor must hold, from the source.
 fn expected(case: &str, src: &HashMap<String, Raw>, cmf_name: &str) -> Vec<f32> {
+    let block = fp8_block(case);
     let parts: Vec<&str> = cmf_name.split('.').collect();
     let expert = cmf_name.contains(".mlp.experts.").then(|| {
         let layer: usize = parts[2].parse().unwrap();
@@ -238,22 +388,25 @@ fn expected(case: &str, src: &HashMap<String, Raw>, cmf_name: &str) -> Vec<f32> 
     if let Some((l, e, which)) = expert {
         let stem = format!("layers.{l}.ffn.experts.{e}");
         return if which == "gate_up_proj" {
-            let mut v = ds_values(src, &format!("{stem}.w1.weight"));
-            v.extend(ds_values(src, &format!("{stem}.w3.weight")));
+            let mut v = ds_values(src, &format!("{stem}.w1.weight"), block);
+            v.extend(ds_values(src, &format!("{stem}.w3.weight"), block));
             v
         } else {
-            ds_values(src, &format!("{stem}.w2.weight"))
+            ds_values(src, &format!("{stem}.w2.weight"), block)
         };
     }
+    if case.starts_with("deepseek_v41") {
+        return ds_values(src, &released_v41(cmf_name), block);
+    }
     if let Some((_, ds)) = DS_TOP.iter().find(|(hf, _)| *hf == cmf_name) {
-        return ds_values(src, ds);
+        return ds_values(src, ds, block);
     }
     let name = &cmf_name["model.".len()..];
     let (hf, ds) = DS_LEAF
         .iter()
         .find(|(hf, _)| name.contains(hf))
         .unwrap_or_else(|| panic!("no mapping for {cmf_name}"));
-    ds_values(src, &name.replacen(hf, ds, 1))
+    ds_values(src, &name.replacen(hf, ds, 1), block)
 }
 
 /// Source tensors the CMF file must account for (scales and w3 travel with their weight;
@@ -302,14 +455,7 @@ fn every_fixture_converts_under_every_profile_and_verifies() {
             cmf.verify().unwrap();
             let h = cmf.header();
             assert_eq!(h.quantization.profile, profile.name());
-            assert_eq!(
-                h.architecture,
-                if case.starts_with("qwen") {
-                    "qwen4_exp"
-                } else {
-                    "deepseek_v4"
-                }
-            );
+            assert_eq!(h.architecture, architecture(case));
             assert!(h.provenance.converter.starts_with("cortiq "));
             assert!(
                 h.provenance
@@ -356,7 +502,13 @@ fn f32_profile_reproduces_every_source_value_exactly() {
         run(&fixture(case), &out, Profile::F32).unwrap();
         let cmf = Cmf::open(&out).unwrap();
         for t in cmf.tensors() {
-            assert_eq!(t.dtype, DType::F32, "{case} {}", t.name);
+            // Engram tables stay mxfp8 in every profile (exact: their stored values).
+            let want_dtype = if t.name.starts_with("model.engram_tables.") {
+                DType::Mxfp8
+            } else {
+                DType::F32
+            };
+            assert_eq!(t.dtype, want_dtype, "{case} {}", t.name);
             let got = cmf_values(&cmf, &t.name);
             let want = expected(case, &src, &t.name);
             assert_eq!(got.len(), want.len(), "{case} {}", t.name);
@@ -436,7 +588,12 @@ fn fused_expert_split_puts_row_r_of_expert_e_where_the_source_has_it() {
 #[test]
 fn deepseek_fp4_experts_are_copied_verbatim_under_fp4() {
     let tmp = tempfile::tempdir().unwrap();
-    for case in ["deepseek_v4_a", "deepseek_v4_b"] {
+    for case in [
+        "deepseek_v4_a",
+        "deepseek_v4_b",
+        "deepseek_v41_a",
+        "deepseek_v41_b",
+    ] {
         let src = read_source(&fixture(case));
         let out = tmp.path().join(format!("{case}.cmf"));
         run(&fixture(case), &out, Profile::Fp4).unwrap();
@@ -498,8 +655,13 @@ fn within_bound(
     w: &[f32],
     got: &[f32],
 ) -> Result<(), String> {
+    let same_bits = || got.iter().zip(w).all(|(g, v)| g.to_bits() == v.to_bits());
     match dtype {
         DType::F32 => (got == w).then_some(()).ok_or("f32 not exact".into()),
+        // Only Engram tables are mxfp8, copied from the source: exact.
+        DType::Mxfp8 => same_bits()
+            .then_some(())
+            .ok_or("mxfp8 not bit-exact".into()),
         DType::F16 | DType::BF16 => {
             let ulp = if dtype == DType::F16 {
                 pow2(-11)
@@ -777,7 +939,7 @@ fn streaming_row_blocks_writes_the_same_tensors() {
     // With a threshold of 0 every plain-float matrix goes through the block-by-block path
     // (column maxima first for q8_2f); the tensors must equal the one-shot conversion's.
     let dir = tempfile::tempdir().unwrap();
-    for case in ["qwen4_exp_a", "deepseek_v4_a"] {
+    for case in ["qwen4_exp_a", "deepseek_v4_a", "deepseek_v41_b"] {
         for profile in [Profile::Q8, Profile::Q4, Profile::Bf16] {
             let whole = dir.path().join(format!("{case}-whole.cmf"));
             let streamed = dir.path().join(format!("{case}-streamed.cmf"));
@@ -803,4 +965,416 @@ fn streaming_row_blocks_writes_the_same_tensors() {
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// DeepSeek-V4.1
+// ---------------------------------------------------------------------------------------------
+
+/// The source tensors a CMF tensor of a V4.1 file consumes (weights with their `.scale`).
+fn v41_sources(src: &HashMap<String, Raw>, cmf_name: &str) -> Vec<String> {
+    let parts: Vec<&str> = cmf_name.split('.').collect();
+    let weights = if cmf_name.starts_with("model.layers.") && cmf_name.contains(".mlp.experts.") {
+        let stem = format!("layers.{}.ffn.experts.{}", parts[2], parts[5]);
+        if parts[6] == "gate_up_proj" {
+            vec![format!("{stem}.w1.weight"), format!("{stem}.w3.weight")]
+        } else {
+            vec![format!("{stem}.w2.weight")]
+        }
+    } else if cmf_name.starts_with("mtp.") {
+        vec![cmf_name.to_string()]
+    } else {
+        vec![released_v41(cmf_name)]
+    };
+    let mut out = Vec::new();
+    for w in weights {
+        let scale = w.replace(".weight", ".scale");
+        if w.ends_with(".weight") && src.contains_key(&scale) {
+            out.push(scale);
+        }
+        out.push(w);
+    }
+    out
+}
+
+#[test]
+fn deepseek_v41_every_source_tensor_lands_under_its_transformers_name() {
+    // Each CMF tensor maps back (make_dsv41_fixtures.py's released_name) to source tensors
+    // that exist, and together they consume every source tensor exactly once.
+    let tmp = tempfile::tempdir().unwrap();
+    for case in V41 {
+        let src = read_source(&fixture(case));
+        let out = tmp.path().join(format!("{case}.cmf"));
+        run(&fixture(case), &out, Profile::Q4).unwrap();
+        let cmf = Cmf::open(&out).unwrap();
+        let mut consumed: BTreeMap<String, String> = BTreeMap::new();
+        for t in cmf.tensors() {
+            for s in v41_sources(&src, &t.name) {
+                assert!(src.contains_key(&s), "{case}: {} needs {s}", t.name);
+                if let Some(prev) = consumed.insert(s.clone(), t.name.clone()) {
+                    panic!("{case}: {s} consumed by {prev} and {}", t.name);
+                }
+            }
+        }
+        let missing: Vec<_> = src.keys().filter(|k| !consumed.contains_key(*k)).collect();
+        assert!(missing.is_empty(), "{case}: not converted: {missing:?}");
+        // The names the model crates will look for, spot-checked by hand.
+        for name in [
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.norm.weight",
+            "model.layers.4.self_attn.indexer.q_b_proj.weight",
+            "model.layers.4.self_attn.indexer.k_proj.weight",
+            "model.layers.4.self_attn.compressor.kv_proj.weight",
+            "model.layers.4.mlp.gate.e_score_correction_bias_vl",
+            "model.layers.4.attn_hc.fn",
+            "model.layers.3.mlp.experts.0.gate_up_proj.weight",
+        ] {
+            assert!(cmf.tensor(name).is_some(), "{case}: no {name}");
+        }
+        let engram: Vec<String> = cmf
+            .tensors()
+            .iter()
+            .filter(|t| t.name.contains("engram"))
+            .map(|t| t.name.clone())
+            .collect();
+        let layers: &[usize] = if case.ends_with('a') {
+            &[1, 4]
+        } else {
+            &[0, 3]
+        };
+        for l in layers {
+            for n in [
+                format!("model.engram_tables.{l}.weight"),
+                format!("model.layers.{l}.engram.wkv.weight"),
+                format!("model.layers.{l}.engram.q_weight"),
+                format!("model.layers.{l}.engram.k_weight"),
+            ] {
+                assert!(engram.contains(&n), "{case}: no {n} in {engram:?}");
+            }
+        }
+        assert_eq!(engram.len(), 4 * layers.len(), "{case}: {engram:?}");
+    }
+}
+
+#[test]
+fn deepseek_v41_engram_tables_are_mxfp8_copies_gatherable_by_row() {
+    let tmp = tempfile::tempdir().unwrap();
+    for case in V41 {
+        let src = read_source(&fixture(case));
+        for profile in Profile::ALL {
+            let out = tmp.path().join(format!("{case}-{profile}.cmf"));
+            let opts = ConvertOptions::new(fixture(case), out.clone(), profile);
+            let report = convert(&opts, &mut |_| {}).unwrap();
+            let cmf = Cmf::open(&out).unwrap();
+            let mut tables = 0;
+            for t in cmf
+                .tensors()
+                .iter()
+                .filter(|t| t.name.starts_with("model.engram_tables."))
+            {
+                let released = released_v41(&t.name);
+                let (codes, scales) = (
+                    &src[&released],
+                    &src[&released.replace(".weight", ".scale")],
+                );
+                assert_eq!(t.dtype, DType::Mxfp8, "{case} {profile} {}", t.name);
+                assert_eq!(t.shape, codes.shape, "{case} {profile} {}", t.name);
+                let view = cmf.tensor(&t.name).unwrap();
+                // The payload is the source's code bytes, then its scale bytes.
+                assert!(
+                    view.bytes == [&codes.bytes[..], &scales.bytes[..]].concat().as_slice(),
+                    "{case} {profile} {}: not a verbatim copy",
+                    t.name
+                );
+                // Row r is `cols` code bytes at r * cols and `cols / 32` scale bytes after
+                // the plane: read straight from the mapped file, and decoded the same.
+                let (rows, cols) = (codes.shape[0], codes.shape[1]);
+                let m = quant_codecs::MatRef::new(DType::Mxfp8, rows, cols, view.bytes).unwrap();
+                let want = ds_values(&src, &released, [32, 32]);
+                for r in [0, 1, rows / 2, rows - 1] {
+                    assert_eq!(
+                        &view.bytes[r * cols..][..cols],
+                        &codes.bytes[r * cols..][..cols]
+                    );
+                    assert_eq!(
+                        &view.bytes[rows * cols + r * cols / 32..][..cols / 32],
+                        &scales.bytes[r * cols / 32..][..cols / 32]
+                    );
+                    let mut row = vec![0.0f32; cols];
+                    m.dequantize_row(r, &mut row).unwrap();
+                    let w = &want[r * cols..][..cols];
+                    assert!(
+                        row.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{case} {profile} {} row {r}",
+                        t.name
+                    );
+                }
+                tables += 1;
+            }
+            assert_eq!(tables, 2, "{case} {profile}");
+            // The tables (and under fp4 the experts) are the verbatim copies.
+            let experts = if profile == Profile::Fp4 {
+                cmf.tensors()
+                    .iter()
+                    .filter(|t| t.name.contains(".mlp.experts."))
+                    .count()
+            } else {
+                0
+            };
+            assert_eq!(report.verbatim, tables + experts, "{case} {profile}");
+            assert_eq!(report.skipped, 0);
+        }
+    }
+}
+
+#[test]
+fn deepseek_v41_header_keeps_the_text_config_and_the_original() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("a.cmf");
+    run(&fixture("deepseek_v41_a"), &out, Profile::Q8).unwrap();
+    let cmf = Cmf::open(&out).unwrap();
+    let h = cmf.header();
+    assert_eq!(h.architecture, "deepseek_v41");
+    assert_eq!(h.config["model_type"], "deepseek_v41_text");
+    assert_eq!(h.config["engram_layer_ids"], serde_json::json!([1, 4]));
+    assert_eq!(h.dims.hidden_size, Some(64));
+    assert_eq!(h.dims.num_hidden_layers, Some(7));
+    let orig = &h.provenance.extra["source_config"];
+    assert_eq!(orig["model_type"], "deepseek_v41");
+    assert_eq!(
+        orig["quantization_config"]["weight_block_size"],
+        serde_json::json!([32, 32])
+    );
+    assert!(orig["vision_config"].is_object());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rewriting a fixture's tensors (DeepSeek-V4.1 cases with one shard)
+// ---------------------------------------------------------------------------------------------
+
+type Tensors = BTreeMap<String, Raw>;
+
+/// Rewrites `dir/model.safetensors` after `f` edits its tensors.
+fn rewrite_tensors(dir: &Path, f: impl FnOnce(&mut Tensors)) {
+    let p = dir.join("model.safetensors");
+    let mut all: Tensors = read_source(dir).into_iter().collect();
+    f(&mut all);
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = all
+        .iter()
+        .map(|(k, t)| {
+            let v = safetensors::tensor::TensorView::new(t.dtype, t.shape.clone(), &t.bytes);
+            (k.clone(), v.unwrap())
+        })
+        .collect();
+    safetensors::tensor::serialize_to_file(views, None, &p).unwrap();
+}
+
+fn raw(dtype: Dtype, shape: &[usize], bytes: Vec<u8>) -> Raw {
+    Raw {
+        dtype,
+        shape: shape.to_vec(),
+        bytes,
+    }
+}
+
+#[test]
+fn deepseek_v41_vision_tensors_are_skipped_and_mtp_is_kept() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("deepseek_v41_a", tmp.path());
+    // FP8 32x32 blocks with scale byte 126 (0.5): e4m3 0x38 (1.0) decodes to 0.5.
+    let fp8 = raw(Dtype::F8_E4M3, &[32, 64], vec![0x38; 32 * 64]);
+    let fp8_scale = raw(Dtype::F8_E8M0, &[1, 2], vec![126; 2]);
+    rewrite_tensors(&dir, |t| {
+        let bf16 = |n: usize| raw(Dtype::BF16, &[n], [0x80, 0x3f].repeat(n));
+        t.insert(
+            "vision.blocks.0.attn.qkv.weight".into(),
+            raw(Dtype::BF16, &[96, 32], vec![0; 96 * 64]),
+        );
+        t.insert("vision.patch_embed.proj.bias".into(), bf16(32));
+        t.insert(
+            "aligner.linear.weight".into(),
+            raw(Dtype::BF16, &[64, 32], vec![0; 64 * 64]),
+        );
+        for d in ["image_start", "image_end", "image_newline"] {
+            t.insert(d.into(), bf16(64));
+        }
+        t.insert("mtp.0.attn_norm.weight".into(), bf16(64));
+        t.insert("mtp.0.attn.wq_a.weight".into(), fp8);
+        t.insert("mtp.0.attn.wq_a.scale".into(), fp8_scale);
+    });
+    let out = tmp.path().join("x.cmf");
+    let opts = ConvertOptions::new(dir.clone(), out.clone(), Profile::F32);
+    let report = convert(&opts, &mut |_| {}).unwrap();
+    assert_eq!(report.skipped, 6);
+    let cmf = Cmf::open(&out).unwrap();
+    assert!(cmf.tensors().iter().all(|t| !t.name.contains("vision")
+        && !t.name.contains("aligner")
+        && !t.name.contains("image_")));
+    assert_eq!(cmf_values(&cmf, "mtp.0.attn_norm.weight"), vec![1.0; 64]);
+    assert_eq!(
+        cmf_values(&cmf, "mtp.0.attn.wq_a.weight"),
+        vec![0.5; 32 * 64]
+    );
+    assert!(
+        cmf.tensor("mtp.0.attn.wq_a.scale").is_none(),
+        "scales travel with their weight"
+    );
+}
+
+#[test]
+fn deepseek_v41_engram_scale_of_the_wrong_shape_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("deepseek_v41_a", tmp.path());
+    rewrite_tensors(&dir, |t| {
+        t.insert(
+            "layers.4.engram.embed.scale".into(),
+            raw(Dtype::F8_E8M0, &[834, 1], vec![127; 834]),
+        );
+    });
+    expect_failure(
+        &dir,
+        &[
+            "model.safetensors",
+            "\"layers.4.engram.embed.scale\"",
+            "[834, 2]",
+            "[834, 1]",
+        ],
+    );
+}
+
+#[test]
+fn deepseek_v41_engram_scale_of_the_wrong_dtype_is_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("deepseek_v41_a", tmp.path());
+    rewrite_tensors(&dir, |t| {
+        t.insert(
+            "layers.1.engram.embed.scale".into(),
+            raw(Dtype::F32, &[630, 2], vec![0; 630 * 2 * 4]),
+        );
+    });
+    expect_failure(&dir, &["\"layers.1.engram.embed.scale\"", "F32", "F8_E8M0"]);
+}
+
+#[test]
+fn deepseek_v41_fp8_grid_must_fit_weight_block_size() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("deepseek_v41_a", tmp.path());
+    // The stored grids are 32x32 blocks; a config claiming 64x64 blocks does not fit them.
+    edit_json(&dir.join("config.json"), |c| {
+        c["quantization_config"]["weight_block_size"] = serde_json::json!([64, 64])
+    });
+    let err = expect_failure(
+        &dir,
+        &[
+            "model.safetensors",
+            ".scale",
+            "[64, 64]",
+            "weight_block_size",
+        ],
+    );
+    assert!(err.contains("layers."), "{err}");
+
+    // A malformed block size is a config error.
+    let dir = copy_fixture("deepseek_v41_a", tmp.path().join("2").as_path());
+    edit_json(&dir.join("config.json"), |c| {
+        c["quantization_config"]["weight_block_size"] = serde_json::json!([32])
+    });
+    expect_failure(
+        &dir,
+        &["config.json", "weight_block_size", "two positive integers"],
+    );
+
+    // One weight with a grid of the wrong size under the right block.
+    let dir = copy_fixture("deepseek_v41_a", tmp.path().join("3").as_path());
+    rewrite_tensors(&dir, |t| {
+        t.insert(
+            "layers.0.attn.wkv.scale".into(),
+            raw(Dtype::F8_E8M0, &[1, 1], vec![127]),
+        );
+    });
+    expect_failure(
+        &dir,
+        &[
+            "\"layers.0.attn.wkv.weight\"",
+            "layers.0.attn.wkv.scale",
+            "[2, 2]",
+            "[1, 1]",
+            "[32, 32]",
+        ],
+    );
+}
+
+#[test]
+fn deepseek_v41_unknown_tensor_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = copy_fixture("deepseek_v41_a", tmp.path());
+    rewrite_tensors(&dir, |t| {
+        t.insert(
+            "layers.0.attn.ghost.weight".into(),
+            raw(Dtype::BF16, &[4], vec![0; 8]),
+        );
+    });
+    expect_failure(
+        &dir,
+        &[
+            "model.safetensors",
+            "layers.0.attn.ghost.weight",
+            "deepseek_v41 mapping",
+        ],
+    );
+    // V4's names that V4.1 does not have are unknown too.
+    let dir = copy_fixture("deepseek_v41_a", tmp.path().join("2").as_path());
+    rewrite_tensors(&dir, |t| {
+        t.insert("hc_head_fn".into(), raw(Dtype::F32, &[4], vec![0; 16]));
+    });
+    expect_failure(&dir, &["hc_head_fn", "deepseek_v41 mapping"]);
+}
+
+#[test]
+fn deepseek_v41_engram_tables_must_match_the_config() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A table the config does not list.
+    let dir = copy_fixture("deepseek_v41_a", tmp.path());
+    edit_json(&dir.join("config.json"), |c| {
+        c["text_config"]["engram_layer_ids"] = serde_json::json!([1, 5])
+    });
+    expect_failure(
+        &dir,
+        &[
+            "\"layers.4.engram.embed.weight\"",
+            "engram_layer_ids",
+            "[1, 5]",
+        ],
+    );
+
+    // A listed table that is missing.
+    let dir = copy_fixture("deepseek_v41_a", tmp.path().join("2").as_path());
+    rewrite_tensors(&dir, |t| {
+        t.remove("layers.1.engram.embed.weight");
+        t.remove("layers.1.engram.embed.scale");
+    });
+    expect_failure(
+        &dir,
+        &[
+            "layers.1.engram.embed.weight",
+            "not found",
+            "model.engram_tables.1.weight",
+        ],
+    );
+
+    // Rows that contradict engram_num_embeddings.
+    let dir = copy_fixture("deepseek_v41_a", tmp.path().join("3").as_path());
+    edit_json(&dir.join("config.json"), |c| {
+        c["text_config"]["engram_num_embeddings"] = serde_json::json!([630, 835])
+    });
+    expect_failure(
+        &dir,
+        &[
+            "\"layers.4.engram.embed.weight\"",
+            "[835, 64]",
+            "engram_num_embeddings",
+            "[834, 64]",
+        ],
+    );
 }

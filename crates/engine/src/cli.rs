@@ -31,7 +31,7 @@ pub enum Command {
     Run(RunArgs),
     /// Talk with a model through its chat template, one line per message (/help lists commands).
     Chat(ChatArgs),
-    /// Convert a Hugging Face checkpoint directory (qwen4_exp, deepseek_v4) to one CMF file.
+    /// Convert a Hugging Face checkpoint directory (qwen4_exp, deepseek_v4, deepseek_v41) to one CMF file.
     Convert(ConvertArgs),
     /// Perplexity of a model on a text file; with --kl-base, KL and top-1 agreement vs a base.
     Perplexity(PerplexityArgs),

@@ -313,7 +313,7 @@ fn run_convert(args: ConvertArgs) -> anyhow::Result<ExitCode> {
     bar.finish_and_clear();
     let secs = start.elapsed().as_secs_f64();
     eprintln!(
-        "cortiq: wrote {} ({} {}, {} tensors, {:.1} MB from {:.1} MB of source in {:.1} s, {:.0} MB/s{}{})",
+        "cortiq: wrote {} ({} {}, {} tensors, {:.1} MB from {:.1} MB of source in {:.1} s, {:.0} MB/s{}{}{})",
         report.output.display(),
         report.architecture,
         profile,
@@ -323,12 +323,17 @@ fn run_convert(args: ConvertArgs) -> anyhow::Result<ExitCode> {
         secs,
         report.source_bytes as f64 / 1e6 / secs.max(1e-9),
         if report.verbatim > 0 {
-            format!(", {} FP4 tensors copied verbatim", report.verbatim)
+            format!(", {} tensors copied verbatim", report.verbatim)
         } else {
             String::new()
         },
         if report.fallbacks > 0 {
             format!(", {} narrow matrices fell back to q8_2f", report.fallbacks)
+        } else {
+            String::new()
+        },
+        if report.skipped > 0 {
+            format!(", {} vision tensors skipped", report.skipped)
         } else {
             String::new()
         },

@@ -34,6 +34,51 @@ fn binary_converts_and_inspect_verify_passes() {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
 }
 
+/// A V4.1 checkpoint converts and inspects; the model commands, which do not run V4.1 yet,
+/// refuse it with one line naming the architecture (no panic).
+#[test]
+fn a_v41_checkpoint_converts_and_the_model_commands_refuse_it_clearly() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("v41.cmf");
+    let bin = env!("CARGO_BIN_EXE_cortiq");
+    let o = Command::new(bin)
+        .args(["convert", fixture("deepseek_v41_a").to_str().unwrap(), "-o"])
+        .arg(&out)
+        .args(["--quant", "q4", "--quiet"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let o = Command::new(bin)
+        .arg("inspect")
+        .arg(&out)
+        .arg("--verify")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let listing = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        listing.contains("model.engram_tables.1.weight") && listing.contains("mxfp8"),
+        "{listing}"
+    );
+    for args in [
+        vec!["run", "-n", "4", "-p", "hi"],
+        vec!["perplexity", "-f", "Cargo.toml"],
+    ] {
+        let o = Command::new(bin)
+            .args(&args[..1])
+            .arg("-m")
+            .arg(&out)
+            .args(&args[1..])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert_eq!(o.status.code(), Some(2), "{args:?}");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains("deepseek_v41"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
 #[test]
 fn binary_exits_non_zero_and_leaves_nothing() {
     let tmp = tempfile::tempdir().unwrap();

@@ -2,7 +2,7 @@
 //!
 //! Ids are part of the CMF file format and never change meaning. `mxfp4` is 21, as in the
 //! original engine; the others are ours (the original's were not recorded) and are spaced so a
-//! family of related formats can grow in place.
+//! family of related formats can grow in place (the OCP MX family: mxfp4 21, mxfp8 22).
 
 use crate::CodecError;
 
@@ -29,14 +29,17 @@ pub enum DType {
     Q2tp,
     /// OCP MX FP4: E2M1 codes, groups of 32, an E8M0 scale per group.
     Mxfp4,
+    /// OCP MX FP8 (E4M3): one E4M3 code byte per element, groups of 32, an E8M0 scale per
+    /// group. DeepSeek-V4.1's Engram tables are stored this way, so they convert verbatim.
+    Mxfp8,
 }
 
-/// Elements per quantisation group along a row, for q4tp, q2tp and mxfp4.
+/// Elements per quantisation group along a row, for q4tp, q2tp, mxfp4 and mxfp8.
 pub const GROUP: usize = 32;
 
 impl DType {
     /// Every dtype, in id order.
-    pub const ALL: [DType; 7] = [
+    pub const ALL: [DType; 8] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -44,6 +47,7 @@ impl DType {
         DType::Q4tp,
         DType::Q2tp,
         DType::Mxfp4,
+        DType::Mxfp8,
     ];
 
     /// The stable numeric id stored in files.
@@ -56,6 +60,7 @@ impl DType {
             DType::Q4tp => 12,
             DType::Q2tp => 13,
             DType::Mxfp4 => 21,
+            DType::Mxfp8 => 22,
         }
     }
 
@@ -74,6 +79,7 @@ impl DType {
             DType::Q4tp => "q4tp",
             DType::Q2tp => "q2tp",
             DType::Mxfp4 => "mxfp4",
+            DType::Mxfp8 => "mxfp8",
         }
     }
 
@@ -85,6 +91,16 @@ impl DType {
     /// True for the quantised matrix formats (which need a 2-D or stacked shape).
     pub const fn is_quantized(self) -> bool {
         !matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// True for the dtypes the int8-activation kernels read (`ActPath::Int8`): q8_2f, q4tp,
+    /// q2tp and mxfp4. The others (the float dtypes, and mxfp8, whose E4M3 codes are not small
+    /// integers under one scale) take the f32 path whatever the activation path asks for.
+    pub const fn has_int8_kernel(self) -> bool {
+        matches!(
+            self,
+            DType::Q8_2f | DType::Q4tp | DType::Q2tp | DType::Mxfp4
+        )
     }
 
     /// Bytes per element of a float dtype; `None` for quantised ones.
@@ -159,11 +175,13 @@ pub struct Layout {
     pub rows: usize,
     /// Matrix columns (input features).
     pub cols: usize,
-    /// Bytes of the code plane (int8, nibble, 2-bit or E2M1 codes), which starts at offset 0.
+    /// Bytes of the code plane (int8, nibble, 2-bit, E2M1 or E4M3 codes), which starts at offset 0.
     pub codes_len: usize,
-    /// Offset of the second section: q8_2f row scales, q4tp/q2tp per-row (lo, step), mxfp4 scales.
+    /// Offset of the second section: q8_2f row scales, q4tp/q2tp per-row (lo, step), mxfp4 and
+    /// mxfp8 E8M0 scales.
     pub second: usize,
-    /// Offset of the third section: q8_2f column scales, q4tp/q2tp 5-bit scale codes; `nbytes` for mxfp4.
+    /// Offset of the third section: q8_2f column scales, q4tp/q2tp 5-bit scale codes; `nbytes`
+    /// for mxfp4 and mxfp8.
     pub third: usize,
     /// Bytes of packed 5-bit scale codes per row (q4tp/q2tp); 0 otherwise.
     pub code_stride: usize,
@@ -219,6 +237,14 @@ impl Layout {
                 let total = codes + n / GROUP;
                 (codes, codes, total, 0, total)
             }
+            DType::Mxfp8 => {
+                if !cols.is_multiple_of(GROUP) {
+                    return Err(shape_err("cols must be a multiple of 32"));
+                }
+                // n / 32 <= n, so only the sum can overflow.
+                let total = n.checked_add(n / GROUP).ok_or_else(overflow)?;
+                (n, n, total, 0, total)
+            }
         };
         Ok(Layout {
             dtype,
@@ -267,6 +293,7 @@ mod tests {
             assert_eq!(DType::from_id(d.id()), Some(d));
             assert_eq!(DType::from_name(d.name()), Some(d));
         }
+        assert_eq!(DType::Mxfp8.id(), 22, "mxfp8 sits next to mxfp4");
         assert_eq!(DType::from_id(3), None);
     }
 
@@ -277,6 +304,10 @@ mod tests {
         assert_eq!(
             DType::Mxfp4.expected_nbytes(&[r, c]).unwrap(),
             r * c * 17 / 32
+        );
+        assert_eq!(
+            DType::Mxfp8.expected_nbytes(&[r, c]).unwrap(),
+            r * c * 33 / 32
         );
         assert_eq!(
             DType::Q8_2f.expected_nbytes(&[r, c]).unwrap(),
@@ -316,6 +347,14 @@ mod tests {
         assert!(matches!(
             DType::Mxfp4.expected_nbytes(&[4, 33]),
             Err(CodecError::Shape { .. })
+        ));
+        assert!(matches!(
+            DType::Mxfp8.expected_nbytes(&[4, 48]),
+            Err(CodecError::Shape { .. })
+        ));
+        assert!(matches!(
+            DType::Mxfp8.expected_nbytes(&[usize::MAX / 32, 32]),
+            Err(CodecError::Overflow { .. })
         ));
         assert!(matches!(
             DType::Q8_2f.expected_nbytes(&[7]),

@@ -29,8 +29,8 @@ pub enum ActPath {
     #[default]
     F32,
     /// Activations quantised to int8 per 32-block ([`crate::act8`]) and integer dot products
-    /// with the weight codes, scales applied once per block. Float dtypes (f32, f16, bf16) have
-    /// no integer codes and take the f32 path.
+    /// with the weight codes, scales applied once per block. Dtypes without integer kernels
+    /// (f32, f16, bf16, and mxfp8: see [`crate::DType::has_int8_kernel`]) take the f32 path.
     Int8,
 }
 
@@ -390,7 +390,7 @@ fn run_nt<const NT: usize>(p: Path, m: &Mat, a: &Acts, order: Order, ys: &mut [f
 /// `ys[t * rows + r] = dot(row r, xs[t])` for a quantised dtype, `nt` rows. Callers have
 /// checked `1 <= nt <= MAX_BATCH` and the buffer lengths.
 pub(crate) fn run(isa: Isa, l: Layout, bytes: &[u8], nt: usize, xs: &[f32], ys: &mut [f32]) {
-    debug_assert!(l.dtype.is_quantized());
+    debug_assert!(l.dtype.has_int8_kernel());
     let order = Order::of(l.dtype);
     let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(&l, bytes));
     let a = Acts::new(xs, l.cols, order, cs.as_deref());

@@ -34,6 +34,7 @@ mod int8;
 mod int8_512;
 mod kernel;
 pub mod mxfp4;
+pub mod mxfp8;
 pub mod ops;
 mod q2tp;
 mod q4tp;
@@ -155,14 +156,15 @@ impl<'a> MatRef<'a> {
                 let xp = Permute::Pairs.apply(xs);
                 kernel::run(isa, &mxfp4::Kernel { l, bytes }, rows, cols, nt, &xp, ys)
             }
+            DType::Mxfp8 => kernel::run(isa, &mxfp8::Kernel { l, bytes }, rows, cols, nt, xs, ys),
         }
         Ok(())
     }
 
     /// [`MatRef::matmat`] with a chosen activation path: [`ActPath::F32`] is exactly
     /// `matmat`; [`ActPath::Int8`] quantises the activations to int8 once per call and runs
-    /// the integer kernels (docs/codecs.md, "CPU int8 kernels"). Float dtypes have no integer
-    /// codes: for them `Int8` is the f32 path.
+    /// the integer kernels (docs/codecs.md, "CPU int8 kernels"). Dtypes without integer kernels
+    /// ([`DType::has_int8_kernel`]: the float dtypes and mxfp8) take the f32 path for `Int8`.
     pub fn matmat_path(&self, path: ActPath, xs: &[f32], ys: &mut [f32]) -> Result<(), CodecError> {
         self.matmat_path_with(Isa::detect(), path, xs, ys)
     }
@@ -177,7 +179,7 @@ impl<'a> MatRef<'a> {
         xs: &[f32],
         ys: &mut [f32],
     ) -> Result<(), CodecError> {
-        if path == ActPath::F32 || !self.dtype().is_quantized() {
+        if path == ActPath::F32 || !self.dtype().has_int8_kernel() {
             return self.matmat_with(isa, xs, ys);
         }
         let nt = self.batch_rows(xs, ys)?;
@@ -255,6 +257,7 @@ impl<'a> MatRef<'a> {
             DType::Q4tp => q4tp::dequantize_row(l, self.bytes, r, out),
             DType::Q2tp => q2tp::dequantize_row(l, self.bytes, r, out),
             DType::Mxfp4 => mxfp4::dequantize_row(l, self.bytes, r, out),
+            DType::Mxfp8 => mxfp8::dequantize_row(l, self.bytes, r, out),
         }
         Ok(())
     }
@@ -309,7 +312,7 @@ pub fn quantize(dtype: DType, rows: usize, cols: usize, w: &[f32]) -> Result<Vec
     }
     Ok(match dtype {
         DType::Q8_2f => q8_2f::quantize(&l, w),
-        DType::Q4tp | DType::Q2tp | DType::Mxfp4 => {
+        DType::Q4tp | DType::Q2tp | DType::Mxfp4 | DType::Mxfp8 => {
             let mut out = vec![0u8; l.nbytes];
             let (plane, rest) = out.split_at_mut(l.second);
             let (second, third) = rest.split_at_mut(l.third - l.second);
@@ -358,7 +361,7 @@ pub fn slice_rows(
             cut(&mut out, l.second, 4);
             cut(&mut out, l.third, l.code_stride);
         }
-        DType::Mxfp4 => cut(&mut out, l.second, l.groups_per_row()),
+        DType::Mxfp4 | DType::Mxfp8 => cut(&mut out, l.second, l.groups_per_row()),
     }
     debug_assert_eq!(out.len(), part.nbytes);
     Ok(out)
@@ -414,6 +417,16 @@ pub fn synthetic_payload(
         }
         DType::Mxfp4 => {
             for k in &mut b[l.second..] {
+                *k = 110 + *k % 20;
+            }
+        }
+        DType::Mxfp8 => {
+            let (codes, scales) = b.split_at_mut(l.second);
+            // S.1111.111 is NaN: the largest finite code instead.
+            for c in codes.iter_mut().filter(|c| **c & 0x7f == 0x7f) {
+                *c ^= 1;
+            }
+            for k in scales {
                 *k = 110 + *k % 20;
             }
         }

@@ -45,6 +45,8 @@ pub fn act_choice() -> ActChoice {
 pub fn act_path(dtype: DType) -> ActPath {
     match act_choice() {
         ActChoice::F32 => ActPath::F32,
+        // No integer kernel to take (float dtypes, mxfp8): say so rather than ask for one.
+        _ if !dtype.has_int8_kernel() => ActPath::F32,
         ActChoice::Int8 => ActPath::Int8,
         ActChoice::Auto if dtype == DType::Q8_2f => ActPath::F32,
         ActChoice::Auto => ActPath::Int8,

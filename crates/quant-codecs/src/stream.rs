@@ -5,7 +5,7 @@
 use rayon::prelude::*;
 
 use crate::float::f16_bits_to_f32;
-use crate::{CodecError, DType, GROUP, Layout, float, mxfp4, q2tp, q4tp, q8_2f, tiered};
+use crate::{CodecError, DType, GROUP, Layout, float, mxfp4, mxfp8, q2tp, q4tp, q8_2f, tiered};
 
 /// Each column's largest magnitude over a block of rows, folded into `acc` (the first pass
 /// q8_2f needs before [`RowEncoder::new`]).
@@ -16,8 +16,8 @@ pub fn column_maxima(acc: &mut [f32], rows: &[f32]) {
     }
 }
 
-/// Quantises rows of a group format (q4tp, q2tp, mxfp4) into their code-plane bytes and the
-/// same rows' bytes of the second and third sections.
+/// Quantises rows of a group format (q4tp, q2tp, mxfp4, mxfp8) into their code-plane bytes and
+/// the same rows' bytes of the second and third sections.
 pub(crate) fn group_rows(
     l: &Layout,
     w: &[f32],
@@ -39,6 +39,13 @@ pub(crate) fn group_rows(
                 .zip(third.par_chunks_mut(l.code_stride))
                 .zip(w.par_chunks(cols))
                 .for_each(|(((p, pr), c), row)| tiered::quantize_row(&tier, row, p, pr, c));
+        }
+        DType::Mxfp8 => {
+            plane
+                .par_chunks_mut(cols)
+                .zip(second.par_chunks_mut(cols / GROUP))
+                .zip(w.par_chunks(cols))
+                .for_each(|((p, s), row)| mxfp8::quantize_row(row, p, s));
         }
         _ => {
             plane

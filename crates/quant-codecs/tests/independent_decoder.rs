@@ -127,6 +127,29 @@ fn decode(dtype: DType, rows: usize, cols: usize, b: &[u8]) -> Vec<f32> {
                 out[e] = v * s;
             }
         }
+        DType::Mxfp8 => {
+            for e in 0..n {
+                let (r, i) = (e / cols, e % cols);
+                let c = b[e];
+                let sign = if c & 0x80 != 0 { -1.0f64 } else { 1.0 };
+                let ex = ((c >> 3) & 15) as i32;
+                let m = (c & 7) as f64;
+                let v = if ex == 15 && m == 7.0 {
+                    f64::NAN
+                } else if ex == 0 {
+                    sign * m * 2f64.powi(-9)
+                } else {
+                    sign * (1.0 + m / 8.0) * 2f64.powi(ex - 7)
+                };
+                let k = b[n + r * gpr + i / 32];
+                let s = match k {
+                    255 => f64::NAN,
+                    k => 2f64.powi(k as i32 - 127),
+                };
+                // The product of two exact values, rounded once to f32.
+                out[e] = (v * s) as f32;
+            }
+        }
         other => panic!("the document has no section for {other}"),
     }
     out
@@ -140,7 +163,10 @@ fn same_bits(a: &[f32], b: &[f32]) -> bool {
 }
 
 fn payload(dtype: DType) -> impl Strategy<Value = (usize, usize, Vec<u8>)> {
-    let col_unit = if matches!(dtype, DType::Q4tp | DType::Q2tp | DType::Mxfp4) {
+    let col_unit = if matches!(
+        dtype,
+        DType::Q4tp | DType::Q2tp | DType::Mxfp4 | DType::Mxfp8
+    ) {
         32
     } else {
         1
@@ -177,6 +203,7 @@ agree!(q8_2f_agrees, DType::Q8_2f);
 agree!(q4tp_agrees, DType::Q4tp);
 agree!(q2tp_agrees, DType::Q2tp);
 agree!(mxfp4_agrees, DType::Mxfp4);
+agree!(mxfp8_agrees, DType::Mxfp8);
 
 #[test]
 fn every_dtype_has_a_section() {

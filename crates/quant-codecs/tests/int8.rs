@@ -221,7 +221,7 @@ fn int8_on_a_matrix_big_enough_to_run_in_parallel() {
 }
 
 #[test]
-fn f32_path_is_matmat_and_float_dtypes_ignore_int8() {
+fn f32_path_is_matmat_and_dtypes_without_int8_kernels_ignore_int8() {
     let (rows, cols) = (5, 96);
     let w = weights(rows, cols, 11);
     let xs = activations(3 * cols, cols, 5);
@@ -230,7 +230,7 @@ fn f32_path_is_matmat_and_float_dtypes_ignore_int8() {
         let m = MatRef::new(dtype, rows, cols, &p).unwrap();
         let mut want = vec![0.0f32; 3 * rows];
         m.matmat(&xs, &mut want).unwrap();
-        let paths: &[ActPath] = if dtype.is_quantized() {
+        let paths: &[ActPath] = if dtype.has_int8_kernel() {
             &[ActPath::F32]
         } else {
             &[ActPath::F32, ActPath::Int8]

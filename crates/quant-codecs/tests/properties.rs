@@ -135,6 +135,61 @@ proptest! {
     }
 
     #[test]
+    fn mxfp8_error_within_bound((rows, cols, w) in weights(32)) {
+        // docs/codecs.md: e_up = the smallest e with 448 * 2^e >= amax; every element within
+        // half the E4M3 gap around |w| / 2^e_up, times 2^e_up.
+        let p = quantize(DType::Mxfp8, rows, cols, &w).unwrap();
+        let d = dequantize(DType::Mxfp8, &[rows, cols], &p).unwrap();
+        for (gi, (gw, gd)) in w.chunks(32).zip(d.chunks(32)).enumerate() {
+            let amax = gw.iter().fold(0.0f64, |m, v| m.max(v.abs() as f64));
+            if amax == 0.0 {
+                prop_assert!(gd.iter().all(|v| *v == 0.0));
+                prop_assert_eq!(p[rows * cols + gi], 0);
+                continue;
+            }
+            let mut e = -140i32;
+            while 448.0 * 2f64.powi(e) < amax { e += 1; }
+            prop_assert_eq!(p[rows * cols + gi] as i32, e + 127, "group {} scale", gi);
+            let s = 2f64.powi(e);
+            for (k, (&v, &g)) in gw.iter().zip(gd).enumerate() {
+                let a = v.abs() as f64 / s;
+                let half_gap = if a < 2f64.powi(-6) { 2f64.powi(-10) } else { 2f64.powi(a.log2().floor() as i32 - 4) };
+                let err = (v as f64 - g as f64).abs();
+                prop_assert!(err <= half_gap * s * SLACK, "group {} [{}]: {} vs {} (err {} > {})", gi, k, v, g, err, half_gap * s);
+            }
+        }
+    }
+
+    #[test]
+    fn mxfp8_canonical_payloads_round_trip(rows in 1usize..5, k in 1usize..4, seed in any::<u64>()) {
+        // Canonical: every group's scale byte in 1..=246 (no product overflows f32) with some
+        // element in E4M3's top binade (exponent field 15, so the scale is the one the
+        // quantiser picks), or a zero group (codes 0x00 / 0x80, scale byte 0); no NaN code.
+        let cols = 32 * k;
+        let mut s = seed | 1;
+        let mut next = || { s ^= s << 13; s ^= s >> 7; s ^= s << 17; s };
+        let n = rows * cols;
+        let mut p = vec![0u8; DType::Mxfp8.expected_nbytes(&[rows, cols]).unwrap()];
+        for g in 0..rows * k {
+            let zero = next() % 10 == 0;
+            let codes = &mut p[g * 32..(g + 1) * 32];
+            for c in codes.iter_mut() {
+                *c = if zero { (next() % 2 * 0x80) as u8 } else { (next() % 256) as u8 };
+                if *c & 0x7f == 0x7f {
+                    *c ^= 1;
+                }
+            }
+            if !zero {
+                let j = (next() % 32) as usize;
+                codes[j] = (codes[j] & 0x80) | 0x78 | (next() % 7) as u8;
+            }
+            p[n + g] = if zero { 0 } else { 1 + (next() % 246) as u8 };
+        }
+        let d = dequantize(DType::Mxfp8, &[rows, cols], &p).unwrap();
+        prop_assert_eq!(quantize(DType::Mxfp8, rows, cols, &d).unwrap(), p);
+    }
+
+    #[test]
     fn float_formats_round_trip_exactly(bits in prop::collection::vec(any::<u16>(), 1..200)) {
         // Every non-NaN f16/bf16 payload survives decode + encode unchanged.
         for dtype in [DType::F16, DType::BF16] {
@@ -360,6 +415,14 @@ fn wrong_lengths_are_errors_not_panics() {
     assert!(matches!(
         quantize(DType::Mxfp4, 1, 33, &[0.0; 33]),
         Err(CodecError::Shape { .. })
+    ));
+    assert!(matches!(
+        quantize(DType::Mxfp8, 1, 40, &[0.0; 40]),
+        Err(CodecError::Shape { .. })
+    ));
+    assert!(matches!(
+        quantize(DType::Mxfp8, 1, 32, &[f32::INFINITY; 32]),
+        Err(CodecError::NonFinite { row: 0, col: 0, .. })
     ));
     assert!(dequantize(DType::Q4tp, &[64], &[0; 32]).is_err());
 }
