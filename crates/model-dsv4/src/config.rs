@@ -122,7 +122,12 @@ pub struct RopeParams {
 }
 
 impl RopeParams {
-    fn from_value(field: &'static str, v: &Map<String, Value>) -> Result<RopeParams, ConfigError> {
+    /// Reads one resolved set (`rope_type` default or yarn); `field` names it in errors.
+    /// Shared with [`crate::config_v41`], whose sets follow the same rules.
+    pub(crate) fn from_value(
+        field: &'static str,
+        v: &Map<String, Value>,
+    ) -> Result<RopeParams, ConfigError> {
         let num = |k: &str| v.get(k).and_then(Value::as_f64);
         let rope_type = v
             .get("rope_type")

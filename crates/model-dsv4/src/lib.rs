@@ -25,11 +25,16 @@
 //!
 //! Reference: `transformers/models/deepseek_v4/modeling_deepseek_v4.py` (5.24) and
 //! `shared/notes/reference-arch.md` §1.
+//!
+//! DeepSeek-V4.1-Flash (`deepseek_v41`) is being added beside it: so far its config and layer
+//! roles ([`config_v41`]) and the host side of its Engram n-gram hashing ([`engram`]).
 #![deny(missing_docs)]
 
 pub mod attention;
 pub mod compressor;
 pub mod config;
+pub mod config_v41;
+pub mod engram;
 pub mod forward;
 pub mod hc;
 pub mod indexer;
@@ -41,6 +46,7 @@ pub mod weights;
 pub use config::{
     AttnKind, ConfigError, DeepseekV4Config, HiddenAct, MlpKind, RopeKind, ScoringFunc,
 };
+pub use config_v41::{DeepseekV41Config, V41ConfigError};
 pub use forward::{ForwardError, Model, Trace};
 pub use model_core::{BindError, CausalLm, InputError};
 pub use state::SeqState;
