@@ -465,49 +465,15 @@ impl DeepseekV4Config {
 
     fn resolve_rope(&mut self) -> Result<(), ConfigError> {
         let prf = self.partial_rotary_factor.unwrap_or(0.125);
-        let nested = self.rope_parameters.as_ref().and_then(|rp| {
-            let m = rp.get("main")?.as_object()?;
-            let k = rp.get("compress")?.as_object()?;
-            Some((m.clone(), k.clone()))
-        });
-        let (main, compress) = match nested {
-            Some((m, k)) => (
-                RopeParams::from_value("rope_parameters.main", &m)?,
-                RopeParams::from_value("rope_parameters.compress", &k)?,
-            ),
-            None => {
-                // A flat set (`rope_parameters`, else the legacy `rope_scaling`) carries the
-                // YaRN keys of the compressed layers; `main` is always plain RoPE.
-                let flat = self
-                    .rope_parameters
-                    .as_ref()
-                    .or(self.rope_scaling.as_ref())
-                    .and_then(Value::as_object)
-                    .cloned()
-                    .unwrap_or_default();
-                let mut m = Map::new();
-                m.insert("rope_type".into(), "default".into());
-                m.insert("rope_theta".into(), self.rope_theta.into());
-                m.insert("partial_rotary_factor".into(), prf.into());
-                let mut k: Map<String, Value> = flat
-                    .into_iter()
-                    .filter(|(key, _)| key != "main" && key != "compress")
-                    .collect();
-                if let Some(t) = k.remove("type") {
-                    k.entry("rope_type").or_insert(t);
-                }
-                k.insert("rope_theta".into(), self.compress_rope_theta.into());
-                k.insert("partial_rotary_factor".into(), prf.into());
-                k.entry("rope_type").or_insert("default".into());
-                if k.get("rope_type").and_then(Value::as_str) == Some("yarn") {
-                    k.entry("attention_factor").or_insert(1.0.into());
-                }
-                (
-                    RopeParams::from_value("rope_parameters.main", &m)?,
-                    RopeParams::from_value("rope_parameters.compress", &k)?,
-                )
-            }
-        };
+        // A flat set: `rope_parameters`, else the legacy `rope_scaling`.
+        let flat = self.rope_parameters.as_ref().or(self.rope_scaling.as_ref());
+        let (main, compress) = rope_sets(
+            self.rope_parameters.as_ref(),
+            flat,
+            self.rope_theta,
+            self.compress_rope_theta,
+            prf,
+        )?;
         self.rope_main = Some(main);
         self.rope_compress = Some(compress);
         Ok(())
@@ -795,4 +761,51 @@ impl DeepseekV4Config {
     pub fn rotary_dim(&self, rp: &RopeParams) -> usize {
         Self::rot_dim(rp, self.head_dim)
     }
+}
+
+/// The (main, compress) RoPE sets of a DeepSeek config (V4 and V4.1 write them alike): a nested
+/// `{main, compress}` object in `nested`, else `flat`, the compressed layers' keys (YaRN), with
+/// `main` plain RoPE at `rope_theta`. A legacy `"type"` key counts as `rope_type`: transformers
+/// ignores it and silently gives plain RoPE, but the checkpoints were trained with what it names.
+pub(crate) fn rope_sets(
+    nested: Option<&Value>,
+    flat: Option<&Value>,
+    rope_theta: f64,
+    compress_rope_theta: f64,
+    partial_rotary_factor: f64,
+) -> Result<(RopeParams, RopeParams), ConfigError> {
+    let pair = nested.and_then(|rp| {
+        let m = rp.get("main")?.as_object()?;
+        let k = rp.get("compress")?.as_object()?;
+        Some((m.clone(), k.clone()))
+    });
+    if let Some((m, k)) = pair {
+        return Ok((
+            RopeParams::from_value("rope_parameters.main", &m)?,
+            RopeParams::from_value("rope_parameters.compress", &k)?,
+        ));
+    }
+    let flat = flat.and_then(Value::as_object).cloned().unwrap_or_default();
+    let mut m = Map::new();
+    m.insert("rope_type".into(), "default".into());
+    m.insert("rope_theta".into(), rope_theta.into());
+    m.insert("partial_rotary_factor".into(), partial_rotary_factor.into());
+    let mut k: Map<String, Value> = flat
+        .into_iter()
+        .filter(|(key, _)| key != "main" && key != "compress")
+        .collect();
+    if let Some(t) = k.remove("type") {
+        k.entry("rope_type").or_insert(t);
+    }
+    k.insert("rope_theta".into(), compress_rope_theta.into());
+    k.insert("partial_rotary_factor".into(), partial_rotary_factor.into());
+    k.entry("rope_type").or_insert("default".into());
+    if k.get("rope_type").and_then(Value::as_str) == Some("yarn") {
+        // YaRN's mscale is not applied (`attention_factor` 1), as the reference.
+        k.entry("attention_factor").or_insert(1.0.into());
+    }
+    Ok((
+        RopeParams::from_value("rope_parameters.main", &m)?,
+        RopeParams::from_value("rope_parameters.compress", &k)?,
+    ))
 }

@@ -17,7 +17,7 @@
 
 use model_core::config::check_field;
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use crate::config::{ConfigError, HiddenAct, MAX_LAYERS, RopeParams, ScoringFunc};
 use crate::engram::EngramLayout;
@@ -982,53 +982,15 @@ impl DeepseekV41Config {
             return Err(invalid("head_dim", "expected > 0, found 0"));
         }
         let prf = self.qk_rope_head_dim as f64 / self.head_dim as f64;
-        let nested = self.rope_parameters.as_ref().and_then(|rp| {
-            let m = rp.get("main")?.as_object()?;
-            let k = rp.get("compress")?.as_object()?;
-            Some((m.clone(), k.clone()))
-        });
-        let (main, compress) = match nested {
-            Some((m, k)) => (
-                RopeParams::from_value("rope_parameters.main", &m)?,
-                RopeParams::from_value("rope_parameters.compress", &k)?,
-            ),
-            None => {
-                // The release's flat form: `rope_scaling` carries the YaRN keys of the
-                // compressed branch; `main` is always plain RoPE.
-                let flat = self
-                    .rope_scaling
-                    .as_ref()
-                    .or(self.rope_parameters.as_ref())
-                    .and_then(Value::as_object)
-                    .cloned()
-                    .unwrap_or_default();
-                let mut m = Map::new();
-                m.insert("rope_type".into(), "default".into());
-                m.insert("rope_theta".into(), self.rope_theta.into());
-                m.insert("partial_rotary_factor".into(), prf.into());
-                let mut k: Map<String, Value> = flat
-                    .into_iter()
-                    .filter(|(key, _)| key != "main" && key != "compress")
-                    .collect();
-                // Deliberately NOT the reference: it ignores a legacy `"type": "yarn"` here
-                // and silently gives plain RoPE (issue 19's trap). The checkpoint was trained
-                // with YaRN, so `type` counts as `rope_type` when that is absent.
-                if let Some(t) = k.remove("type") {
-                    k.entry("rope_type").or_insert(t);
-                }
-                k.insert("rope_theta".into(), self.compress_rope_theta.into());
-                k.insert("partial_rotary_factor".into(), prf.into());
-                k.entry("rope_type").or_insert("default".into());
-                if k.get("rope_type").and_then(Value::as_str) == Some("yarn") {
-                    // YaRN's mscale is not applied (`attention_factor` 1), as the reference.
-                    k.entry("attention_factor").or_insert(1.0.into());
-                }
-                (
-                    RopeParams::from_value("rope_parameters.main", &m)?,
-                    RopeParams::from_value("rope_parameters.compress", &k)?,
-                )
-            }
-        };
+        // The release's flat form: `rope_scaling` carries the compressed branch's YaRN keys.
+        let flat = self.rope_scaling.as_ref().or(self.rope_parameters.as_ref());
+        let (main, compress) = crate::config::rope_sets(
+            self.rope_parameters.as_ref(),
+            flat,
+            self.rope_theta,
+            self.compress_rope_theta,
+            prf,
+        )?;
         self.rope_main = Some(main);
         self.rope_compress = Some(compress);
         Ok(())
