@@ -14,6 +14,9 @@
 //!   row of every (layer, n-gram order, head), whole prompt at once or token by token with the
 //!   last `max_ngram_size - 1` compressed ids carried between calls (cached decode).
 //!
+//! and, the one part that reads tensors, [`EngramTable`]: one layer's mxfp8 table bound from
+//! the CMF (behind its memory map) and the gather of the rows the hasher produced.
+//!
 //! Text only: the reference also marks image-span and padding tokens DEAD (they hash like the
 //! sequence start and their gate is shut). Only the sequence start is DEAD here; padded
 //! batches and image spans are not supported by this crate.
@@ -23,10 +26,12 @@
 //! tools/reference/README.md §7 describes the witnesses the tests compare against.
 
 pub mod numpy_rng;
+mod table;
 mod token_map;
 
 use std::num::NonZeroU64;
 
+pub use table::{EngramTable, EngramTableError};
 pub use token_map::{CompressedTokenMap, normalize_token_text};
 
 use crate::config_v41::DeepseekV41Config;
