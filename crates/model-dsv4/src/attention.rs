@@ -134,29 +134,16 @@ pub fn forward_cpu(
                     rows.extend(selected[r].iter().map(|&s| &entries[s * dh..(s + 1) * dh]));
                 }
             }
-            let mut logits = vec![0f32; rows.len()];
-            for hh in 0..nh {
-                let qh = &q[(r * nh + hh) * dh..(r * nh + hh + 1) * dh];
-                for (l, k) in logits.iter_mut().zip(&rows) {
-                    *l = qh.iter().zip(*k).map(|(a, b)| a * b).sum::<f32>() * scale;
-                }
-                let sink = w.sinks[hh];
-                let m = logits.iter().copied().fold(sink, f32::max);
-                let mut z = (sink - m).exp();
-                for l in logits.iter_mut() {
-                    *l = (*l - m).exp();
-                    z += *l;
-                }
-                let out = &mut o_row[hh * dh..(hh + 1) * dh];
-                for (pr, v) in logits.iter().zip(&rows) {
-                    let pw = pr / z;
-                    for (a, b) in out.iter_mut().zip(*v) {
-                        *a += pw * b;
-                    }
-                }
-                let (cos, sin) = &cs[r];
-                rope_tail(out, cos, sin, true);
-            }
+            let (cos, sin) = &cs[r];
+            attend(
+                &q[r * nh * dh..(r + 1) * nh * dh],
+                &rows,
+                &w.sinks,
+                scale,
+                cos,
+                sin,
+                o_row,
+            );
         });
 
     // Keep the last `window - 1` latents for the next call.
@@ -165,15 +152,64 @@ pub fn forward_cpu(
     keys.drain(..(total - keep) * dh);
     st.window = keys;
 
-    // Grouped output projection.
+    grouped_out(w, c.o_lora_rank, &o, t)
+}
+
+/// One query row `q_row` `[H, Dh]` over the K = V `rows`: per head, `softmax(q . k * scale)` with
+/// the head's sink logit in the denominator only, the weighted sum of the rows, and V's RoPE
+/// (`cos`, `sin` of the query position) rotated back; written to `o_row` `[H, Dh]`.
+pub(crate) fn attend(
+    q_row: &[f32],
+    rows: &[&[f32]],
+    sinks: &[f32],
+    scale: f32,
+    cos: &[f32],
+    sin: &[f32],
+    o_row: &mut [f32],
+) {
+    let nh = sinks.len();
+    let dh = q_row.len() / nh;
+    let mut logits = vec![0f32; rows.len()];
+    for hh in 0..nh {
+        let qh = &q_row[hh * dh..(hh + 1) * dh];
+        for (l, k) in logits.iter_mut().zip(rows) {
+            *l = qh.iter().zip(*k).map(|(a, b)| a * b).sum::<f32>() * scale;
+        }
+        let sink = sinks[hh];
+        let m = logits.iter().copied().fold(sink, f32::max);
+        let mut z = (sink - m).exp();
+        for l in logits.iter_mut() {
+            *l = (*l - m).exp();
+            z += *l;
+        }
+        let out = &mut o_row[hh * dh..(hh + 1) * dh];
+        for (pr, v) in logits.iter().zip(rows) {
+            let pw = pr / z;
+            for (a, b) in out.iter_mut().zip(*v) {
+                *a += pw * b;
+            }
+        }
+        rope_tail(out, cos, sin, true);
+    }
+}
+
+/// The grouped low-rank output projection of the attention output `o` `[t, H*Dh]`: group `g` of
+/// the heads through `o_a` block `g` (to `o_lora_rank`), concatenated, through `o_b`.
+pub(crate) fn grouped_out(
+    w: &AttnWeights<'_>,
+    o_lora_rank: usize,
+    o: &[f32],
+    t: usize,
+) -> Vec<f32> {
+    let width = o.len() / t.max(1);
     let groups = w.o_a.groups();
-    let gin = nh * dh / groups;
-    let r_rank = c.o_lora_rank;
+    let gin = width / groups;
+    let r_rank = o_lora_rank;
     let mut mid = vec![0f32; t * groups * r_rank];
     for g in 0..groups {
         let mut xs = Vec::with_capacity(t * gin);
         for r in 0..t {
-            xs.extend_from_slice(&o[r * nh * dh + g * gin..r * nh * dh + (g + 1) * gin]);
+            xs.extend_from_slice(&o[r * width + g * gin..r * width + (g + 1) * gin]);
         }
         let y = linear(&w.o_a.group(g), &xs, t);
         for r in 0..t {

@@ -85,19 +85,7 @@ pub fn update(
             let at = j * width + off;
             slots.push((&win_kv[at..at + hd], &win_gate[at..at + hd]));
         }
-        let mut entry = vec![0f32; hd];
-        for (ch, e) in entry.iter_mut().enumerate() {
-            let m = slots
-                .iter()
-                .map(|s| s.1[ch])
-                .fold(f32::NEG_INFINITY, f32::max);
-            let z: f32 = slots.iter().map(|(_, g)| (g[ch] - m).exp()).sum();
-            // `kv * softmax(gate)` summed: each weight normalised first, as the reference does.
-            *e = slots
-                .iter()
-                .map(|(k, g)| (g[ch] - m).exp() / z * k[ch])
-                .sum();
-        }
+        let mut entry = pool(&slots, hd);
         if dims.overlap {
             let mut ov_kv = Vec::with_capacity(rate * hd);
             let mut ov_gate = Vec::with_capacity(rate * hd);
@@ -114,6 +102,25 @@ pub fn update(
         rope_tail(&mut entry, &cos, &sin, false);
         st.compressed_kv.extend_from_slice(&entry);
     }
+}
+
+/// The gated pooling of one window: per channel, `sum_slots softmax_slots(gate) * kv` over the
+/// `(kv, gate)` slot rows (each `hd` wide).
+pub fn pool(slots: &[(&[f32], &[f32])], hd: usize) -> Vec<f32> {
+    let mut entry = vec![0f32; hd];
+    for (ch, e) in entry.iter_mut().enumerate() {
+        let m = slots
+            .iter()
+            .map(|s| s.1[ch])
+            .fold(f32::NEG_INFINITY, f32::max);
+        let z: f32 = slots.iter().map(|(_, g)| (g[ch] - m).exp()).sum();
+        // `kv * softmax(gate)` summed: each weight normalised first, as the reference does.
+        *e = slots
+            .iter()
+            .map(|(k, g)| (g[ch] - m).exp() / z * k[ch])
+            .sum();
+    }
+    entry
 }
 
 /// Entries a query at position `p` may see: those of windows complete at `p`.

@@ -14,8 +14,9 @@
 //!   row of every (layer, n-gram order, head), whole prompt at once or token by token with the
 //!   last `max_ngram_size - 1` compressed ids carried between calls (cached decode).
 //!
-//! and, the one part that reads tensors, [`EngramTable`]: one layer's mxfp8 table bound from
-//! the CMF (behind its memory map) and the gather of the rows the hasher produced.
+//! and, the parts that read tensors, [`EngramTable`]: one layer's mxfp8 table bound from
+//! the CMF (behind its memory map) and the gather of the rows the hasher produced; and
+//! [`block`]: the Engram module of a decoder layer, which gates those rows into the streams.
 //!
 //! Text only: the reference also marks image-span and padding tokens DEAD (they hash like the
 //! sequence start and their gate is shut). Only the sequence start is DEAD here; padded
@@ -25,6 +26,7 @@
 //! `build_compressed_token_map` in transformers main's `modeling_deepseek_v41.py`;
 //! tools/reference/README.md §7 describes the witnesses the tests compare against.
 
+pub mod block;
 pub mod numpy_rng;
 mod table;
 mod token_map;

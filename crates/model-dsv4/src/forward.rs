@@ -121,34 +121,16 @@ impl CausalLm for Model<'_> {
                 &mut st.layers[il],
             );
             trace(ATTN_OUT, il, &y);
-            hc::post(
-                &mut x,
-                &y,
-                &hc::Mix {
-                    input: Vec::new(),
-                    ..mix
-                },
-                t,
-                &dims,
-            );
+            hc::post(&mut x, &y, &mix.post, &mix.comb, t, &dims);
             trace(ATTN_STREAMS, il, &x);
 
             let mix = hc::pre(&lw.ffn_hc, &x, t, &dims);
             let mut u = mix.input;
             rms_norm(&mut u, &lw.post_attention_layernorm, eps);
             trace(MLP_INPUT, il, &u);
-            let y = moe::forward_cpu(&lw.moe, c, &u, tokens, t);
+            let y = moe::forward_cpu(&lw.moe, &moe::Router::of(c), &u, tokens, t);
             trace(MOE_OUT, il, &y);
-            hc::post(
-                &mut x,
-                &y,
-                &hc::Mix {
-                    input: Vec::new(),
-                    ..mix
-                },
-                t,
-                &dims,
-            );
+            hc::post(&mut x, &y, &mix.post, &mix.comb, t, &dims);
             trace(LAYER_OUT, il, &x);
         }
         st.pos += t;

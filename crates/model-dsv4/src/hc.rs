@@ -42,7 +42,8 @@ fn normed(x: &[f32], dims: &HcDims) -> Vec<f32> {
     f
 }
 
-fn collapse(x: &[f32], pre: &[f32], t: usize, n: usize, d: usize) -> Vec<f32> {
+/// `sum_k pre_k X_k` per token: `x` `[t, N, D]`, `pre` `[t, N]`, returns `[t, D]`.
+pub fn collapse(x: &[f32], pre: &[f32], t: usize, n: usize, d: usize) -> Vec<f32> {
     let mut out = vec![0f32; t * d];
     for r in 0..t {
         let o = &mut out[r * d..(r + 1) * d];
@@ -78,8 +79,19 @@ pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
     }
 }
 
-/// Runs the mixing of site `w` on the streams `x` `[t, N, D]`.
-pub fn pre(w: &HcWeights<'_>, x: &[f32], t: usize, dims: &HcDims) -> Mix {
+/// The three mappings one site computes for `t` tokens.
+pub struct Maps {
+    /// `pre` `[t, N]` (the collapse weights).
+    pub pre: Vec<f32>,
+    /// `post` `[t, N]`.
+    pub post: Vec<f32>,
+    /// The doubly-stochastic `C` `[t, N, N]` (row-major: `C[j][k]` at `j*N + k`).
+    pub comb: Vec<f32>,
+}
+
+/// The `pre` / `post` / `comb` of site `w` on the streams `x` `[t, N, D]`. V4 collapses with
+/// this site's `pre` ([`pre`]); V4.1 hands it to the next site (single-pass mHC).
+pub fn maps(w: &HcWeights<'_>, x: &[f32], t: usize, dims: &HcDims) -> Maps {
     let n = dims.n;
     let m = (2 + n) * n;
     let mixes = linear(&w.fn_, &normed(x, dims), t);
@@ -105,24 +117,31 @@ pub fn pre(w: &HcWeights<'_>, x: &[f32], t: usize, dims: &HcDims) -> Mix {
         }
         sinkhorn(c, n, dims.iters, dims.hc_eps);
     }
+    Maps { pre, post, comb }
+}
+
+/// Runs the mixing of site `w` on the streams `x` `[t, N, D]`, collapsing with its own `pre`.
+pub fn pre(w: &HcWeights<'_>, x: &[f32], t: usize, dims: &HcDims) -> Mix {
+    let Maps { pre, post, comb } = maps(w, x, t, dims);
     Mix {
-        input: collapse(x, &pre, t, n, dims.d),
+        input: collapse(x, &pre, t, dims.n, dims.d),
         post,
         comb,
     }
 }
 
-/// `X'_k = post_k y + sum_j C[j][k] X_j` in place on `x` `[t, N, D]`, with `y` `[t, D]`.
-pub fn post(x: &mut [f32], y: &[f32], mix: &Mix, t: usize, dims: &HcDims) {
+/// `X'_k = post_k y + sum_j C[j][k] X_j` in place on `x` `[t, N, D]`, with `y` `[t, D]`,
+/// `post` `[t, N]` and `comb` `[t, N, N]` of the site.
+pub fn post(x: &mut [f32], y: &[f32], post: &[f32], comb: &[f32], t: usize, dims: &HcDims) {
     let (n, d) = (dims.n, dims.d);
     let mut out = vec![0f32; n * d];
     for r in 0..t {
         let xr = &mut x[r * n * d..(r + 1) * n * d];
         let yr = &y[r * d..(r + 1) * d];
-        let c = &mix.comb[r * n * n..(r + 1) * n * n];
+        let c = &comb[r * n * n..(r + 1) * n * n];
         for k in 0..n {
             let o = &mut out[k * d..(k + 1) * d];
-            let p = mix.post[r * n + k];
+            let p = post[r * n + k];
             for (a, b) in o.iter_mut().zip(yr) {
                 *a = p * b;
             }

@@ -26,8 +26,9 @@
 //! Reference: `transformers/models/deepseek_v4/modeling_deepseek_v4.py` (5.24) and
 //! `shared/notes/reference-arch.md` §1.
 //!
-//! DeepSeek-V4.1-Flash (`deepseek_v41`) is being added beside it: so far its config and layer
-//! roles ([`config_v41`]) and the host side of its Engram n-gram hashing ([`engram`]).
+//! DeepSeek-V4.1-Flash (`deepseek_v41`) lives beside it: its config and layer roles
+//! ([`config_v41`]), its Engram n-gram hashing, tables and gating block ([`engram`]), and its
+//! exact CPU forward ([`v41`]), which reuses V4's blocks where the math is shared.
 #![deny(missing_docs)]
 
 pub mod attention;
@@ -41,6 +42,7 @@ pub mod indexer;
 pub mod moe;
 pub mod ops;
 pub mod state;
+pub mod v41;
 pub mod weights;
 
 pub use config::{

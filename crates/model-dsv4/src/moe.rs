@@ -15,18 +15,46 @@ use crate::config::{DeepseekV4Config, ScoringFunc};
 use crate::ops::softmax;
 use crate::weights::{MoeWeights, Routing};
 
+/// The router's constants (V4's from its config; V4.1 adds a logit temperature).
+#[derive(Debug, Clone, Copy)]
+pub struct Router {
+    /// `n_routed_experts`.
+    pub n_experts: usize,
+    /// `num_experts_per_tok`.
+    pub top_k: usize,
+    /// `scoring_func`.
+    pub scoring: ScoringFunc,
+    /// `routed_scaling_factor`.
+    pub scale: f32,
+    /// `gate_temp` (V4.1): the logits are divided by it before scoring; 1 for V4.
+    pub temp: f32,
+    /// `swiglu_limit` of the routed and shared experts.
+    pub swiglu_limit: f32,
+}
+
+impl Router {
+    /// V4's router.
+    pub fn of(c: &DeepseekV4Config) -> Router {
+        Router {
+            n_experts: c.n_routed_experts,
+            top_k: c.num_experts_per_tok,
+            scoring: c.scoring_func,
+            scale: c.routed_scaling_factor as f32,
+            temp: 1.0,
+            swiglu_limit: c.swiglu_limit as f32,
+        }
+    }
+}
+
 /// The routing of `t` rows of `u` `[t, D]` for `tokens` (the input ids, for hash routing): per
 /// expert, the (row, weight) pairs in row order.
-pub fn route(
-    w: &MoeWeights<'_>,
-    c: &DeepseekV4Config,
-    u: &[f32],
-    tokens: &[u32],
-    t: usize,
-) -> Routes {
-    let (e, k) = (c.n_routed_experts, c.num_experts_per_tok);
+pub fn route(w: &MoeWeights<'_>, rt: &Router, u: &[f32], tokens: &[u32], t: usize) -> Routes {
+    let (e, k) = (rt.n_experts, rt.top_k);
     let mut scores = linear(&w.gate, u, t);
-    match c.scoring_func {
+    if rt.temp != 1.0 {
+        scores.iter_mut().for_each(|s| *s /= rt.temp);
+    }
+    match rt.scoring {
         ScoringFunc::Softmax => scores.chunks_mut(e).for_each(softmax),
         ScoringFunc::Sigmoid => scores.iter_mut().for_each(|s| *s = sigmoid(*s)),
         ScoringFunc::SqrtSoftplus => scores.iter_mut().for_each(|s| *s = softplus(*s).sqrt()),
@@ -45,9 +73,8 @@ pub fn route(
             }
         };
         let sum: f32 = idx.iter().map(|&x| s[x]).sum();
-        let scale = c.routed_scaling_factor as f32;
         for &x in &idx {
-            routes.push(x, r, s[x] / (sum + 1e-20) * scale);
+            routes.push(x, r, s[x] / (sum + 1e-20) * rt.scale);
         }
     }
     routes
@@ -57,15 +84,15 @@ pub fn route(
 /// `[t, D]`.
 pub fn forward_cpu(
     w: &MoeWeights<'_>,
-    c: &DeepseekV4Config,
+    rt: &Router,
     u: &[f32],
     tokens: &[u32],
     t: usize,
 ) -> Vec<f32> {
-    let routes = route(w, c, u, tokens, t);
+    let routes = route(w, rt, u, tokens, t);
     let mut y = w.routed.forward_cpu(&routes, u, t);
     let act = Activation::SwiGlu {
-        limit: Some(c.swiglu_limit as f32),
+        limit: Some(rt.swiglu_limit),
     };
     let sh = dense_swiglu(&w.sh_gate, &w.sh_up, &w.sh_down, act, u, t);
     for (a, b) in y.iter_mut().zip(&sh) {

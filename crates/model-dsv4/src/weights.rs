@@ -30,13 +30,13 @@ pub enum WeightError {
 }
 
 /// A `[groups * rows, cols]` matrix cut into `groups` row blocks (`o_a_proj`).
-fn grouped(
+pub(crate) fn grouped(
     b: &Binder<'_>,
     name: &str,
     groups: usize,
     rows: usize,
     cols: usize,
-) -> Result<GroupedMat, WeightError> {
+) -> Result<GroupedMat, BindError> {
     let (id, v) = b.view(name, &[groups * rows, cols])?;
     let codec = |source| BindError::Codec {
         name: name.to_string(),
@@ -223,11 +223,20 @@ pub struct Weights<'a> {
     pub lm_head: Mat<'a>,
 }
 
-fn hc<'a>(b: &Binder<'a>, p: &str, c: &DeepseekV4Config) -> Result<HcWeights<'a>, WeightError> {
-    let n = c.hc_mult;
+fn hc<'a>(b: &Binder<'a>, p: &str, c: &DeepseekV4Config) -> Result<HcWeights<'a>, BindError> {
+    hc_site(b, p, c.hc_mult, c.hidden_size)
+}
+
+/// An mHC site `p` (`{p}.fn`, `{p}.base`, `{p}.scale`) of `n` streams of width `d`.
+pub(crate) fn hc_site<'a>(
+    b: &Binder<'a>,
+    p: &str,
+    n: usize,
+    d: usize,
+) -> Result<HcWeights<'a>, BindError> {
     let m = (2 + n) * n;
     Ok(HcWeights {
-        fn_: b.mat(&format!("{p}.fn"), m, n * c.hidden_size)?,
+        fn_: b.mat(&format!("{p}.fn"), m, n * d)?,
         base: b.vector(&format!("{p}.base"), &[m])?,
         scale: b.vector(&format!("{p}.scale"), &[3])?,
     })

@@ -42,8 +42,9 @@ pub(crate) fn dequantize_row(l: &Layout, bytes: &[u8], r: usize, out: &mut [f32]
     }
 }
 
-/// Nearest E2M1 code of `v` (already divided by the scale), ties to the even code, saturating at 6.
-fn encode(v: f32) -> u8 {
+/// Nearest E2M1 code of `v` (already divided by the scale), ties to the even code, saturating at 6,
+/// sign kept (so -0.0 is code 8).
+pub fn encode(v: f32) -> u8 {
     let a = v.abs();
     // Midpoints between neighbouring magnitudes; an even lower code wins a tie (strict >),
     // an odd one loses it (>=).

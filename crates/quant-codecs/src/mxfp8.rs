@@ -34,7 +34,7 @@ pub fn e4m3(b: u8) -> f32 {
 
 /// Nearest E4M3 code of a finite `v` (already divided by the scale): ties to the even code,
 /// saturating at 448, sign kept (so -0.0 is code 0x80).
-pub(crate) fn encode(v: f32) -> u8 {
+pub fn encode(v: f32) -> u8 {
     let sign = if v.is_sign_negative() { 0x80 } else { 0 };
     let a = v.abs();
     let mag = if a >= E4M3_MAX {
