@@ -1,5 +1,6 @@
 //! One engine code path over every architecture: [`AnyModel`] binds the model a CMF header names
-//! (`qwen4_exp` -> model-qwen4, `deepseek_v4` -> model-dsv4), on the CPU or, where a
+//! (`qwen4_exp` -> model-qwen4, `deepseek_v4` and `deepseek_v41` -> model-dsv4), on the CPU or,
+//! where a
 //! [`Placement`] asks and the device takes it, on the GPU; [`AnyState`] is its sequence
 //! state; every command only talks to these. [`LoadedModel`] owns the file and the model bound
 //! to it, so one loaded model can be shared across threads (`Arc<LoadedModel>`) by the
@@ -42,7 +43,9 @@ impl Placement {
 #[derive(Debug, thiserror::Error)]
 pub enum BindError {
     /// No model crate for this architecture.
-    #[error("unsupported architecture `{0}` (this engine runs qwen4_exp and deepseek_v4)")]
+    #[error(
+        "unsupported architecture `{0}` (this engine runs qwen4_exp, deepseek_v4 and deepseek_v41)"
+    )]
     Architecture(String),
     /// A qwen4_exp model whose config or tensors are unusable.
     #[error(transparent)]
@@ -50,6 +53,12 @@ pub enum BindError {
     /// A deepseek_v4 model whose config or tensors are unusable.
     #[error(transparent)]
     Dsv4(#[from] model_dsv4::WeightError),
+    /// A deepseek_v41 model whose config or tensors are unusable.
+    #[error(transparent)]
+    Dsv41(#[from] model_dsv4::v41::V41WeightError),
+    /// The tokenizer in the header (which the Engram hashes need) does not load.
+    #[error("the tokenizer in the CMF header does not load: {0}")]
+    Tokenizer(String),
     /// `--backend wgpu` and no GPU to open.
     #[error("--backend wgpu: {0}")]
     Gpu(#[from] gpu_runtime::GpuError),
@@ -64,6 +73,9 @@ pub enum ForwardError {
     /// From model-dsv4.
     #[error(transparent)]
     Dsv4(#[from] model_dsv4::ForwardError),
+    /// From model-dsv4's V4.1 forward.
+    #[error(transparent)]
+    Dsv41(#[from] model_dsv4::v41::ForwardError),
     /// A state made by one architecture handed to another.
     #[error("the sequence state belongs to a different architecture")]
     StateMismatch,
@@ -75,6 +87,8 @@ pub enum AnyModel<'a> {
     Qwen4(model_qwen4::Model<'a>),
     /// DeepSeek-V4-Flash.
     Dsv4(model_dsv4::Model<'a>),
+    /// DeepSeek-V4.1-Flash.
+    Dsv41(Box<model_dsv4::v41::Model<'a>>),
     /// Qwen3.8-Flash-Next, resident on the GPU.
     Qwen4Gpu(Box<model_qwen4::GpuModel<'a>>),
 }
@@ -86,6 +100,8 @@ pub enum AnyState {
     Qwen4(model_qwen4::SeqState),
     /// For [`AnyModel::Dsv4`].
     Dsv4(model_dsv4::SeqState),
+    /// For [`AnyModel::Dsv41`].
+    Dsv41(Box<model_dsv4::v41::SeqState>),
     /// For [`AnyModel::Qwen4Gpu`]: the caches on the device.
     Qwen4Gpu(Box<model_qwen4::GpuState>),
 }
@@ -101,6 +117,10 @@ impl<'a> AnyModel<'a> {
             "deepseek_v4" => {
                 let (c, w) = model_dsv4::Weights::bind(cmf)?;
                 Ok(AnyModel::Dsv4(model_dsv4::Model::new(c, w)))
+            }
+            "deepseek_v41" => {
+                let (c, w) = model_dsv4::v41::Weights::bind(cmf, engram_token_map(cmf)?)?;
+                Ok(AnyModel::Dsv41(Box::new(model_dsv4::v41::Model::new(c, w))))
             }
             other => Err(BindError::Architecture(other.to_string())),
         }
@@ -207,7 +227,7 @@ impl<'a> AnyModel<'a> {
         let m = match self {
             AnyModel::Qwen4(m) => m,
             AnyModel::Qwen4Gpu(g) => &g.model,
-            AnyModel::Dsv4(_) => return None,
+            AnyModel::Dsv4(_) | AnyModel::Dsv41(_) => return None,
         };
         Some(m.weights.bytes_per_token(m.config.num_experts_per_tok))
     }
@@ -233,6 +253,7 @@ impl<'a> AnyModel<'a> {
         match self {
             AnyModel::Qwen4(m) => m.config.vocab_size,
             AnyModel::Dsv4(m) => m.config.vocab_size,
+            AnyModel::Dsv41(m) => m.config.vocab_size,
             AnyModel::Qwen4Gpu(m) => m.model.config.vocab_size,
         }
     }
@@ -242,6 +263,7 @@ impl<'a> AnyModel<'a> {
         match self {
             AnyModel::Qwen4(m) => AnyState::Qwen4(model_qwen4::SeqState::new(&m.config)),
             AnyModel::Dsv4(m) => AnyState::Dsv4(model_dsv4::SeqState::new(&m.config)),
+            AnyModel::Dsv41(m) => AnyState::Dsv41(Box::new(m.new_state())),
             AnyModel::Qwen4Gpu(m) => AnyState::Qwen4Gpu(Box::new(m.new_state())),
         }
     }
@@ -251,6 +273,7 @@ impl<'a> AnyModel<'a> {
         match (self, st) {
             (AnyModel::Qwen4(m), AnyState::Qwen4(s)) => Ok(m.forward(tokens, s)?),
             (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => Ok(m.forward(tokens, s)?),
+            (AnyModel::Dsv41(m), AnyState::Dsv41(s)) => Ok(m.forward(tokens, s)?),
             (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => Ok(m.forward(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
@@ -266,6 +289,7 @@ impl<'a> AnyModel<'a> {
         match (self, st) {
             (AnyModel::Qwen4(m), AnyState::Qwen4(s)) => Ok(m.forward_last(tokens, s)?),
             (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => Ok(m.forward_last(tokens, s)?),
+            (AnyModel::Dsv41(m), AnyState::Dsv41(s)) => Ok(m.forward_last(tokens, s)?),
             (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => Ok(m.forward_last(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
@@ -350,6 +374,7 @@ impl AnyState {
         match self {
             AnyState::Qwen4(s) => s.pos,
             AnyState::Dsv4(s) => s.pos,
+            AnyState::Dsv41(s) => s.pos,
             AnyState::Qwen4Gpu(s) => s.pos,
         }
     }
@@ -359,9 +384,37 @@ impl AnyState {
         match self {
             AnyState::Qwen4(s) => s.bytes() as u64,
             AnyState::Dsv4(s) => s.bytes() as u64,
+            AnyState::Dsv41(s) => s.bytes() as u64,
             AnyState::Qwen4Gpu(s) => s.bytes(),
         }
     }
+}
+
+/// The compressed token map of the tokenizer in `cmf`'s header, which a deepseek_v41 model's
+/// Engram hashes need (derived as the reference's `build_compressed_token_map` does: each id's
+/// decoded text and raw token); `None` without an embedded tokenizer.
+fn engram_token_map(
+    cmf: &Cmf,
+) -> Result<Option<model_dsv4::engram::CompressedTokenMap>, BindError> {
+    let Some(json) = &cmf.header().tokenizer else {
+        return Ok(None);
+    };
+    let tok: tokenizers::Tokenizer = json
+        .to_string()
+        .parse()
+        .map_err(|e| BindError::Tokenizer(format!("{e}")))?;
+    let n = tok.get_vocab_size(true) as u32;
+    let strings = (0..n)
+        .map(|id| {
+            let text = tok
+                .decode(&[id], false)
+                .map_err(|e| BindError::Tokenizer(format!("token {id} does not decode: {e}")))?;
+            Ok((text, tok.id_to_token(id)))
+        })
+        .collect::<Result<Vec<_>, BindError>>()?;
+    Ok(Some(
+        model_dsv4::engram::CompressedTokenMap::from_token_strings(strings),
+    ))
 }
 
 self_cell::self_cell!(
