@@ -465,3 +465,145 @@ fn gathering_from_a_mapped_table_reads_only_the_rows() {
         "the mapping grew by {growth} bytes of a {table_bytes}-byte table"
     );
 }
+
+/// The whole V4.1 forward over tables far larger than the rest of the model: the fixture's
+/// weights (4.3 MB) with its two Engram tables replaced by synthetic ones of the sizes a much
+/// larger `engram_vocab_size` gives (1.6 GB together). Prefill of a 56-token prompt and 8
+/// cached decode steps grow the file mapping's resident memory by the rest of the weights and
+/// the windows holding the rows the hashes name, not by the tables.
+#[test]
+fn a_v41_forward_reads_only_the_rows_its_ngrams_name() {
+    use model_dsv4::CausalLm;
+    use model_dsv4::engram::CompressedTokenMap;
+    use model_dsv4::v41::{Model, Weights};
+    if !Path::new("/proc/self/smaps").exists() {
+        println!("skipped: no /proc/self/smaps (not Linux)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let src_path = convert_fixture("deepseek_v41_a", dir.path(), Profile::F32);
+    let src = Cmf::open(&src_path).unwrap();
+
+    // The config with a large n-gram bucket space: 6 primes above 2,000,000 per Engram layer.
+    let mut header = src.header().clone();
+    let big = model_dsv4::engram::EngramLayout::new(2, 2_000_000, 4, 2).unwrap();
+    header.config["engram_vocab_size"] = 2_000_000.into();
+    header.config["engram_num_embeddings"] = serde_json::json!(big.table_rows());
+    let config = DeepseekV41Config::from_json(&header.config).unwrap();
+    let layout = config.engram_layout().unwrap().clone();
+    let cols = config.engram_head_dim;
+    let table_rows = layout.table_rows().to_vec();
+    let tables_bytes: u64 = table_rows.iter().map(|r| r * cols as u64 * 33 / 32).sum();
+    let rest_bytes: u64 = src
+        .tensors()
+        .iter()
+        .filter(|t| !t.name.starts_with("model.engram_tables."))
+        .map(|t| src.tensor(&t.name).unwrap().bytes.len() as u64)
+        .sum();
+    let free = rustix::fs::statvfs(dir.path()).unwrap();
+    assert!(free.f_bavail * free.f_frsize > tables_bytes * 2);
+
+    let path = dir.path().canonicalize().unwrap().join("big_engram.cmf");
+    let mut w = CmfWriter::create(&path, header).unwrap();
+    for t in src.tensors() {
+        if t.name.starts_with("model.engram_tables.") {
+            continue;
+        }
+        let v = src.tensor(&t.name).unwrap();
+        w.add_tensor(&t.name, v.dtype(), v.shape(), v.bytes)
+            .unwrap();
+    }
+    for (k, &layer) in config.engram_layer_ids.iter().enumerate() {
+        let code_len = table_rows[k] * cols as u64;
+        w.add_tensor_from_reader(
+            &format!("model.engram_tables.{layer}.weight"),
+            DType::Mxfp8,
+            &[table_rows[k] as usize, cols],
+            SynthPayload {
+                pos: 0,
+                code_len,
+                len: code_len + code_len / 32,
+            },
+        )
+        .unwrap();
+    }
+    w.finish().unwrap();
+    let f = std::fs::File::open(&path).unwrap();
+    rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed).unwrap();
+    drop(f);
+
+    let cmf = Cmf::open(&path).unwrap();
+    let npy = common::read_npy(&fixture("deepseek_v41_a").join("expected/engram_token_map.npy"));
+    let map = CompressedTokenMap::from_i64(&npy.i64).unwrap();
+    let (config, weights) = Weights::bind(&cmf, Some(map)).unwrap();
+    let model = Model::new(config, weights);
+    let prompt = common::ids("deepseek_v41_a", 0);
+
+    // The rows the forward will read: the hashes of the prompt and the decoded tokens are only
+    // known as it runs, so the windows are counted from the ids the hasher gives afterwards.
+    let map_before = mapping_rss(&path);
+    let mut st = model.new_state();
+    let mut logits = model.forward_last(&prompt, &mut st).unwrap();
+    let mut seq = prompt.clone();
+    for _ in 0..8 {
+        let next = common::argmax(&logits) as u32;
+        seq.push(next);
+        logits = model.forward_last(&[next], &mut st).unwrap();
+    }
+    let map_after = mapping_rss(&path);
+    let growth = map_after.saturating_sub(map_before) as u64;
+    assert!(logits.iter().all(|v| v.is_finite()));
+
+    let hasher = model.weights.hasher.as_ref().unwrap();
+    let ids = hasher.hash_prompt(&seq[..seq.len() - 1]).unwrap();
+    let (n_cols, per_token) = (hasher.layout().n_cols(), hasher.ids_per_token());
+    let mut windows = HashSet::new();
+    let mut rows_read = 0usize;
+    for (il, lw) in model.weights.layers.iter().enumerate() {
+        let (Some(ew), Some(k)) = (&lw.engram, model.config.roles()[il].engram) else {
+            continue;
+        };
+        let base = ew.table.bytes().as_ptr() as usize;
+        let code_len = ew.table.rows() as usize * cols;
+        for tok in ids.chunks_exact(per_token) {
+            for &r in &tok[k * n_cols..(k + 1) * n_cols] {
+                let r = r as usize;
+                rows_read += 1;
+                for (a, len) in [
+                    (base + r * cols, cols),
+                    (base + code_len + r * cols / 32, 2),
+                ] {
+                    windows.insert(a / FAULT_AROUND);
+                    windows.insert((a + len - 1) / FAULT_AROUND);
+                }
+            }
+        }
+    }
+    let window_bound = (windows.len() * FAULT_AROUND) as u64;
+    println!(
+        "v41 forward residency: tables {:.1} MiB ({:?} rows x {cols} mxfp8), rest of the model \
+         {:.1} MiB; prefill {} + 8 decode tokens read {rows_read} table rows in {} 64 KiB \
+         windows ({:.1} MiB); mapping Rss {:.1} -> {:.1} MiB (+{:.1} MiB, {:.2}% of the tables)",
+        mib(tables_bytes as usize),
+        table_rows,
+        mib(rest_bytes as usize),
+        prompt.len(),
+        windows.len(),
+        mib(window_bound as usize),
+        mib(map_before),
+        mib(map_after),
+        mib(growth as usize),
+        100.0 * growth as f64 / tables_bytes as f64
+    );
+    // The rest of the weights, the windows the rows lie in (twice: fault-around and folio
+    // sizes differ between machines) and 4 MiB of slack; never the tables.
+    assert!(
+        growth <= rest_bytes + 2 * window_bound + (4 << 20),
+        "the mapping grew by {growth} bytes: more than the weights ({rest_bytes}) and the \
+         {window_bound} bytes of windows the rows lie in"
+    );
+    assert!(
+        growth < tables_bytes / 8,
+        "grew by {growth} of {tables_bytes}"
+    );
+}
