@@ -146,32 +146,27 @@ fn logits_npy_matches_transformers_prefill_and_decode() {
     }
 }
 
-/// The same engine path runs deepseek_v41 (one-shot prefill and cached decode from two points,
-/// one mid-group of the ratio-2 source), the Engram token map derived from the embedded
-/// tokenizer.
-#[test]
-fn logits_of_a_deepseek_v41_model_match_transformers() {
-    let dir = tempfile::tempdir().unwrap();
-    let cmf = dir.path().join("ds41.cmf");
+/// Converts fixture `case` (f32) into `dir` and checks the engine's logits of prompt `p`
+/// against transformers' prefill logits, one-shot and decoded from each of `decode_froms`;
+/// returns the CMF path.
+fn engine_logits_match(case: &str, p: usize, decode_froms: &[usize], dir: &Path) -> PathBuf {
+    let cmf = dir.join(format!("{case}.cmf"));
     convert(
-        &ConvertOptions::new(
-            fixture("deepseek_v41_b").join("hf"),
-            cmf.clone(),
-            Profile::F32,
-        ),
+        &ConvertOptions::new(fixture(case).join("hf"), cmf.clone(), Profile::F32),
         &mut |_| {},
     )
     .unwrap();
-    let exp = fixture("deepseek_v41_b").join("expected");
-    let (_, ids) = npy(&exp.join("p1_ids.npy"));
+    let exp = fixture(case).join("expected");
+    let (_, ids) = npy(&exp.join(format!("p{p}_ids.npy")));
     let tokens: Vec<u32> = ids
         .chunks_exact(8)
         .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
         .collect();
-    let (shape, want) = npy(&exp.join("p1_prefill_logits.npy"));
+    let (shape, want) = npy(&exp.join(format!("p{p}_prefill_logits.npy")));
     let want = f32s(&want);
     let tol = 1e-4 * want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    for decode_from in [None, Some(17), Some(30)] {
+    let starts = std::iter::once(None).chain(decode_froms.iter().map(|&k| Some(k)));
+    for decode_from in starts {
         let l = logits(
             &cmf,
             &LogitsOptions {
@@ -189,55 +184,26 @@ fn logits_of_a_deepseek_v41_model_match_transformers() {
             .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
         assert!(
             err <= tol,
-            "decode_from {decode_from:?}: {err:.3e} > {tol:.3e}"
+            "{case} p{p} decode_from {decode_from:?}: {err:.3e} > {tol:.3e}"
         );
     }
+    cmf
+}
+
+/// The same engine path runs deepseek_v41 (one-shot prefill and cached decode from two points,
+/// one mid-group of the ratio-2 sources), the Engram token map derived from the embedded
+/// tokenizer.
+#[test]
+fn logits_of_a_deepseek_v41_model_match_transformers() {
+    let dir = tempfile::tempdir().unwrap();
+    engine_logits_match("deepseek_v41_b", 1, &[17, 30], dir.path());
 }
 
 /// The same engine path runs deepseek_v4 (one-shot prefill and cached decode).
 #[test]
 fn logits_of_a_deepseek_v4_model_match_transformers() {
     let dir = tempfile::tempdir().unwrap();
-    let cmf = dir.path().join("ds.cmf");
-    convert(
-        &ConvertOptions::new(
-            fixture("deepseek_v4_b").join("hf"),
-            cmf.clone(),
-            Profile::F32,
-        ),
-        &mut |_| {},
-    )
-    .unwrap();
-    let exp = fixture("deepseek_v4_b").join("expected");
-    let (_, ids) = npy(&exp.join("p0_ids.npy"));
-    let tokens: Vec<u32> = ids
-        .chunks_exact(8)
-        .map(|c| i64::from_le_bytes(c.try_into().unwrap()) as u32)
-        .collect();
-    let (shape, want) = npy(&exp.join("p0_prefill_logits.npy"));
-    let want = f32s(&want);
-    let tol = 1e-4 * want.iter().fold(0f32, |m, v| m.max(v.abs()));
-    for decode_from in [None, Some(93)] {
-        let l = logits(
-            &cmf,
-            &LogitsOptions {
-                tokens: tokens.clone(),
-                decode_from,
-                ..Default::default()
-            },
-        )
-        .unwrap();
-        assert_eq!(vec![l.rows, l.vocab], shape);
-        let err = l
-            .data
-            .iter()
-            .zip(&want)
-            .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
-        assert!(
-            err <= tol,
-            "decode_from {decode_from:?}: {err:.3e} > {tol:.3e}"
-        );
-    }
+    let cmf = engine_logits_match("deepseek_v4_b", 0, &[93], dir.path());
     let bad_id = logits(
         &cmf,
         &LogitsOptions {

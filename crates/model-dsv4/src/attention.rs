@@ -119,11 +119,7 @@ pub fn forward_cpu(
         .enumerate()
         .for_each(|(r, o_row)| {
             let p = past + r;
-            // Sliding keys at positions max(p + 1 - window, first)..=p.
-            let lo = (p + 1).saturating_sub(window).max(first);
-            let mut rows: Vec<&[f32]> = (lo..=p)
-                .map(|pos| &keys[(pos - first) * dh..(pos - first + 1) * dh])
-                .collect();
+            let mut rows = window_rows(&keys, first, p, window, dh);
             match kind {
                 AttnKind::Sliding => {}
                 AttnKind::Hca => {
@@ -146,13 +142,32 @@ pub fn forward_cpu(
             );
         });
 
-    // Keep the last `window - 1` latents for the next call.
+    st.window = keep_window(keys, window, dh);
+
+    grouped_out(w, c.o_lora_rank, &o, t)
+}
+
+/// The sliding keys of the query at position `p`: positions `max(p + 1 - window, first)..=p`
+/// of `keys` `[n, dh]`, whose first row is position `first`.
+pub(crate) fn window_rows(
+    keys: &[f32],
+    first: usize,
+    p: usize,
+    window: usize,
+    dh: usize,
+) -> Vec<&[f32]> {
+    let lo = (p + 1).saturating_sub(window).max(first);
+    (lo..=p)
+        .map(|pos| &keys[(pos - first) * dh..(pos - first + 1) * dh])
+        .collect()
+}
+
+/// The last `window - 1` rows of `keys` `[n, dh]`: what the next call's queries can still see.
+pub(crate) fn keep_window(mut keys: Vec<f32>, window: usize, dh: usize) -> Vec<f32> {
     let total = keys.len() / dh;
     let keep = total.min(window - 1);
     keys.drain(..(total - keep) * dh);
-    st.window = keys;
-
-    grouped_out(w, c.o_lora_rank, &o, t)
+    keys
 }
 
 /// One query row `q_row` `[H, Dh]` over the K = V `rows`: per head, `softmax(q . k * scale)` with

@@ -94,16 +94,7 @@ impl CausalLm for Model<'_> {
         };
 
         // Embedding, repeated into the N streams.
-        let mut x = vec![0f32; t * n * d];
-        let mut row = vec![0f32; d];
-        for (r, &id) in tokens.iter().enumerate() {
-            w.embed_tokens
-                .dequantize_row(id as usize, &mut row)
-                .expect("id checked");
-            for k in 0..n {
-                x[(r * n + k) * d..(r * n + k + 1) * d].copy_from_slice(&row);
-            }
-        }
+        let mut x = hc::embed_streams(&w.embed_tokens, tokens, n, d);
 
         for (il, lw) in w.layers.iter().enumerate() {
             let mix = hc::pre(&lw.attn_hc, &x, t, &dims);

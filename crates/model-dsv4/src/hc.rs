@@ -57,6 +57,22 @@ pub fn collapse(x: &[f32], pre: &[f32], t: usize, n: usize, d: usize) -> Vec<f32
     out
 }
 
+/// The embedding rows of `tokens` (ids checked by the caller), each repeated into the `N`
+/// streams: `[t, N, D]`.
+pub fn embed_streams(embed: &model_core::Mat<'_>, tokens: &[u32], n: usize, d: usize) -> Vec<f32> {
+    let mut x = vec![0f32; tokens.len() * n * d];
+    let mut row = vec![0f32; d];
+    for (r, &id) in tokens.iter().enumerate() {
+        embed
+            .dequantize_row(id as usize, &mut row)
+            .expect("ids are checked before the forward");
+        for k in 0..n {
+            x[(r * n + k) * d..(r * n + k + 1) * d].copy_from_slice(&row);
+        }
+    }
+    x
+}
+
 /// Sinkhorn-Knopp as the reference runs it on `c` (`N x N`, row-major).
 pub fn sinkhorn(c: &mut [f32], n: usize, iters: usize, eps: f32) {
     let cols = |c: &mut [f32]| {

@@ -13,7 +13,7 @@
 
 use rayon::prelude::*;
 
-use crate::attention::{Ropes, attend, grouped_out};
+use crate::attention::{Ropes, attend, grouped_out, keep_window, window_rows};
 use crate::config_v41::{CandidateRole, DeepseekV41Config, IndexRole, KvRole, LayerRole, RopeSet};
 use crate::ops::{rms_norm, rope_tail};
 use quant_codecs::ops::linear;
@@ -172,10 +172,7 @@ pub fn forward_cpu(
         .enumerate()
         .for_each(|(r, o_row)| {
             let p = past + r;
-            let lo = (p + 1).saturating_sub(window).max(first);
-            let mut rows: Vec<&[f32]> = (lo..=p)
-                .map(|pos| &keys[(pos - first) * dh..(pos - first + 1) * dh])
-                .collect();
+            let mut rows = window_rows(&keys, first, p, window, dh);
             if let Some(sel) = selected {
                 rows.extend(sel[r].iter().map(|&s| &entries[s * dh..(s + 1) * dh]));
             }
@@ -191,11 +188,7 @@ pub fn forward_cpu(
             );
         });
 
-    // Keep the last `window - 1` latents for the next call.
-    let total = keys.len() / dh;
-    let keep = total.min(window - 1);
-    keys.drain(..(total - keep) * dh);
-    layers[il].window = keys;
+    layers[il].window = keep_window(keys, window, dh);
 
     grouped_out(w, c.o_lora_rank, &o, t)
 }

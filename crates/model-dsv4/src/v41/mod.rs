@@ -180,16 +180,7 @@ impl CausalLm for Model<'_> {
         let engram_rows = self.engram_rows(tokens, st)?;
 
         // Embedding, repeated into the N streams.
-        let mut x = vec![0f32; t * n * d];
-        let mut row = vec![0f32; d];
-        for (r, &id) in tokens.iter().enumerate() {
-            w.embed_tokens
-                .dequantize_row(id as usize, &mut row)
-                .expect("id checked");
-            for k in 0..n {
-                x[(r * n + k) * d..(r * n + k + 1) * d].copy_from_slice(&row);
-            }
-        }
+        let mut x = hc::embed_streams(&w.embed_tokens, tokens, n, d);
         // One-hot initial mix: the first site collapses stream 0 only.
         let mut pre_mix = vec![0f32; t * n];
         for r in 0..t {
