@@ -191,7 +191,7 @@ pub fn encode(
         Routed::Each(_) => 0,
     };
     let grid = (
-        d.div_ceil(4 * kernels_wgsl::OP_WG as usize) as u32,
+        d.div_ceil(kernels_wgsl::OP_WG as usize) as u32,
         nt as u32,
     );
     e.op(
