@@ -258,6 +258,72 @@ fn compressor<'a>(
     })
 }
 
+/// The geometry of an attention's projections.
+pub(crate) struct AttnDims {
+    pub hidden: usize,
+    pub heads: usize,
+    pub head_dim: usize,
+    pub q_lora_rank: usize,
+    pub o_groups: usize,
+    pub o_lora_rank: usize,
+}
+
+/// The projections, norms and sinks of the attention `a` (`{a}.q_a_proj`, ...), with no
+/// compressor or indexer (V4 and V4.1 name and shape them alike).
+pub(crate) fn attn_projections<'a>(
+    b: &Binder<'a>,
+    a: &str,
+    x: &AttnDims,
+) -> Result<AttnWeights<'a>, BindError> {
+    let (d, h, dh, qr) = (x.hidden, x.heads, x.head_dim, x.q_lora_rank);
+    let (g, r) = (x.o_groups, x.o_lora_rank);
+    Ok(AttnWeights {
+        q_a: b.mat(&format!("{a}.q_a_proj.weight"), qr, d)?,
+        q_a_norm: b.vector(&format!("{a}.q_a_norm.weight"), &[qr])?,
+        q_b: b.mat(&format!("{a}.q_b_proj.weight"), h * dh, qr)?,
+        kv: b.mat(&format!("{a}.kv_proj.weight"), dh, d)?,
+        kv_norm: b.vector(&format!("{a}.kv_norm.weight"), &[dh])?,
+        o_a: grouped(b, &format!("{a}.o_a_proj.weight"), g, r, h * dh / g)?,
+        o_b: b.mat(&format!("{a}.o_b_proj.weight"), d, g * r)?,
+        sinks: b.vector(&format!("{a}.sinks"), &[h])?,
+        compressor: None,
+        indexer: None,
+    })
+}
+
+/// The MoE block `m` (`{m}.gate.weight`, `{m}.experts.{x}.*`, `{m}.shared_experts.*`) of `e`
+/// experts of width `i` over hidden `d`, routed by `routing`, SwiGLU clamped at `limit`.
+pub(crate) fn moe_block<'a>(
+    b: &Binder<'a>,
+    m: &str,
+    routing: Routing,
+    d: usize,
+    e: usize,
+    i: usize,
+    limit: f32,
+) -> Result<MoeWeights<'a>, BindError> {
+    let mut experts = Vec::with_capacity(e);
+    for x in 0..e {
+        experts.push(Expert {
+            gate_up: b.mat(&format!("{m}.experts.{x}.gate_up_proj.weight"), 2 * i, d)?,
+            down: b.mat(&format!("{m}.experts.{x}.down_proj.weight"), d, i)?,
+        });
+    }
+    Ok(MoeWeights {
+        gate: b.mat(&format!("{m}.gate.weight"), e, d)?,
+        routing,
+        routed: RoutedExperts {
+            experts,
+            hidden: d,
+            intermediate: i,
+            activation: Activation::SwiGlu { limit: Some(limit) },
+        },
+        sh_gate: b.mat(&format!("{m}.shared_experts.gate_proj.weight"), i, d)?,
+        sh_up: b.mat(&format!("{m}.shared_experts.up_proj.weight"), i, d)?,
+        sh_down: b.mat(&format!("{m}.shared_experts.down_proj.weight"), d, i)?,
+    })
+}
+
 impl<'a> Weights<'a> {
     /// Reads the config from the header and binds every tensor.
     pub fn bind(cmf: &'a Cmf) -> Result<(DeepseekV4Config, Weights<'a>), WeightError> {
@@ -307,17 +373,18 @@ impl<'a> Weights<'a> {
                     (Some(comp), Some(idx))
                 }
             };
+            let dims = AttnDims {
+                hidden: d,
+                heads: h,
+                head_dim: dh,
+                q_lora_rank: qr,
+                o_groups: g,
+                o_lora_rank: r,
+            };
             let attn = AttnWeights {
-                q_a: b.mat(&format!("{a}.q_a_proj.weight"), qr, d)?,
-                q_a_norm: b.vector(&format!("{a}.q_a_norm.weight"), &[qr])?,
-                q_b: b.mat(&format!("{a}.q_b_proj.weight"), h * dh, qr)?,
-                kv: b.mat(&format!("{a}.kv_proj.weight"), dh, d)?,
-                kv_norm: b.vector(&format!("{a}.kv_norm.weight"), &[dh])?,
-                o_a: grouped(&b, &format!("{a}.o_a_proj.weight"), g, r, h * dh / g)?,
-                o_b: b.mat(&format!("{a}.o_b_proj.weight"), d, g * r)?,
-                sinks: b.vector(&format!("{a}.sinks"), &[h])?,
                 compressor,
                 indexer,
+                ..attn_projections(&b, &a, &dims)?
             };
             let m = format!("{p}.mlp");
             let routing = if c.is_hash_layer(il) {
@@ -339,28 +406,7 @@ impl<'a> Weights<'a> {
             } else {
                 Routing::Scored(b.vector(&format!("{m}.gate.e_score_correction_bias"), &[e])?)
             };
-            let mut experts = Vec::with_capacity(e);
-            for x in 0..e {
-                experts.push(Expert {
-                    gate_up: b.mat(&format!("{m}.experts.{x}.gate_up_proj.weight"), 2 * i, d)?,
-                    down: b.mat(&format!("{m}.experts.{x}.down_proj.weight"), d, i)?,
-                });
-            }
-            let moe = MoeWeights {
-                gate: b.mat(&format!("{m}.gate.weight"), e, d)?,
-                routing,
-                routed: RoutedExperts {
-                    experts,
-                    hidden: d,
-                    intermediate: i,
-                    activation: Activation::SwiGlu {
-                        limit: Some(c.swiglu_limit as f32),
-                    },
-                },
-                sh_gate: b.mat(&format!("{m}.shared_experts.gate_proj.weight"), i, d)?,
-                sh_up: b.mat(&format!("{m}.shared_experts.up_proj.weight"), i, d)?,
-                sh_down: b.mat(&format!("{m}.shared_experts.down_proj.weight"), d, i)?,
-            };
+            let moe = moe_block(&b, &m, routing, d, e, i, c.swiglu_limit as f32)?;
             layers.push(LayerWeights {
                 attn_hc: hc(&b, &format!("{p}.attn_hc"), c)?,
                 input_layernorm: b.vector(&format!("{p}.input_layernorm.weight"), &[d])?,

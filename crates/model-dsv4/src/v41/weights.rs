@@ -8,11 +8,13 @@
 //! a wrong shape or an unusable table is a [`V41WeightError`] naming the tensor.
 
 use cmf_format::Cmf;
-use model_core::{Activation, BindError, Binder, Expert, Mat, RoutedExperts, Vector};
+use model_core::{BindError, Binder, Mat, Vector};
 
 use crate::config_v41::{DeepseekV41Config, IndexRole, KvRole, V41ConfigError};
 use crate::engram::{CompressedTokenMap, EngramError, EngramHasher, EngramTable, EngramTableError};
-use crate::weights::{AttnWeights, HcWeights, MoeWeights, Routing, grouped, hc_site};
+use crate::weights::{
+    AttnDims, AttnWeights, HcWeights, MoeWeights, Routing, attn_projections, hc_site, moe_block,
+};
 
 /// Why a deepseek_v41 model cannot be bound.
 #[derive(Debug, thiserror::Error)]
@@ -149,22 +151,19 @@ impl<'a> Weights<'a> {
         let (g, r) = (c.o_groups, c.o_lora_rank);
         let (e, i) = (c.n_routed_experts, c.moe_intermediate_size);
         let (ni, di) = (c.index_n_heads, c.index_head_dim);
+        let dims = AttnDims {
+            hidden: d,
+            heads: h,
+            head_dim: dh,
+            q_lora_rank: qr,
+            o_groups: g,
+            o_lora_rank: r,
+        };
         let mut layers = Vec::with_capacity(c.num_hidden_layers);
         for (il, role) in c.roles().iter().enumerate() {
             let p = format!("model.layers.{il}");
             let a = format!("{p}.self_attn");
-            let attn = AttnWeights {
-                q_a: b.mat(&format!("{a}.q_a_proj.weight"), qr, d)?,
-                q_a_norm: b.vector(&format!("{a}.q_a_norm.weight"), &[qr])?,
-                q_b: b.mat(&format!("{a}.q_b_proj.weight"), h * dh, qr)?,
-                kv: b.mat(&format!("{a}.kv_proj.weight"), dh, d)?,
-                kv_norm: b.vector(&format!("{a}.kv_norm.weight"), &[dh])?,
-                o_a: grouped(&b, &format!("{a}.o_a_proj.weight"), g, r, h * dh / g)?,
-                o_b: b.mat(&format!("{a}.o_b_proj.weight"), d, g * r)?,
-                sinks: b.vector(&format!("{a}.sinks"), &[h])?,
-                compressor: None,
-                indexer: None,
-            };
+            let attn = attn_projections(&b, &a, &dims)?;
             let compressor = match role.kv {
                 KvRole::Source => {
                     let x = format!("{a}.compressor");
@@ -216,30 +215,9 @@ impl<'a> Weights<'a> {
                 }
             };
             let m = format!("{p}.mlp");
-            let mut experts = Vec::with_capacity(e);
-            for x in 0..e {
-                experts.push(Expert {
-                    gate_up: b.mat(&format!("{m}.experts.{x}.gate_up_proj.weight"), 2 * i, d)?,
-                    down: b.mat(&format!("{m}.experts.{x}.down_proj.weight"), d, i)?,
-                });
-            }
-            let moe = MoeWeights {
-                gate: b.mat(&format!("{m}.gate.weight"), e, d)?,
-                routing: Routing::Scored(
-                    b.vector(&format!("{m}.gate.e_score_correction_bias"), &[e])?,
-                ),
-                routed: RoutedExperts {
-                    experts,
-                    hidden: d,
-                    intermediate: i,
-                    activation: Activation::SwiGlu {
-                        limit: Some(c.swiglu_limit as f32),
-                    },
-                },
-                sh_gate: b.mat(&format!("{m}.shared_experts.gate_proj.weight"), i, d)?,
-                sh_up: b.mat(&format!("{m}.shared_experts.up_proj.weight"), i, d)?,
-                sh_down: b.mat(&format!("{m}.shared_experts.down_proj.weight"), d, i)?,
-            };
+            let routing =
+                Routing::Scored(b.vector(&format!("{m}.gate.e_score_correction_bias"), &[e])?);
+            let moe = moe_block(&b, &m, routing, d, e, i, c.swiglu_limit as f32)?;
             layers.push(LayerWeights {
                 engram,
                 attn_hc: hc_site(&b, &format!("{p}.attn_hc"), n, d)?,
