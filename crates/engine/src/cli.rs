@@ -133,9 +133,14 @@ pub struct ComputeArgs {
     #[arg(long, value_name = "BACKEND")]
     pub backend: Option<String>,
     /// VRAM the model's weights may use on the GPU, e.g. 16G (K, M, G, T; binary units).
-    /// Default: $CORTIQ_VRAM, else by adapter type.
+    /// Default: $CORTIQ_VRAM, else by adapter type. Routed experts that do not fit are
+    /// computed on the CPU.
     #[arg(long, value_name = "SIZE", value_parser = positive_size)]
     pub vram: Option<u64>,
+    /// Keep the routed experts of the first N layers on the CPU and the rest in VRAM
+    /// (llama.cpp's static policy; default: as many experts in every layer as --vram holds).
+    #[arg(long, value_name = "N")]
+    pub n_cpu_moe: Option<usize>,
 }
 
 /// The activation path (`--act`).

@@ -403,6 +403,7 @@ fn placement(c: &cli::ComputeArgs, ctx: Option<usize>) -> anyhow::Result<engine:
         backend,
         vram: c.vram,
         ctx,
+        cpu_moe: c.n_cpu_moe,
     })
 }
 
@@ -561,8 +562,12 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
     // The checksum check runs beside generation; a short run waits for its verdict here, after
     // the text, so a damaged file never passes unnoticed.
     runner.model.integrity().wait()?;
+    let experts = match runner.model.model().expert_share() {
+        Some(share) => format!("; experts {:.1}% in VRAM", 100.0 * share),
+        None => String::new(),
+    };
     eprintln!(
-        "cortiq: prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s){}",
+        "cortiq: prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s){experts}{}",
         g.prompt.len(),
         g.prompt_seconds,
         rate(g.prompt.len(), g.prompt_seconds),
@@ -575,6 +580,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
             ""
         }
     );
+
     if let Some(d) = g.drafts {
         eprintln!(
             "cortiq: drafts: {} checked in {} steps, {} kept ({:.1}%); {:.2} tokens per check",

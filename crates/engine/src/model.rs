@@ -27,6 +27,9 @@ pub struct Placement {
     pub vram: Option<u64>,
     /// Tokens a device state holds (default [`DEFAULT_DEVICE_CTX`]).
     pub ctx: Option<usize>,
+    /// llama.cpp's static `--n-cpu-moe`: the routed experts of the first N layers on the CPU,
+    /// the rest resident (default: as many experts as the budget holds, in every layer).
+    pub cpu_moe: Option<usize>,
 }
 
 impl Placement {
@@ -180,10 +183,21 @@ impl<'a> AnyModel<'a> {
             return Ok(AnyModel::Qwen4(model));
         }
         let ctx_len = place.ctx.unwrap_or(DEFAULT_DEVICE_CTX).max(1);
-        match model_qwen4::GpuModel::new(model, Arc::from(ctx), ctx_len) {
+        let residency = match place.cpu_moe {
+            Some(n) => {
+                let (nl, ne) = (model.config.num_hidden_layers, model.config.num_experts);
+                model_qwen4::Residency::PerLayer(
+                    (0..nl).map(|l| if l < n { 0 } else { ne }).collect(),
+                )
+            }
+            None => model_qwen4::Residency::Budget,
+        };
+        match model_qwen4::GpuModel::with_residency(model, Arc::from(ctx), ctx_len, true, residency)
+        {
             Ok(g) => {
+                let (hot, all) = g.resident_experts();
                 tracing::info!(
-                    "on the GPU: {} MiB of weights resident, context {ctx_len}",
+                    "on the GPU: {} MiB of weights resident ({hot} of {all} routed experts), context {ctx_len}",
                     g.resident_bytes() >> 20
                 );
                 Ok(AnyModel::Qwen4Gpu(Box::new(g)))
@@ -237,6 +251,15 @@ impl<'a> AnyModel<'a> {
         match self {
             AnyModel::Qwen4Gpu(g) => g.ctx().info.name.clone(),
             _ => format!("CPU ({} threads)", rayon::current_num_threads()),
+        }
+    }
+
+    /// The share of routed (token, expert) pairs computed in VRAM so far, when some experts
+    /// are computed on the CPU (`None` when all are resident, or on the CPU alone).
+    pub fn expert_share(&self) -> Option<f64> {
+        match self {
+            AnyModel::Qwen4Gpu(g) => g.expert_share(),
+            _ => None,
         }
     }
 

@@ -402,6 +402,7 @@ fn gpu(ctx: usize) -> Option<Placement> {
             backend: engine::gpu_runtime::BackendChoice::Wgpu,
             vram: None,
             ctx: Some(ctx),
+            cpu_moe: None,
         }),
         Err(e) if std::env::var("CORTIQ_REQUIRE_GPU").as_deref() == Ok("1") => {
             panic!("CORTIQ_REQUIRE_GPU=1 but no GPU: {e}")
@@ -424,13 +425,17 @@ fn gpu_f32_logits_on_heldout_text_match_transformers() {
 }
 
 /// Greedy generation on the shipped demo model: 64 tokens from each of 3 prompts, the device
-/// forward's tokens identical to the CPU forward's.
+/// forward's tokens identical to the CPU forward's, with every routed expert in VRAM, with
+/// the first half of the layers' experts on the CPU (`--n-cpu-moe`), and with all of them
+/// there.
 #[test]
 fn gpu_greedy_generation_equals_the_cpu() {
     let Some(place) = gpu(128) else { return };
     let cpu = Runner::from_cmf(engine::embedded_model().unwrap()).unwrap();
-    let dev = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
-    assert_eq!(dev.model.model().backend_name(), "gpu");
+    let engine::model::AnyModel::Qwen4(m) = cpu.model.model() else {
+        panic!("the demo model is qwen4_exp")
+    };
+    let layers = m.config.num_hidden_layers;
     let greedy = |r: &Runner, prompt: &str| -> Vec<u32> {
         let m = r.model.model();
         let mut st = m.new_state();
@@ -451,12 +456,29 @@ fn gpu_greedy_generation_equals_the_cpu() {
         }
         ids[start..].to_vec()
     };
-    for prompt in ["ROMEO:", "To be, or not to be", "KING HENRY:\nWhat news?"] {
-        assert_eq!(
-            greedy(&dev, prompt),
-            greedy(&cpu, prompt),
-            "prompt {prompt:?}"
-        );
+    let prompts = ["ROMEO:", "To be, or not to be", "KING HENRY:\nWhat news?"];
+    let want: Vec<Vec<u32>> = prompts.iter().map(|p| greedy(&cpu, p)).collect();
+    for cpu_moe in [None, Some(layers / 2), Some(layers)] {
+        let place = Placement {
+            cpu_moe,
+            ..place.clone()
+        };
+        let dev = Runner::from_cmf_on(engine::embedded_model().unwrap(), &place).unwrap();
+        assert_eq!(dev.model.model().backend_name(), "gpu");
+        for (prompt, want) in prompts.iter().zip(&want) {
+            assert_eq!(
+                &greedy(&dev, prompt),
+                want,
+                "prompt {prompt:?}, experts of {cpu_moe:?} layers on the CPU"
+            );
+        }
+        let share = dev.model.model().expert_share();
+        eprintln!("{cpu_moe:?} layers' experts on the CPU: {share:?} in VRAM");
+        match cpu_moe {
+            None => assert_eq!(share, None),
+            Some(n) if n == layers => assert_eq!(share, Some(0.0)),
+            Some(_) => assert!(share.is_some_and(|s| s > 0.0 && s < 1.0), "{share:?}"),
+        }
     }
 }
 

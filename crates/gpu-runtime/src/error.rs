@@ -86,6 +86,17 @@ pub enum GpuError {
         /// The budget.
         budget: u64,
     },
+    /// The VRAM budget cannot hold what a model keeps resident whatever its experts do (every
+    /// weight but the routed experts).
+    #[error(
+        "the VRAM budget of {budget_mib} MiB is below the {needed_mib} MiB the model needs besides its routed experts (--vram {needed_mib}M or more, or --backend cpu)"
+    )]
+    BudgetTooSmall {
+        /// The budget.
+        budget_mib: u64,
+        /// What the weights other than the routed experts take.
+        needed_mib: u64,
+    },
     /// The driver or the validator turned a pipeline down; the caller runs the CPU kernel.
     #[error("pipeline {name} rejected: {message}")]
     PipelineRejected {

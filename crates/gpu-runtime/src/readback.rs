@@ -37,13 +37,33 @@ pub fn read_mapped(
     stage: &wgpu::Buffer,
     count: usize,
 ) -> Result<Vec<f32>, GpuError> {
+    read_mapped_after(ctx, stage, count, None)
+}
+
+/// [`read_mapped`] of a buffer that submission `after` filled, without waiting for the
+/// submissions made after it (the GPU goes on with those while the host reads).
+pub fn read_mapped_after(
+    ctx: &GpuContext,
+    stage: &wgpu::Buffer,
+    count: usize,
+    after: Option<wgpu::SubmissionIndex>,
+) -> Result<Vec<f32>, GpuError> {
     let result: Arc<Mutex<Option<Result<(), wgpu::BufferAsyncError>>>> = Arc::new(Mutex::new(None));
     let r = result.clone();
     stage.map_async(wgpu::MapMode::Read, .., move |res| *r.lock() = Some(res));
+    let mut wait = match after {
+        Some(index) => wgpu::PollType::Wait {
+            submission_index: Some(index),
+            timeout: None,
+        },
+        None => wgpu::PollType::wait_indefinitely(),
+    };
     while result.lock().is_none() {
         ctx.device
-            .poll(wgpu::PollType::wait_indefinitely())
+            .poll(wait.clone())
             .map_err(|e| GpuError::Map(e.to_string()))?;
+        // Should the map wait for later work after all, the next poll waits for that.
+        wait = wgpu::PollType::wait_indefinitely();
     }
     if let Some(Err(e)) = result.lock().take() {
         return Err(GpuError::Map(e.to_string()));

@@ -75,6 +75,8 @@ ops! {
     ExpertAdd => "expert_add",
     /// The routed experts' weighted sum from the grouped slots and the gated shared expert.
     SharedAdd => "shared_add",
+    /// The routed slots split between the VRAM bank and the CPU.
+    ColdSplit => "cold_split",
     /// PLE's gate.
     PleGate => "ple_gate",
     /// PLE's dilated conv and stream update.

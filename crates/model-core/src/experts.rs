@@ -109,13 +109,29 @@ pub struct RoutedExperts<'a> {
 }
 
 impl RoutedExperts<'_> {
+    /// Expert `x` on the `n` rows of `xs` `[n, D]`, unweighted: `[n, D]` (what a device
+    /// without the expert in VRAM has the CPU compute for it).
+    ///
+    /// # Panics
+    /// If `x` is not an expert of the layer.
+    pub fn expert_rows(&self, x: usize, xs: &[f32], n: usize) -> Vec<f32> {
+        let i = self.intermediate;
+        let e = &self.experts[x];
+        let gu = linear(&e.gate_up, xs, n);
+        let mut hmid = Vec::with_capacity(n * i);
+        for row in gu.chunks(2 * i) {
+            hmid.extend(self.activation.apply(&row[..i], &row[i..]));
+        }
+        linear(&e.down, &hmid, n)
+    }
+
     /// `sum over routes of weight * expert(u[row])` for the `t` rows of `u` `[t, D]`; returns
     /// `[t, D]`.
     ///
     /// # Panics
     /// If `routes` covers another expert count or names a row `>= t`.
     pub fn forward_cpu(&self, routes: &Routes, u: &[f32], t: usize) -> Vec<f32> {
-        let (d, i) = (self.hidden, self.intermediate);
+        let d = self.hidden;
         assert_eq!(
             routes.n_experts(),
             self.experts.len(),
@@ -134,13 +150,7 @@ impl RoutedExperts<'_> {
                 for &(r, _) in rows {
                     xs.extend_from_slice(&u[r * d..(r + 1) * d]);
                 }
-                let e = &self.experts[x];
-                let gu = linear(&e.gate_up, &xs, n);
-                let mut hmid = Vec::with_capacity(n * i);
-                for row in gu.chunks(2 * i) {
-                    hmid.extend(self.activation.apply(&row[..i], &row[i..]));
-                }
-                let mut y = linear(&e.down, &hmid, n);
+                let mut y = self.expert_rows(x, &xs, n);
                 for (row, &(_, wgt)) in y.chunks_mut(d).zip(rows) {
                     row.iter_mut().for_each(|v| *v *= wgt);
                 }

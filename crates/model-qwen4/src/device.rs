@@ -81,6 +81,17 @@ impl Device {
         graph::upload_f32(&self.ctx, label, v)
     }
 
+    /// A small u32 table (an expert -> slot map) as a storage buffer.
+    pub fn words(&self, label: &str, v: &[u32]) -> wgpu::Buffer {
+        let f: Vec<f32> = v.iter().map(|w| f32::from_bits(*w)).collect();
+        graph::upload_f32(&self.ctx, label, &f)
+    }
+
+    /// The VRAM budget the weights live within.
+    pub fn budget(&self) -> u64 {
+        self.arena.budget()
+    }
+
     /// One layer's routed experts as a bank (one binding), within the VRAM budget.
     pub fn bank(&self, experts: &[&Mat<'_>]) -> Result<ExpertBank, GpuError> {
         let mats: Vec<quant_codecs::MatRef<'_>> = experts.iter().map(|m| *m.mat()).collect();
@@ -174,6 +185,10 @@ pub struct Scratch {
     pub expert_mid: wgpu::Buffer,
     /// The slots' expert outputs `[8k, D]`.
     pub expert_out: wgpu::Buffer,
+    /// The slots' bank slots, where some experts are on the CPU `[8k]` (u32).
+    pub bank_ids: wgpu::Buffer,
+    /// The slots' cold experts (`NONE_SLOT` for a resident one) `[8k]` (u32).
+    pub cold: wgpu::Buffer,
 }
 
 impl Scratch {
@@ -238,6 +253,8 @@ impl Scratch {
                 nt * c.num_experts_per_tok * c.moe_intermediate_size,
             ),
             expert_out: buf("expert out", nt * c.num_experts_per_tok * d),
+            bank_ids: buf("bank slots", nt * c.num_experts_per_tok),
+            cold: buf("cold slots", nt * c.num_experts_per_tok),
         }
     }
 }

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use gpu_runtime::ops::graph::{self, Granularity, Graph, Tap};
+use gpu_runtime::ops::graph::{self, Break, Granularity, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, readback};
 use model_core::trace::{
     ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
@@ -27,7 +27,7 @@ use crate::device::{ARGMAX_CHUNK, Device, Enc, Part, Scratch};
 use crate::forward::{ForwardError, Model};
 use crate::gdn::{GdnDeviceState, GdnGpu};
 use crate::hc::HcGpu;
-use crate::moe::MoeGpu;
+use crate::moe::{MoeGpu, NONE_SLOT, Routed};
 use crate::mtp::MtpGpu;
 use crate::ple::PleGpu;
 use crate::qsa::{AttnDeviceState, AttnGpu, RopeGpu};
@@ -90,6 +90,23 @@ pub(crate) struct Resident {
     batch_stage: wgpu::Buffer,
     /// The batched decode steps recorded so far.
     batches: BatchGraphs,
+    /// Where a layer's cold slots (`[8k]` u32) and the MoE input (`[8, D]`) are read back,
+    /// when some experts are on the CPU (locked for a frame).
+    cold_stage: Mutex<wgpu::Buffer>,
+    /// Routed (token row, expert) slots run so far, and those computed on the CPU.
+    routed: AtomicU64,
+    cold: AtomicU64,
+}
+
+/// How many of each layer's routed experts live in VRAM (the rest are computed on the CPU).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Residency {
+    /// All of them when the VRAM budget holds them after every other weight; else as many
+    /// per layer as what is left holds, the same number in every layer.
+    #[default]
+    Budget,
+    /// These many in each layer (at most the expert count), whatever the budget says.
+    PerLayer(Vec<usize>),
 }
 
 /// The batched decode steps recorded so far, least recently used first. A graph binds its
@@ -152,7 +169,19 @@ impl<'a> GpuModel<'a> {
         ctx_len: usize,
         banks: bool,
     ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
-        match Self::upload(&model, ctx, ctx_len, banks) {
+        Self::with_residency(model, ctx, ctx_len, banks, Residency::Budget)
+    }
+
+    /// [`GpuModel::with_banks`] with `residency` choosing how many of each layer's routed
+    /// experts live in VRAM; the others are computed on the CPU, from the mapped file.
+    pub fn with_residency(
+        model: Model<'a>,
+        ctx: Arc<GpuContext>,
+        ctx_len: usize,
+        banks: bool,
+        residency: Residency,
+    ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
+        match Self::upload(&model, ctx, ctx_len, banks, &residency) {
             Ok(res) => Ok(GpuModel {
                 model,
                 res,
@@ -167,6 +196,7 @@ impl<'a> GpuModel<'a> {
         ctx: Arc<GpuContext>,
         ctx_len: usize,
         banks: bool,
+        residency: &Residency,
     ) -> Result<Resident, GpuError> {
         let c = &model.config;
         let w = &model.weights;
@@ -185,28 +215,97 @@ impl<'a> GpuModel<'a> {
         }
         let uid = NEXT_UID.fetch_add(1, Ordering::Relaxed);
         let dev = Device::new(ctx, uid);
-        let mut layers = Vec::with_capacity(w.layers.len());
+        let (nl, ne) = (w.layers.len(), c.num_experts);
+        if let Residency::PerLayer(v) = residency
+            && v.len() != nl
+        {
+            return Err(unsupported(format!(
+                "resident experts given for {} layers, the model has {nl}",
+                v.len()
+            )));
+        }
+        // Everything but the routed experts goes up first (what must be resident whatever
+        // the experts do); the budget left is the experts'.
+        let needed = w.bytes_per_token(0);
+        let over = |e: GpuError| match e {
+            GpuError::OverBudget { budget, .. } => GpuError::BudgetTooSmall {
+                budget_mib: budget >> 20,
+                needed_mib: needed.div_ceil(1 << 20),
+            },
+            e => e,
+        };
+        let mut fronts = Vec::with_capacity(nl);
         for lw in &w.layers {
-            layers.push(LayerGpu {
-                ple: lw
+            let front = (|| {
+                let ple = lw
                     .ple
                     .as_ref()
                     .map(|p| PleGpu::upload(&dev, p))
-                    .transpose()?,
-                attn_hc: HcGpu::upload(&dev, &lw.attn_hc)?,
-                mixer: match &lw.mixer {
+                    .transpose()?;
+                let attn_hc = HcGpu::upload(&dev, &lw.attn_hc)?;
+                let mixer = match &lw.mixer {
                     MixerWeights::Gdn(g) => MixerGpu::Gdn(GdnGpu::upload(&dev, g)?),
                     MixerWeights::Attn(a) => MixerGpu::Attn(AttnGpu::upload(&dev, a)?),
-                },
-                mlp_hc: HcGpu::upload(&dev, &lw.mlp_hc)?,
-                moe: MoeGpu::upload(&dev, &lw.moe, banks)?,
+                };
+                let mlp_hc = HcGpu::upload(&dev, &lw.mlp_hc)?;
+                for m in [
+                    &lw.moe.router,
+                    &lw.moe.sh_gate,
+                    &lw.moe.sh_up,
+                    &lw.moe.sh_down,
+                ] {
+                    dev.mat(m)?;
+                }
+                Ok((ple, attn_hc, mixer, mlp_hc))
+            })()
+            .map_err(over)?;
+            fronts.push(front);
+        }
+        let final_mixer = HcGpu::upload(&dev, &w.final_mixer).map_err(over)?;
+        let lm_head = dev.mat(&w.lm_head).map_err(over)?;
+        let resident: Vec<usize> = match residency {
+            Residency::PerLayer(v) => v.iter().map(|&x| x.min(ne)).collect(),
+            Residency::Budget => {
+                let left = dev.budget().saturating_sub(dev.resident_bytes());
+                let slot = w.layers.first().map_or(0, |l| Routed::slot_bytes(&l.moe));
+                let all = slot * (ne * nl) as u64;
+                let per = if left >= all || slot == 0 {
+                    ne
+                } else {
+                    ((left / (slot * nl as u64)) as usize).min(ne)
+                };
+                vec![per; nl]
+            }
+        };
+        let partial = resident.iter().any(|&r| r < ne);
+        if partial {
+            let (hot, all) = (resident.iter().sum::<usize>(), ne * nl);
+            tracing::info!(
+                "{hot} of {all} routed experts in VRAM ({:.1}%), the rest on the CPU",
+                100.0 * hot as f64 / all.max(1) as f64
+            );
+        }
+        let mut layers = Vec::with_capacity(nl);
+        for ((lw, (ple, attn_hc, mixer, mlp_hc)), &r) in w.layers.iter().zip(fronts).zip(&resident)
+        {
+            let routed = Routed::upload(&dev, &lw.moe, banks, r)?;
+            layers.push(LayerGpu {
+                ple,
+                attn_hc,
+                mixer,
+                mlp_hc,
+                moe: MoeGpu::upload(&dev, &lw.moe, routed)?,
             });
         }
-        let final_mixer = HcGpu::upload(&dev, &w.final_mixer)?;
-        let lm_head = dev.mat(&w.lm_head)?;
         // The head goes up last and is optional: a model whose trunk fits runs on the device
         // without drafting when the head does not fit or its attention geometry is refused.
         let mtp = match w.mtp.as_deref() {
+            Some(_) if partial => {
+                tracing::warn!(
+                    "the MTP head stays off the device (no drafting there): the trunk's experts do not all fit"
+                );
+                None
+            }
             Some(m) => match qsa::device_limits(c)
                 .map_err(unsupported)
                 .and_then(|()| MtpGpu::upload(&dev, m, c, banks))
@@ -233,6 +332,10 @@ impl<'a> GpuModel<'a> {
             })
             .collect();
         let batch_stage = readback_buffer(&dev.ctx, MAX_BATCH * c.vocab_size);
+        let cold_stage = readback_buffer(
+            &dev.ctx,
+            MAX_BATCH * (c.num_experts_per_tok + c.hidden_size),
+        );
         Ok(Resident {
             dev,
             layers,
@@ -246,6 +349,9 @@ impl<'a> GpuModel<'a> {
             batch_stage,
             batches: Arc::default(),
             mtp,
+            cold_stage: Mutex::new(cold_stage),
+            routed: AtomicU64::new(0),
+            cold: AtomicU64::new(0),
         })
     }
 
@@ -379,7 +485,7 @@ impl<'a> GpuModel<'a> {
             hc::encode(&mut e, &lw.mlp_hc, &s.x, nt, h, d, eps, pending.take())?;
             e.tap(MLP_INPUT, il, &s.u, nt * d);
             e.g.mark("hc");
-            moe::encode(&mut e, &lw.moe, c, &s.y, nt)?;
+            moe::encode(&mut e, &lw.moe, c, &s.y, nt, il)?;
             e.tap(MOE_OUT, il, &s.y, nt * d);
             e.g.mark("moe");
             if traced {
@@ -472,6 +578,18 @@ impl<'a> GpuModel<'a> {
         };
         let plain = taps.is_none() && stages.is_none();
         let hs = streams.is_some().then_some(nt * c.hc_count * c.hidden_size);
+        if st.graphs[&key].has_breaks() {
+            if stages.is_some() {
+                return Err(unsupported(
+                    "a profile of a model with experts on the CPU (profile it all-resident)".into(),
+                )
+                .into());
+            }
+            st.next = None;
+            let g = &st.graphs[&key];
+            self.run_breaks(g, nt, taps, &|enc| self.copy_out(enc, st, head, read, hs))?;
+            return self.frame_out(st, &history, nt, head, read, hs, streams);
+        }
         // A decode step encoded while the previous one ran (the graph does not depend on the
         // token: its inputs go up by `write_buffer`, queued before this submission).
         let stashed = match st.next.take() {
@@ -511,10 +629,27 @@ impl<'a> GpuModel<'a> {
             self.copy_out(&mut enc, st, head, read, hs);
             st.next = Some(((key, hs.is_some()), enc.finish()));
         }
-        st.advance(&history, nt);
         if let (Some(p), Some((_, out))) = (profile, stages) {
             out.extend(p.read(ctx)?);
         }
+        self.frame_out(st, &history, nt, head, read, hs, streams)
+    }
+
+    /// After a frame's submission: the state moves on, and what the frame copied out is read.
+    #[allow(clippy::too_many_arguments)]
+    fn frame_out(
+        &self,
+        st: &mut GpuState,
+        history: &[i64],
+        nt: usize,
+        head: Head,
+        read: usize,
+        hs: Option<usize>,
+        streams: Option<&mut Vec<f32>>,
+    ) -> Result<FrameOut, ForwardError> {
+        let ctx = &self.res.dev.ctx;
+        self.count_routed(nt);
+        st.advance(history, nt);
         if let (Some(n), Some(out)) = (hs, streams) {
             out.extend(readback::read_mapped(ctx, &st.hs_stage, n)?);
         }
@@ -674,16 +809,168 @@ impl<'a> GpuModel<'a> {
                     }
                 }
             };
-            let cb = step.next.take().unwrap_or_else(|| encode(&step.graph));
-            ctx.queue.submit([cb]);
-            step.next = Some(encode(&step.graph));
-            batches.push(step);
+            if step.graph.has_breaks() {
+                let tail = |enc: &mut wgpu::CommandEncoder| {
+                    let bytes = (k * v * 4) as u64;
+                    enc.copy_buffer_to_buffer(&self.res.scratch.logits, 0, stage, 0, bytes);
+                };
+                let run = self.run_breaks(&step.graph, k, None, &tail);
+                batches.push(step);
+                run?;
+            } else {
+                let cb = step.next.take().unwrap_or_else(|| encode(&step.graph));
+                ctx.queue.submit([cb]);
+                step.next = Some(encode(&step.graph));
+                batches.push(step);
+            }
         }
         for ((_, st), history) in seqs.iter_mut().zip(&histories) {
             st.advance(history, 1);
         }
+        self.count_routed(k);
         let out = readback::read_mapped(ctx, stage, k * v)?;
         Ok(out.chunks(v).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Submits a graph with breaks (some routed experts on the CPU) span by span: at a
+    /// layer's [`Break::Read`] the span so far goes to the GPU with a copy of the layer's cold
+    /// slots and MoE input; the next span (the resident experts and the shared expert) is
+    /// submitted behind it, and while the GPU runs it the host reads the copy back, computes
+    /// the cold experts from the mapped file and, at [`Break::Write`], writes their outputs
+    /// into the cold slots' rows for the sum that starts the next span. `tail` records what
+    /// the frame copies out after its last dispatch.
+    fn run_breaks(
+        &self,
+        g: &Graph,
+        nt: usize,
+        mut taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
+        tail: &dyn Fn(&mut wgpu::CommandEncoder),
+    ) -> Result<(), ForwardError> {
+        let c = &self.model.config;
+        let ctx = &self.res.dev.ctx;
+        let s = &self.res.scratch;
+        let (k, d) = (c.num_experts_per_tok, c.hidden_size);
+        let stage = self
+            .res
+            .cold_stage
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let encoder = || {
+            ctx.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("frame (span)"),
+                })
+        };
+        let mut read = None;
+        for span in g.spans() {
+            let mut enc = encoder();
+            g.record_span(ctx, &mut enc, span.items, taps.as_deref_mut());
+            match span.end {
+                Some(Break::Read(il)) => {
+                    enc.copy_buffer_to_buffer(&s.cold, 0, &stage, 0, (nt * k * 4) as u64);
+                    let at = (MAX_BATCH * k * 4) as u64;
+                    enc.copy_buffer_to_buffer(&s.u, 0, &stage, at, (nt * d * 4) as u64);
+                    read = Some((il, ctx.queue.submit([enc.finish()])));
+                }
+                Some(Break::Write(il)) => {
+                    ctx.queue.submit([enc.finish()]);
+                    let (from, index) = read.take().expect("a layer's read comes before its write");
+                    debug_assert_eq!(from, il);
+                    let words = MAX_BATCH * k + nt * d;
+                    let back = readback::read_mapped_after(ctx, &stage, words, Some(index))?;
+                    let cold: Vec<u32> = back[..nt * k].iter().map(|v| v.to_bits()).collect();
+                    self.cold_experts(il, &cold, &back[MAX_BATCH * k..])?;
+                }
+                None => {
+                    tail(&mut enc);
+                    ctx.queue.submit([enc.finish()]);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Computes layer `il`'s cold slots (`cold[slot]`: the expert, or `NONE_SLOT`) on the CPU
+    /// from the MoE input rows `u` (`[nt, D]`, slot `i` reading row `i / k`), each expert once
+    /// over all of its rows, and writes the outputs into the slots' rows of the expert
+    /// outputs.
+    fn cold_experts(&self, il: usize, cold: &[u32], u: &[f32]) -> Result<(), ForwardError> {
+        use rayon::prelude::*;
+        let c = &self.model.config;
+        let (k, d, ne) = (c.num_experts_per_tok, c.hidden_size, c.num_experts);
+        let routed = &self.model.weights.layers[il].moe.routed;
+        let mut by_expert: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (slot, &x) in cold.iter().enumerate() {
+            if x == NONE_SLOT {
+                continue;
+            }
+            if x as usize >= ne {
+                return Err(unsupported(format!(
+                    "layer {il}: the device routed slot {slot} to expert {x} of {ne}"
+                ))
+                .into());
+            }
+            by_expert.entry(x as usize).or_default().push(slot);
+        }
+        let n_cold: usize = by_expert.values().map(Vec::len).sum();
+        self.res.cold.fetch_add(n_cold as u64, Ordering::Relaxed);
+        let outs: Vec<(Vec<usize>, Vec<f32>)> = by_expert
+            .into_par_iter()
+            .map(|(x, slots)| {
+                let mut xs = Vec::with_capacity(slots.len() * d);
+                for &slot in &slots {
+                    let r = slot / k;
+                    xs.extend_from_slice(&u[r * d..(r + 1) * d]);
+                }
+                let y = routed.expert_rows(x, &xs, slots.len());
+                (slots, y)
+            })
+            .collect();
+        let q = &self.res.dev.ctx.queue;
+        for (slots, y) in &outs {
+            for (slot, row) in slots.iter().zip(y.chunks(d)) {
+                let at = (slot * d * 4) as u64;
+                q.write_buffer(&self.res.scratch.expert_out, at, bytemuck::cast_slice(row));
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a frame's routed slots (`nt` rows through every layer).
+    fn count_routed(&self, nt: usize) {
+        let c = &self.model.config;
+        let n = nt * c.num_experts_per_tok * c.num_hidden_layers;
+        self.res.routed.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// The share of routed (token row, expert) slots computed in VRAM so far, when some
+    /// experts are on the CPU (`None` when every expert is resident).
+    pub fn expert_share(&self) -> Option<f64> {
+        let partial = self.res.layers.iter().any(|l| l.moe.cold_slots().is_some());
+        if !partial {
+            return None;
+        }
+        let all = self.res.routed.load(Ordering::Relaxed);
+        let cold = self.res.cold.load(Ordering::Relaxed);
+        Some(if all == 0 {
+            0.0
+        } else {
+            1.0 - cold as f64 / all as f64
+        })
+    }
+
+    /// Routed experts in VRAM and in all, over the layers.
+    pub fn resident_experts(&self) -> (usize, usize) {
+        let c = &self.model.config;
+        let all = c.num_experts * c.num_hidden_layers;
+        let cold: usize = self
+            .res
+            .layers
+            .iter()
+            .filter_map(|l| l.moe.cold_slots())
+            .map(|s| s.iter().filter(|x| x.is_none()).count())
+            .sum();
+        (all - cold, all)
     }
 
     /// Copies what the host reads (`read` floats of the logits, or the token) into the

@@ -45,7 +45,7 @@ pub mod synthetic;
 pub mod weights;
 
 pub use forward::{ForwardError, Model, Trace};
-pub use gpu::{GpuModel, GpuRecurrent, GpuState, Head, Unplaced};
+pub use gpu::{GpuModel, GpuRecurrent, GpuState, Head, Residency, Unplaced};
 pub use model_core::{BindError, CausalLm, InputError};
 pub use mtp::{MtpDeviceState, MtpGpuOut, MtpHead, MtpOut, MtpState};
 pub use state::{Recurrent, SeqState};

@@ -9,6 +9,7 @@ use crate::config::Qwen4ExpTextConfig;
 use crate::device::{Device, Enc};
 use crate::weights::MoeWeights;
 use gpu_runtime::ops::experts::ExpertBank;
+use gpu_runtime::ops::graph::Break;
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
 use kernels_wgsl::Op;
 use model_core::experts::{Activation, Routes, dense_swiglu};
@@ -59,12 +60,91 @@ pub fn forward_cpu(w: &MoeWeights<'_>, c: &Qwen4ExpTextConfig, u: &[f32], t: usi
 }
 
 /// How a layer's routed experts sit on the device.
-enum Routed {
+pub(crate) enum Routed {
     /// Two banks (gate/up, down): the grouped kernels read the chosen experts only.
     Banks(Box<(ExpertBank, ExpertBank)>),
+    /// Some (or none) of the experts in VRAM, the rest computed on the CPU (a model larger
+    /// than the VRAM budget): the resident experts' banks, and the device's expert -> bank
+    /// slot map (`NONE_SLOT` for a cold expert).
+    Partial {
+        /// The resident experts' banks (`None` when none is resident).
+        banks: Option<Box<(ExpertBank, ExpertBank)>>,
+        /// `[E]` u32: each expert's bank slot.
+        slot_of: wgpu::Buffer,
+        /// The host's copy of `slot_of`.
+        slots: Vec<Option<u32>>,
+    },
     /// One matrix per expert (a bank larger than one binding): every expert runs over the
     /// frame's rows, weighted zero where a row did not choose it.
     Each(Vec<(Arc<GpuMatrix>, Arc<GpuMatrix>)>),
+}
+
+/// The device's mark of an expert without a bank slot (and of a resident slot in a frame's
+/// cold list).
+pub const NONE_SLOT: u32 = u32::MAX;
+
+impl Routed {
+    /// Uploads a layer's routed experts: all of them as banks (`resident` = the expert
+    /// count, `banks`), else one matrix each when they do not fit a binding; with fewer
+    /// `resident`, the first `resident` experts by id as banks and the rest left to the CPU.
+    pub(crate) fn upload(
+        dev: &Device,
+        w: &MoeWeights<'_>,
+        banks: bool,
+        resident: usize,
+    ) -> Result<Routed, GpuError> {
+        let ex = &w.routed.experts;
+        if resident < ex.len() {
+            let hot = &ex[..resident];
+            let banks = if hot.is_empty() {
+                None
+            } else {
+                let gate_up: Vec<_> = hot.iter().map(|x| &x.gate_up).collect();
+                let down: Vec<_> = hot.iter().map(|x| &x.down).collect();
+                Some(Box::new((dev.bank(&gate_up)?, dev.bank(&down)?)))
+            };
+            let slots: Vec<Option<u32>> = (0..ex.len())
+                .map(|x| (x < resident).then_some(x as u32))
+                .collect();
+            let words: Vec<u32> = slots.iter().map(|s| s.unwrap_or(NONE_SLOT)).collect();
+            let slot_of = dev.words("expert slots", &words);
+            return Ok(Routed::Partial {
+                banks,
+                slot_of,
+                slots,
+            });
+        }
+        let gate_up: Vec<_> = ex.iter().map(|x| &x.gate_up).collect();
+        let down: Vec<_> = ex.iter().map(|x| &x.down).collect();
+        let banks = if banks {
+            dev.bank(&gate_up)
+                .and_then(|g| Ok(Routed::Banks(Box::new((g, dev.bank(&down)?)))))
+        } else {
+            Err(GpuError::UnsupportedFusion {
+                epilogue: "expert bank",
+                reason: "banks not asked for".into(),
+            })
+        };
+        Ok(match banks {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::info!("routed experts one matrix each: {e}");
+                Routed::Each(
+                    ex.iter()
+                        .map(|x| Ok((dev.mat(&x.gate_up)?, dev.mat(&x.down)?)))
+                        .collect::<Result<_, GpuError>>()?,
+                )
+            }
+        })
+    }
+
+    /// Bytes one expert's gate/up and down take in a bank (16-byte padded slots).
+    pub(crate) fn slot_bytes(w: &MoeWeights<'_>) -> u64 {
+        w.routed.experts.first().map_or(0, |x| {
+            let pad = |m: &model_core::bind::Mat<'_>| (m.bytes().len() as u64).next_multiple_of(16);
+            pad(&x.gate_up) + pad(&x.down)
+        })
+    }
 }
 
 /// One MoE layer's weights on the device.
@@ -78,32 +158,13 @@ pub struct MoeGpu {
 }
 
 impl MoeGpu {
-    /// Uploads the layer's weights: the routed experts as banks when `banks` and they fit a
-    /// binding, else one matrix each.
-    pub fn upload(dev: &Device, w: &MoeWeights<'_>, banks: bool) -> Result<MoeGpu, GpuError> {
-        let ex = &w.routed.experts;
-        let gate_up: Vec<_> = ex.iter().map(|x| &x.gate_up).collect();
-        let down: Vec<_> = ex.iter().map(|x| &x.down).collect();
-        let banks = if banks {
-            dev.bank(&gate_up)
-                .and_then(|g| Ok(Routed::Banks(Box::new((g, dev.bank(&down)?)))))
-        } else {
-            Err(GpuError::UnsupportedFusion {
-                epilogue: "expert bank",
-                reason: "banks not asked for".into(),
-            })
-        };
-        let routed = match banks {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::info!("routed experts one matrix each: {e}");
-                Routed::Each(
-                    ex.iter()
-                        .map(|x| Ok((dev.mat(&x.gate_up)?, dev.mat(&x.down)?)))
-                        .collect::<Result<_, GpuError>>()?,
-                )
-            }
-        };
+    /// Uploads the layer's weights: the router and the shared expert, and the routed experts
+    /// as `routed` placed them ([`Routed::upload`], after every other weight of the model).
+    pub(crate) fn upload(
+        dev: &Device,
+        w: &MoeWeights<'_>,
+        routed: Routed,
+    ) -> Result<MoeGpu, GpuError> {
         Ok(MoeGpu {
             router: dev.mat(&w.router)?,
             routed,
@@ -118,7 +179,19 @@ impl MoeGpu {
 impl MoeGpu {
     /// Whether the routed experts run through the grouped kernels.
     pub fn grouped(&self) -> bool {
-        matches!(self.routed, Routed::Banks(..))
+        matches!(
+            self.routed,
+            Routed::Banks(..) | Routed::Partial { banks: Some(_), .. }
+        )
+    }
+
+    /// Each expert's bank slot when some experts are computed on the CPU (`None` when all
+    /// are resident).
+    pub(crate) fn cold_slots(&self) -> Option<&[Option<u32>]> {
+        match &self.routed {
+            Routed::Partial { slots, .. } => Some(slots),
+            _ => None,
+        }
     }
 }
 
@@ -126,13 +199,17 @@ impl MoeGpu {
 /// the device; the chosen experts through the grouped kernels (their ids never leave the
 /// device) and summed per row in expert order, as the CPU executor adds them (without banks:
 /// every expert over the frame's rows with a zero weight where not chosen); then the gated
-/// shared expert.
+/// shared expert. With experts on the CPU the frame breaks after the routing (the host reads
+/// layer `il`'s cold slots and the block's input back and computes them while the GPU computes
+/// the resident ones and the shared expert) and before the sum (the host's outputs go up into
+/// the cold slots' rows of the expert outputs): the sum is the same, in the same order.
 pub fn encode(
     e: &mut Enc<'_>,
     w: &MoeGpu,
     c: &Qwen4ExpTextConfig,
     out: &wgpu::Buffer,
     nt: usize,
+    il: usize,
 ) -> Result<(), GpuError> {
     let (d, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
     let s = e.s;
@@ -166,6 +243,18 @@ pub fn encode(
             e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
             e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
         }
+        Routed::Partial { banks, slot_of, .. } => {
+            let slots = nt * k;
+            let bufs = [&s.slot_ids, slot_of, &s.bank_ids, &s.cold];
+            e.op_lanes(Op::ColdSplit, &[slots as u32], &bufs, slots)?;
+            e.g.brk(Break::Read(il));
+            if let Some(banks) = banks {
+                let (gate_up, down) = &**banks;
+                let (ids, mid, xo) = (&s.bank_ids, &s.expert_mid, &s.expert_out);
+                e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
+                e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
+            }
+        }
         Routed::Each(experts) => {
             for (x, (gate_up, down)) in experts.iter().enumerate() {
                 e.matvec(gate_up, &s.u, hm, nt, Epilogue::SiluGateUp)?;
@@ -188,6 +277,10 @@ pub fn encode(
     // The routed sum from the slots (grouped banks) and the gated shared expert, one op.
     let slots_k = match &w.routed {
         Routed::Banks(_) => k,
+        Routed::Partial { .. } => {
+            e.g.brk(Break::Write(il));
+            k
+        }
         Routed::Each(_) => 0,
     };
     let grid = (d.div_ceil(kernels_wgsl::OP_WG as usize) as u32, nt as u32);

@@ -27,7 +27,7 @@ use crate::device::{Device, Enc, Part};
 use crate::forward::{ForwardError, Model};
 use crate::gpu::{GpuModel, encode_argmax, readback_buffer};
 use crate::hc::HcGpu;
-use crate::moe::MoeGpu;
+use crate::moe::{MoeGpu, Routed};
 use crate::ops::rms_norm_1p;
 use crate::qsa::{self, AttnDeviceState, AttnGpu, AttnState};
 use crate::state::SeqState;
@@ -208,7 +208,11 @@ impl MtpGpu {
             attn_hc: HcGpu::upload(dev, &lw.attn_hc)?,
             attn: AttnGpu::upload(dev, aw)?,
             mlp_hc: HcGpu::upload(dev, &lw.mlp_hc)?,
-            moe: MoeGpu::upload(dev, &lw.moe, banks)?,
+            moe: MoeGpu::upload(
+                dev,
+                &lw.moe,
+                Routed::upload(dev, &lw.moe, banks, lw.moe.routed.experts.len())?,
+            )?,
             final_mixer: HcGpu::upload(dev, &w.final_mixer)?,
             ones: dev.vec("mtp ones", &vec![1.0; MAX_BATCH * h]),
             emb_in: storage(&dev.ctx, "mtp embedding rows", MAX_BATCH * d),
@@ -458,7 +462,7 @@ impl GpuModel<'_> {
         }];
         qsa::encode(&mut e, &m.attn, c, rope, &parts, nt, self.res.ctx_len)?;
         hc::encode(&mut e, &m.mlp_hc, &s.x, nt, h, d, eps, Some(&s.y))?;
-        moe::encode(&mut e, &m.moe, c, &s.y, nt)?;
+        moe::encode(&mut e, &m.moe, c, &s.y, nt, c.num_hidden_layers)?;
         hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
         if head == MtpHead::None {
             return Ok(g);

@@ -33,6 +33,30 @@ enum Item {
     Tap(Tap),
     /// The end of a named stage (what a profiled recording times separately).
     Mark(&'static str),
+    /// Where the host takes part (see [`Break`]).
+    Break(Break),
+}
+
+/// A point in a frame where the host takes part: the frame driver submits the dispatches
+/// before it, and does its part at the break (a model whose routed experts do not all fit in
+/// VRAM reads a layer's cold experts back at [`Break::Read`] and writes their outputs at
+/// [`Break::Write`], the GPU computing the resident ones in between).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Break {
+    /// Read something of layer `.0` back.
+    Read(usize),
+    /// Write something of layer `.0` up before the dispatches that follow.
+    Write(usize),
+}
+
+/// The dispatches between two breaks (or the graph's ends): item range `items`, ended by
+/// `end` (`None`: the end of the graph).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Span {
+    /// The items.
+    pub items: std::ops::Range<usize>,
+    /// The break that ends it.
+    pub end: Option<Break>,
 }
 
 /// What a profiled recording times: each stage (the dispatches between two marks) or each
@@ -332,6 +356,36 @@ impl Graph {
         self.items.push(Item::Mark(stage));
     }
 
+    /// Ends a span where the host takes part (see [`Break`]).
+    pub fn brk(&mut self, b: Break) {
+        self.items.push(Item::Break(b));
+    }
+
+    /// Whether the host takes part between the dispatches (the graph has breaks).
+    pub fn has_breaks(&self) -> bool {
+        self.items.iter().any(|i| matches!(i, Item::Break(_)))
+    }
+
+    /// The spans between breaks, in order (one span for a graph without breaks).
+    pub fn spans(&self) -> Vec<Span> {
+        let mut out = Vec::new();
+        let mut from = 0;
+        for (i, item) in self.items.iter().enumerate() {
+            if let Item::Break(b) = item {
+                out.push(Span {
+                    items: from..i,
+                    end: Some(*b),
+                });
+                from = i + 1;
+            }
+        }
+        out.push(Span {
+            items: from..self.items.len(),
+            end: None,
+        });
+        out
+    }
+
     /// Records every dispatch with a compute pass per stage (or per step, `granularity`), each
     /// timed by a pair of GPU timestamps (`None` without timestamp queries: record it plainly
     /// then).
@@ -350,7 +404,7 @@ impl Graph {
         for item in &self.items {
             match item {
                 Item::Step(s) => open.push(s),
-                Item::Tap(_) => {}
+                Item::Tap(_) | Item::Break(_) => {}
                 Item::Mark(name) => {
                     let steps = std::mem::take(&mut open);
                     match granularity {
@@ -432,19 +486,33 @@ impl Graph {
 
     /// Records every dispatch into `enc`, in one compute pass unless `taps` asks for the
     /// intermediates: then each tap ends the pass and copies its range into a new readback
-    /// buffer, returned in order with the tap.
+    /// buffer, returned in order with the tap. A graph with breaks is recorded span by span
+    /// ([`Graph::record_span`]) by a driver that does the host's part at each.
     pub fn record(
         &self,
         ctx: &GpuContext,
         enc: &mut wgpu::CommandEncoder,
         taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
     ) {
+        debug_assert!(!self.has_breaks(), "a graph with breaks recorded whole");
+        self.record_span(ctx, enc, 0..self.items.len(), taps);
+    }
+
+    /// [`Graph::record`] of the items in `range` (a [`Span`]'s).
+    pub fn record_span(
+        &self,
+        ctx: &GpuContext,
+        enc: &mut wgpu::CommandEncoder,
+        range: std::ops::Range<usize>,
+        taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
+    ) {
+        let items = &self.items[range];
         let Some(taps) = taps else {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("forward"),
                 timestamp_writes: None,
             });
-            for item in &self.items {
+            for item in items {
                 if let Item::Step(s) = item {
                     s.record(&mut pass);
                 }
@@ -452,22 +520,22 @@ impl Graph {
             return;
         };
         let mut i = 0;
-        while i < self.items.len() {
+        while i < items.len() {
             {
                 let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                     label: Some("forward (traced)"),
                     timestamp_writes: None,
                 });
                 loop {
-                    match self.items.get(i) {
+                    match items.get(i) {
                         Some(Item::Step(s)) => s.record(&mut pass),
-                        Some(Item::Mark(_)) => {}
+                        Some(Item::Mark(_) | Item::Break(_)) => {}
                         _ => break,
                     }
                     i += 1;
                 }
             }
-            while let Some(Item::Tap(t)) = self.items.get(i) {
+            while let Some(Item::Tap(t)) = items.get(i) {
                 let bytes = (t.count * 4) as u64;
                 let dst = ctx.device.create_buffer(&wgpu::BufferDescriptor {
                     label: Some(t.name),

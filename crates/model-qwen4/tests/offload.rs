@@ -1,0 +1,189 @@
+//! Routed experts split between VRAM and the CPU (a model larger than the VRAM budget): with
+//! none, about half and all of each layer's experts resident, the device forward against the
+//! CPU forward (an independent witness: its own routing and executor): logits of a prefill and
+//! cached decode steps within the device forward's bound, greedy tokens identical, a batched
+//! step equal to each sequence alone; the budget's own choice, and a budget too small for the
+//! rest of the model refused with the minimum named. Runs on lavapipe in CI.
+
+mod common;
+
+use std::sync::Arc;
+
+use cmf_format::Cmf;
+use common::CASES;
+use gpu_runtime::{GpuContext, GpuError, GpuOptions};
+use model_qwen4::{CausalLm, GpuModel, Model, Residency, Weights};
+use test_support::Profile;
+use test_support::harness as h;
+
+const CTX: usize = 64;
+
+/// The device forward's bound against the CPU's (tests/gpu.rs: f32 accumulation order).
+const BOUND: f32 = 2e-5;
+
+fn ctx(budget: Option<u64>) -> Arc<GpuContext> {
+    let opts = GpuOptions {
+        pipeline_cache_dir: None,
+        vram_budget: budget,
+        ..GpuOptions::default()
+    };
+    Arc::new(GpuContext::new(&opts).unwrap_or_else(|e| {
+        panic!("a GPU adapter (lavapipe in CI): these tests have nothing to run without one: {e}")
+    }))
+}
+
+fn cpu(cmf: &Cmf) -> Model<'_> {
+    let (config, weights) = Weights::bind(cmf).unwrap();
+    Model::new(config, weights)
+}
+
+fn with_resident(cmf: &Cmf, per_layer: usize) -> GpuModel<'_> {
+    let c = cpu(cmf);
+    let n = c.config.num_hidden_layers;
+    GpuModel::with_residency(
+        c,
+        ctx(None),
+        CTX,
+        true,
+        Residency::PerLayer(vec![per_layer; n]),
+    )
+    .unwrap_or_else(|u| panic!("upload: {}", u.error))
+}
+
+/// Prefill, three cached decode steps and 8 greedy tokens: `g` against `c`.
+fn compare(case: &str, what: &str, c: &Model<'_>, g: &GpuModel<'_>) -> Vec<String> {
+    let mut failures = Vec::new();
+    let ids = test_support::ids(case, 0);
+    let (mut sc, mut sg) = (c.new_state(), g.new_state());
+    let steps: [&[u32]; 4] = [&ids[..13], &ids[13..14], &ids[14..15], &ids[15..16]];
+    for (si, step) in steps.iter().enumerate() {
+        let want = c.forward(step, &mut sc).unwrap();
+        let got = g.forward(step, &mut sg).unwrap();
+        let scale = test_support::max_abs(&want).max(1e-3);
+        let err = test_support::max_abs_diff(&want, &got);
+        if got.len() != want.len() || err > BOUND * scale {
+            failures.push(format!(
+                "{case} {what} step {si}: max|diff| {err:.3e} of {scale:.3e}"
+            ));
+        }
+    }
+    let mut want = test_support::argmax(&c.forward_last(&[ids[16]], &mut sc).unwrap()) as u32;
+    let mut got = g.forward_greedy(&[ids[16]], &mut sg).unwrap();
+    for i in 0..8 {
+        if got != want {
+            failures.push(format!("{case} {what}: greedy token {i}: {got} != {want}"));
+            break;
+        }
+        want = test_support::argmax(&c.forward_last(&[want], &mut sc).unwrap()) as u32;
+        got = g.forward_greedy(&[got], &mut sg).unwrap();
+    }
+    failures
+}
+
+#[test]
+fn none_half_and_all_experts_resident_match_the_cpu() {
+    let mut failures = Vec::new();
+    for case in CASES {
+        h::with_converted(case, Profile::F32, |cmf| {
+            let c = cpu(cmf);
+            let (ne, nl) = (c.config.num_experts, c.config.num_hidden_layers);
+            for per_layer in [0, ne / 2, ne] {
+                let g = with_resident(cmf, per_layer);
+                assert_eq!(g.resident_experts(), (per_layer * nl, ne * nl));
+                failures.extend(compare(case, &format!("{per_layer}/{ne} resident"), &c, &g));
+                match g.expert_share() {
+                    None => assert_eq!(per_layer, ne, "{case}: a share without cold experts"),
+                    Some(s) => {
+                        eprintln!(
+                            "{case} {per_layer}/{ne} resident: {:.1}% in VRAM",
+                            100.0 * s
+                        );
+                        assert!(per_layer < ne);
+                        if per_layer == 0 {
+                            assert_eq!(s, 0.0, "{case}: nothing resident");
+                        } else {
+                            assert!(s > 0.0 && s < 1.0, "{case}: share {s}");
+                        }
+                    }
+                }
+            }
+        });
+    }
+    h::assert_none(&failures);
+}
+
+/// A batched step (several sequences' rows in one frame) with half the experts on the CPU:
+/// each sequence's logits equal the CPU forward's for it alone.
+#[test]
+fn a_batched_step_with_cold_experts_matches_each_sequence_alone() {
+    h::with_converted("qwen4_exp_a", Profile::F32, |cmf| {
+        let c = cpu(cmf);
+        let g = with_resident(cmf, c.config.num_experts / 2);
+        let prompts: Vec<Vec<u32>> = (0..3)
+            .map(|i| test_support::ids("qwen4_exp_a", i))
+            .collect();
+        let mut cs: Vec<_> = prompts.iter().map(|_| c.new_state()).collect();
+        let mut gs: Vec<_> = prompts.iter().map(|_| g.new_state()).collect();
+        let mut next = Vec::new();
+        for ((p, sc), sg) in prompts.iter().zip(&mut cs).zip(&mut gs) {
+            let l = c.forward_last(&p[..9], sc).unwrap();
+            g.forward_last(&p[..9], sg).unwrap();
+            next.push(test_support::argmax(&l) as u32);
+        }
+        let mut seqs: Vec<(u32, &mut model_qwen4::GpuState)> =
+            next.iter().copied().zip(gs.iter_mut()).collect();
+        let got = g.forward_rows(&mut seqs).unwrap();
+        for ((tok, sc), gl) in next.iter().zip(&mut cs).zip(&got) {
+            let want = c.forward_last(&[*tok], sc).unwrap();
+            let scale = test_support::max_abs(&want);
+            let err = test_support::max_abs_diff(&want, gl);
+            assert!(err <= BOUND * scale, "max|diff| {err:.3e} of {scale:.3e}");
+        }
+    });
+}
+
+/// `Residency::Budget`: what is left of the VRAM budget after every other weight holds
+/// about half the experts, so about half are resident, and the forward still matches; a
+/// budget below the rest of the model is refused naming what it needs.
+#[test]
+fn the_budget_places_what_fits_and_refuses_too_little() {
+    h::with_converted("qwen4_exp_b", Profile::F32, |cmf| {
+        let c = cpu(cmf);
+        let w = &c.weights;
+        let (ne, nl) = (c.config.num_experts, c.config.num_hidden_layers);
+        let rest = w.bytes_per_token(0);
+        let experts = w.bytes_per_token(ne) - rest;
+        // What the device holds with every expert resident, less half the experts.
+        let full = GpuModel::new(cpu(cmf), ctx(None), CTX)
+            .unwrap_or_else(|u| panic!("upload: {}", u.error))
+            .resident_bytes();
+        let budget = full - experts / 2;
+        let g = GpuModel::with_residency(cpu(cmf), ctx(Some(budget)), CTX, true, Residency::Budget)
+            .unwrap_or_else(|u| panic!("upload: {}", u.error));
+        let (hot, all) = g.resident_experts();
+        assert_eq!(all, ne * nl);
+        assert!(
+            hot > 0 && hot < all,
+            "{hot} of {all} resident at half the experts' bytes"
+        );
+        eprintln!("budget {budget} B: {hot} of {all} experts resident");
+        h::assert_none(&compare("qwen4_exp_b", "budget", &c, &g));
+
+        let small = rest / 2;
+        let err = match GpuModel::with_residency(
+            cpu(cmf),
+            ctx(Some(small)),
+            CTX,
+            true,
+            Residency::Budget,
+        ) {
+            Ok(_) => panic!("a budget of half the non-expert weights was taken"),
+            Err(u) => u.error,
+        };
+        let GpuError::BudgetTooSmall { needed_mib, .. } = err else {
+            panic!("expected BudgetTooSmall, got {err}");
+        };
+        assert_eq!(needed_mib, rest.div_ceil(1 << 20));
+        assert!(err.to_string().contains("--vram"), "{err}");
+    });
+}
