@@ -70,6 +70,25 @@ pub struct ModelReport {
     /// With `dispatches`: per stage and kernel shape (`stage: kernel shape`), slowest first,
     /// each dispatch a timed pass of its own.
     pub dispatches: Vec<StageTime>,
+    /// With routed experts on the CPU: the decode test's cold path, per decoded token.
+    pub offload: Option<OffloadRecord>,
+}
+
+/// The cold path of the decode test (routed experts on the CPU), per decoded token.
+#[derive(Debug, Clone, Serialize)]
+pub struct OffloadRecord {
+    /// Routed experts resident in VRAM, and in all.
+    pub resident: (usize, usize),
+    /// The share of routed (token, expert) pairs computed in VRAM.
+    pub hit_rate: f64,
+    /// Bytes of the experts the CPU read per token.
+    pub cold_bytes: f64,
+    /// The CPU's milliseconds on cold experts per token.
+    pub cpu_ms: f64,
+    /// Wall milliseconds per token.
+    pub token_ms: f64,
+    /// Experts uploaded into banks per token.
+    pub admitted: f64,
 }
 
 /// One stage's (or one kernel shape's) share of a decoded token.
@@ -132,6 +151,8 @@ pub fn bench(
         progress(&r);
         records.push(r);
     }
+    let before = offload_stats(model);
+    let t_decode = Instant::now();
     if opts.decode > 0 {
         let mut rates = Vec::new();
         for rep in 0..=opts.reps {
@@ -156,6 +177,21 @@ pub fn bench(
         progress(&r);
         records.push(r);
     }
+    let offload = match (model, before, offload_stats(model)) {
+        (AnyModel::Qwen4Gpu(g), Some(a), Some(b)) if opts.decode > 0 => {
+            let tokens = (opts.decode * (opts.reps + 1)) as f64;
+            let routed = (b.routed - a.routed).max(1) as f64;
+            Some(OffloadRecord {
+                resident: g.resident_experts(),
+                hit_rate: 1.0 - (b.cold - a.cold) as f64 / routed,
+                cold_bytes: (b.cold_bytes - a.cold_bytes) as f64 / tokens,
+                cpu_ms: 1e3 * (b.cold_seconds - a.cold_seconds) / tokens,
+                token_ms: 1e3 * t_decode.elapsed().as_secs_f64() / tokens,
+                admitted: (b.admitted - a.admitted) as f64 / tokens,
+            })
+        }
+        _ => None,
+    };
     if opts.batch > 1 && opts.decode > 0 {
         let r = batched_decode(model, opts)?;
         progress(&r);
@@ -170,7 +206,10 @@ pub fn bench(
     }
     let mut stages = Vec::new();
     let mut dispatches = Vec::new();
-    if let (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s)) = (model, &mut st) {
+    // A stage profile times one submission: a model with experts on the CPU has many.
+    if let (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s), None) =
+        (model, &mut st, &offload)
+    {
         let n = opts.decode.clamp(1, 16);
         let mut grans = vec![(Granularity::Stage, &mut stages)];
         if opts.dispatches {
@@ -204,7 +243,16 @@ pub fn bench(
         records,
         stages,
         dispatches,
+        offload,
     })
+}
+
+/// The cold path's counters of a model with routed experts on the CPU.
+fn offload_stats(model: &AnyModel<'_>) -> Option<model_qwen4::OffloadStats> {
+    match model {
+        AnyModel::Qwen4Gpu(g) if g.expert_share().is_some() => Some(g.offload_stats()),
+        _ => None,
+    }
 }
 
 /// `opts.batch` sequences decoding `opts.decode` tokens each in lockstep, one batched forward
@@ -320,6 +368,21 @@ impl ModelReport {
                     100.0 * r.tok_s / self.bound_tok_s
                 )?;
             }
+        }
+        if let Some(o) = &self.offload {
+            writeln!(
+                w,
+                "\nrouted experts on the CPU ({} of {} resident): decode {:.1}% in VRAM; per \
+                 token {:.1} MB of cold experts read by the CPU in {:.2} ms (of {:.2} ms), {:.2} \
+                 experts admitted",
+                o.resident.0,
+                o.resident.1,
+                100.0 * o.hit_rate,
+                o.cold_bytes / 1e6,
+                o.cpu_ms,
+                o.token_ms,
+                o.admitted
+            )?;
         }
         if !self.stages.is_empty() {
             let total: f64 = self.stages.iter().map(|s| s.ms).sum();

@@ -141,6 +141,11 @@ pub struct ComputeArgs {
     /// (llama.cpp's static policy; default: as many experts in every layer as --vram holds).
     #[arg(long, value_name = "N")]
     pub n_cpu_moe: Option<usize>,
+    /// How the resident routed experts change while running, when not all fit: learned
+    /// (routing frequency with recency; scores kept beside the model file in MODEL.experts so
+    /// the next run starts warm), lru, or static.
+    #[arg(long, value_name = "POLICY", default_value = "learned")]
+    pub expert_cache: String,
 }
 
 /// The activation path (`--act`).
@@ -267,6 +272,11 @@ pub struct BenchModelArgs {
     /// (`verifyK`, steps per second, beside `tgN`'s one-row steps).
     #[arg(long)]
     pub verify: bool,
+    /// With --synthetic: skewed expert popularity (the router row of expert x scaled by
+    /// (x+1)^-SKEW; 0 routes uniformly, 0.15 sends ~56% of the routed pairs to a quarter of
+    /// the experts).
+    #[arg(long, value_name = "SKEW", default_value_t = 0.0)]
+    pub skew: f64,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,

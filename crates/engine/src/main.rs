@@ -384,9 +384,34 @@ fn open_runner(
     place: &engine::model::Placement,
 ) -> anyhow::Result<engine::run::Runner> {
     Ok(match path {
-        Some(p) => engine::run::Runner::open_on(p, place)?,
+        Some(p) => {
+            let place = engine::model::Placement {
+                expert_state: Some(expert_state(p)),
+                ..place.clone()
+            };
+            engine::run::Runner::open_on(p, &place)?
+        }
         None => engine::run::Runner::from_cmf_on(engine::embedded_model()?, place)?,
     })
+}
+
+/// Where a model file's learned expert scores are kept: beside it, `MODEL.cmf.experts`.
+fn expert_state(model: &std::path::Path) -> std::path::PathBuf {
+    let mut p = model.as_os_str().to_owned();
+    p.push(".experts");
+    p.into()
+}
+
+/// Keeps the learned expert scores beside the model file for the next run (a model with
+/// experts on the CPU); a failure to write is a warning, the run's output stands.
+fn save_expert_scores(runner: &engine::run::Runner, path: Option<&std::path::Path>) {
+    let Some(p) = path else { return };
+    let at = expert_state(p);
+    match runner.model.model().save_expert_scores(&at) {
+        Ok(true) => tracing::info!("expert scores kept in {}", at.display()),
+        Ok(false) => {}
+        Err(e) => tracing::warn!("{}: expert scores not kept: {e}", at.display()),
+    }
 }
 
 /// Where the model runs: `--backend`, else `$CORTIQ_GPU`, else auto; `--vram`; the context a
@@ -404,6 +429,8 @@ fn placement(c: &cli::ComputeArgs, ctx: Option<usize>) -> anyhow::Result<engine:
         vram: c.vram,
         ctx,
         cpu_moe: c.n_cpu_moe,
+        policy: Some(c.expert_cache.parse().map_err(anyhow::Error::msg)?),
+        expert_state: None,
     })
 }
 
@@ -566,6 +593,7 @@ fn run_generate(args: cli::RunArgs) -> anyhow::Result<ExitCode> {
         Some(share) => format!("; experts {:.1}% in VRAM", 100.0 * share),
         None => String::new(),
     };
+    save_expert_scores(&runner, args.model.path());
     eprintln!(
         "cortiq: prompt {} tokens in {:.2} s ({:.1} tok/s); generated {} tokens in {:.2} s ({:.1} tok/s){experts}{}",
         g.prompt.len(),
@@ -691,6 +719,7 @@ fn run_chat(args: cli::ChatArgs) -> anyhow::Result<ExitCode> {
             );
         }
     }
+    save_expert_scores(&runner, args.model.path());
     Ok(ExitCode::SUCCESS)
 }
 
@@ -798,14 +827,17 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
                 args.quant.parse().map_err(anyhow::Error::msg)?;
             let config = model_qwen4::synthetic::release_config(args.layers, args.experts);
             let t0 = std::time::Instant::now();
-            let mut synth = model_qwen4::synthetic::Synthetic::new(
+            let mut synth = model_qwen4::synthetic::Synthetic::with_skew(
                 &config,
                 Box::new(move |n: &str, r: usize, c: usize| {
                     profile.dtype_for(engine::convert::qwen4_role(n, false), &[r, c])
                 }),
+                args.skew,
             )?;
-            if place.backend == engine::gpu_runtime::BackendChoice::Cpu {
-                // The CPU reads the host copies: each tensor gets its own.
+            let offload = place.vram.is_some() || place.cpu_moe.is_some();
+            if place.backend == engine::gpu_runtime::BackendChoice::Cpu || offload {
+                // The CPU reads the host copies (the whole model, or the cold experts): each
+                // tensor gets its own, as a file's mapping would.
                 synth.distinct()?;
             }
             let weights = synth.weights()?;

@@ -30,6 +30,11 @@ pub struct Placement {
     /// llama.cpp's static `--n-cpu-moe`: the routed experts of the first N layers on the CPU,
     /// the rest resident (default: as many experts as the budget holds, in every layer).
     pub cpu_moe: Option<usize>,
+    /// How the resident experts change while running (default: learned).
+    pub policy: Option<model_qwen4::CachePolicy>,
+    /// Where the learned expert scores of this model are kept between runs (read at load
+    /// when present; [`AnyModel::save_expert_scores`] writes them).
+    pub expert_state: Option<std::path::PathBuf>,
 }
 
 impl Placement {
@@ -38,6 +43,22 @@ impl Placement {
         Placement {
             backend: BackendChoice::Cpu,
             ..Placement::default()
+        }
+    }
+}
+
+/// Expert scores saved by an earlier run ([`AnyModel::save_expert_scores`]), or `None` (no
+/// file; an unreadable one is skipped with a warning: a cold start is still right).
+fn load_expert_scores(path: &Path) -> Option<Vec<Vec<f32>>> {
+    let bytes = std::fs::read(path).ok()?;
+    match serde_json::from_slice(&bytes) {
+        Ok(v) => {
+            tracing::info!("expert scores from {}", path.display());
+            Some(v)
+        }
+        Err(e) => {
+            tracing::warn!("{}: not expert scores ({e}); starting cold", path.display());
+            None
         }
     }
 }
@@ -192,8 +213,14 @@ impl<'a> AnyModel<'a> {
             }
             None => model_qwen4::Residency::Budget,
         };
-        match model_qwen4::GpuModel::with_residency(model, Arc::from(ctx), ctx_len, true, residency)
-        {
+        let warm = place.expert_state.as_deref().and_then(load_expert_scores);
+        let offload = model_qwen4::Offload {
+            residency,
+            policy: place.policy.unwrap_or_default(),
+            max_admissions: model_qwen4::gpu::DEFAULT_ADMISSIONS,
+            warm,
+        };
+        match model_qwen4::GpuModel::with_offload(model, Arc::from(ctx), ctx_len, true, offload) {
             Ok(g) => {
                 let (hot, all) = g.resident_experts();
                 tracing::info!(
@@ -261,6 +288,24 @@ impl<'a> AnyModel<'a> {
             AnyModel::Qwen4Gpu(g) => g.expert_share(),
             _ => None,
         }
+    }
+
+    /// Writes the learned expert scores of a model running with experts on the CPU to `path`
+    /// (JSON: one array of scores per layer), for the next run to start warm; nothing for a
+    /// model without cold experts. Written to a temporary file and renamed, so a reader
+    /// never sees half of it.
+    pub fn save_expert_scores(&self, path: &Path) -> std::io::Result<bool> {
+        let AnyModel::Qwen4Gpu(g) = self else {
+            return Ok(false);
+        };
+        if g.expert_share().is_none() {
+            return Ok(false);
+        }
+        let json = serde_json::to_vec(&g.expert_scores())?;
+        let tmp = path.with_extension("experts.tmp");
+        std::fs::write(&tmp, json)?;
+        std::fs::rename(&tmp, path)?;
+        Ok(true)
     }
 
     /// `gpu` or `cpu`: where the forward runs.

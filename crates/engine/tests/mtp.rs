@@ -77,7 +77,7 @@ fn drafting_on_the_gpu_generates_exactly_what_plain_decoding_generates() {
         backend: engine::gpu_runtime::BackendChoice::Wgpu,
         vram: None,
         ctx: Some(128),
-        cpu_moe: None,
+        ..Default::default()
     };
     drafting_is_exact(&place, &[2, 17], &[1, 3, 4]);
 }

@@ -402,7 +402,7 @@ fn gpu(ctx: usize) -> Option<Placement> {
             backend: engine::gpu_runtime::BackendChoice::Wgpu,
             vram: None,
             ctx: Some(ctx),
-            cpu_moe: None,
+            ..Default::default()
         }),
         Err(e) if std::env::var("CORTIQ_REQUIRE_GPU").as_deref() == Ok("1") => {
             panic!("CORTIQ_REQUIRE_GPU=1 but no GPU: {e}")

@@ -24,6 +24,7 @@ use quant_codecs::MAX_BATCH;
 
 use crate::config::LayerType;
 use crate::device::{ARGMAX_CHUNK, Device, Enc, Part, Scratch};
+use crate::expert_cache::{CachePolicy, LayerCache};
 use crate::forward::{ForwardError, Model};
 use crate::gdn::{GdnDeviceState, GdnGpu};
 use crate::hc::HcGpu;
@@ -96,6 +97,57 @@ pub(crate) struct Resident {
     /// Routed (token row, expert) slots run so far, and those computed on the CPU.
     routed: AtomicU64,
     cold: AtomicU64,
+    policy: CachePolicy,
+    max_admissions: usize,
+    /// Experts uploaded into a bank while running, the bytes of the experts the CPU computed
+    /// (each once per frame), and the CPU's time on them.
+    admitted: AtomicU64,
+    cold_bytes: AtomicU64,
+    cold_ns: AtomicU64,
+}
+
+/// Where a model's routed experts live when they do not all fit in VRAM.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Offload {
+    /// How many of each layer's experts are resident.
+    pub residency: Residency,
+    /// How the resident ones change while running.
+    pub policy: CachePolicy,
+    /// Experts admitted into a layer's bank per frame at most (each an upload of its bytes).
+    pub max_admissions: usize,
+    /// Per layer, each expert's score from an earlier run ([`GpuModel::expert_scores`]): the
+    /// initial residents are the highest.
+    pub warm: Option<Vec<Vec<f32>>>,
+}
+
+impl Offload {
+    /// The default offload with `residency`.
+    pub fn with(residency: Residency) -> Offload {
+        Offload {
+            residency,
+            max_admissions: DEFAULT_ADMISSIONS,
+            ..Offload::default()
+        }
+    }
+}
+
+/// [`Offload::max_admissions`]' default: one expert per layer and frame (a q4 expert of the
+/// release geometry is 2.6 MB on the bus).
+pub const DEFAULT_ADMISSIONS: usize = 1;
+
+/// Counters of the cold path ([`GpuModel::offload_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OffloadStats {
+    /// Routed (token row, expert) slots run.
+    pub routed: u64,
+    /// Those computed on the CPU.
+    pub cold: u64,
+    /// Bytes of the experts the CPU computed (each once per frame and layer).
+    pub cold_bytes: u64,
+    /// The CPU's time on them.
+    pub cold_seconds: f64,
+    /// Experts uploaded into banks while running.
+    pub admitted: u64,
 }
 
 /// How many of each layer's routed experts live in VRAM (the rest are computed on the CPU).
@@ -172,8 +224,7 @@ impl<'a> GpuModel<'a> {
         Self::with_residency(model, ctx, ctx_len, banks, Residency::Budget)
     }
 
-    /// [`GpuModel::with_banks`] with `residency` choosing how many of each layer's routed
-    /// experts live in VRAM; the others are computed on the CPU, from the mapped file.
+    /// [`GpuModel::with_offload`] with the default policy.
     pub fn with_residency(
         model: Model<'a>,
         ctx: Arc<GpuContext>,
@@ -181,7 +232,20 @@ impl<'a> GpuModel<'a> {
         banks: bool,
         residency: Residency,
     ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
-        match Self::upload(&model, ctx, ctx_len, banks, &residency) {
+        Self::with_offload(model, ctx, ctx_len, banks, Offload::with(residency))
+    }
+
+    /// [`GpuModel::with_banks`] with `offload` choosing how many of each layer's routed
+    /// experts live in VRAM, which, and how that changes; the others are computed on the CPU,
+    /// from the mapped file.
+    pub fn with_offload(
+        model: Model<'a>,
+        ctx: Arc<GpuContext>,
+        ctx_len: usize,
+        banks: bool,
+        offload: Offload,
+    ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
+        match Self::upload(&model, ctx, ctx_len, banks, &offload) {
             Ok(res) => Ok(GpuModel {
                 model,
                 res,
@@ -196,8 +260,9 @@ impl<'a> GpuModel<'a> {
         ctx: Arc<GpuContext>,
         ctx_len: usize,
         banks: bool,
-        residency: &Residency,
+        offload: &Offload,
     ) -> Result<Resident, GpuError> {
+        let residency = &offload.residency;
         let c = &model.config;
         let w = &model.weights;
         if ctx_len == 0 {
@@ -286,9 +351,20 @@ impl<'a> GpuModel<'a> {
             );
         }
         let mut layers = Vec::with_capacity(nl);
-        for ((lw, (ple, attn_hc, mixer, mlp_hc)), &r) in w.layers.iter().zip(fronts).zip(&resident)
+        for (il, ((lw, (ple, attn_hc, mixer, mlp_hc)), &r)) in
+            w.layers.iter().zip(fronts).zip(&resident).enumerate()
         {
-            let routed = Routed::upload(&dev, &lw.moe, banks, r)?;
+            let scores = offload
+                .warm
+                .as_ref()
+                .and_then(|s| s.get(il))
+                .map(Vec::as_slice);
+            let hot = LayerCache::initial(ne, r, scores);
+            let routed = if r < ne {
+                Routed::upload(&dev, &lw.moe, banks, Some((&hot, scores)))?
+            } else {
+                Routed::upload(&dev, &lw.moe, banks, None)?
+            };
             layers.push(LayerGpu {
                 ple,
                 attn_hc,
@@ -334,7 +410,7 @@ impl<'a> GpuModel<'a> {
         let batch_stage = readback_buffer(&dev.ctx, MAX_BATCH * c.vocab_size);
         let cold_stage = readback_buffer(
             &dev.ctx,
-            MAX_BATCH * (c.num_experts_per_tok + c.hidden_size),
+            MAX_BATCH * (2 * c.num_experts_per_tok + c.hidden_size),
         );
         Ok(Resident {
             dev,
@@ -352,6 +428,11 @@ impl<'a> GpuModel<'a> {
             cold_stage: Mutex::new(cold_stage),
             routed: AtomicU64::new(0),
             cold: AtomicU64::new(0),
+            policy: offload.policy,
+            max_admissions: offload.max_admissions,
+            admitted: AtomicU64::new(0),
+            cold_bytes: AtomicU64::new(0),
+            cold_ns: AtomicU64::new(0),
         })
     }
 
@@ -867,19 +948,30 @@ impl<'a> GpuModel<'a> {
             g.record_span(ctx, &mut enc, span.items, taps.as_deref_mut());
             match span.end {
                 Some(Break::Read(il)) => {
-                    enc.copy_buffer_to_buffer(&s.cold, 0, &stage, 0, (nt * k * 4) as u64);
+                    let slots = (nt * k * 4) as u64;
+                    enc.copy_buffer_to_buffer(&s.cold, 0, &stage, 0, slots);
                     let at = (MAX_BATCH * k * 4) as u64;
-                    enc.copy_buffer_to_buffer(&s.u, 0, &stage, at, (nt * d * 4) as u64);
+                    enc.copy_buffer_to_buffer(&s.slot_ids, 0, &stage, at, slots);
+                    enc.copy_buffer_to_buffer(&s.u, 0, &stage, 2 * at, (nt * d * 4) as u64);
                     read = Some((il, ctx.queue.submit([enc.finish()])));
                 }
                 Some(Break::Write(il)) => {
                     ctx.queue.submit([enc.finish()]);
                     let (from, index) = read.take().expect("a layer's read comes before its write");
                     debug_assert_eq!(from, il);
-                    let words = MAX_BATCH * k + nt * d;
+                    let words = 2 * MAX_BATCH * k + nt * d;
                     let back = readback::read_mapped_after(ctx, &stage, words, Some(index))?;
-                    let cold: Vec<u32> = back[..nt * k].iter().map(|v| v.to_bits()).collect();
-                    self.cold_experts(il, &cold, &back[MAX_BATCH * k..])?;
+                    let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+                    let cold = bits(&back[..nt * k]);
+                    let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
+                    self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..])?;
+                    let moe = &self.res.layers[il].moe;
+                    let w = &self.model.weights.layers[il].moe;
+                    let (policy, max) = (self.res.policy, self.res.max_admissions);
+                    let n = moe
+                        .admit(&self.res.dev, w, &routed, &cold, policy, max)
+                        .len();
+                    self.res.admitted.fetch_add(n as u64, Ordering::Relaxed);
                 }
                 None => {
                     tail(&mut enc);
@@ -914,6 +1006,17 @@ impl<'a> GpuModel<'a> {
         }
         let n_cold: usize = by_expert.values().map(Vec::len).sum();
         self.res.cold.fetch_add(n_cold as u64, Ordering::Relaxed);
+        let bytes: usize = by_expert
+            .keys()
+            .map(|&x| {
+                let e = &routed.experts[x];
+                e.gate_up.bytes().len() + e.down.bytes().len()
+            })
+            .sum();
+        self.res
+            .cold_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
         let outs: Vec<(Vec<usize>, Vec<f32>)> = by_expert
             .into_par_iter()
             .map(|(x, slots)| {
@@ -926,6 +1029,8 @@ impl<'a> GpuModel<'a> {
                 (slots, y)
             })
             .collect();
+        let ns = t0.elapsed().as_nanos() as u64;
+        self.res.cold_ns.fetch_add(ns, Ordering::Relaxed);
         let q = &self.res.dev.ctx.queue;
         for (slots, y) in &outs {
             for (slot, row) in slots.iter().zip(y.chunks(d)) {
@@ -946,7 +1051,7 @@ impl<'a> GpuModel<'a> {
     /// The share of routed (token row, expert) slots computed in VRAM so far, when some
     /// experts are on the CPU (`None` when every expert is resident).
     pub fn expert_share(&self) -> Option<f64> {
-        let partial = self.res.layers.iter().any(|l| l.moe.cold_slots().is_some());
+        let partial = self.res.layers.iter().any(|l| l.moe.cache().is_some());
         if !partial {
             return None;
         }
@@ -959,7 +1064,22 @@ impl<'a> GpuModel<'a> {
         })
     }
 
-    /// Routed experts in VRAM and in all, over the layers.
+    /// What the cold path has done so far: routed slots, slots computed on the CPU, the bytes
+    /// of the experts it read (each expert once per frame), the CPU's seconds on them, and
+    /// the experts admitted into banks.
+    pub fn offload_stats(&self) -> OffloadStats {
+        let r = &self.res;
+        OffloadStats {
+            routed: r.routed.load(Ordering::Relaxed),
+            cold: r.cold.load(Ordering::Relaxed),
+            cold_bytes: r.cold_bytes.load(Ordering::Relaxed),
+            cold_seconds: r.cold_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            admitted: r.admitted.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Routed experts in VRAM and in all, over the layers (admissions move experts in and
+    /// out, never their number).
     pub fn resident_experts(&self) -> (usize, usize) {
         let c = &self.model.config;
         let all = c.num_experts * c.num_hidden_layers;
@@ -967,10 +1087,19 @@ impl<'a> GpuModel<'a> {
             .res
             .layers
             .iter()
-            .filter_map(|l| l.moe.cold_slots())
-            .map(|s| s.iter().filter(|x| x.is_none()).count())
+            .filter_map(|l| l.moe.cache().map(|c| c.slots().len() - c.resident()))
             .sum();
         (all - cold, all)
+    }
+
+    /// Per layer, each routed expert's learned score (empty rows for layers whose experts are
+    /// all resident): what [`Offload::warm`] takes in a later run.
+    pub fn expert_scores(&self) -> Vec<Vec<f32>> {
+        self.res
+            .layers
+            .iter()
+            .map(|l| l.moe.cache().map_or_else(Vec::new, |c| c.scores()))
+            .collect()
     }
 
     /// Copies what the host reads (`read` floats of the logits, or the token) into the

@@ -29,6 +29,7 @@
 
 pub mod config;
 pub mod device;
+pub mod expert_cache;
 pub mod gpu;
 
 pub use config::{ConfigError, GateAct, HiddenAct, LayerType, Qwen4ExpTextConfig, RopeType};
@@ -44,8 +45,9 @@ pub mod state;
 pub mod synthetic;
 pub mod weights;
 
+pub use expert_cache::CachePolicy;
 pub use forward::{ForwardError, Model, Trace};
-pub use gpu::{GpuModel, GpuRecurrent, GpuState, Head, Residency, Unplaced};
+pub use gpu::{GpuModel, GpuRecurrent, GpuState, Head, Offload, OffloadStats, Residency, Unplaced};
 pub use model_core::{BindError, CausalLm, InputError};
 pub use mtp::{MtpDeviceState, MtpGpuOut, MtpHead, MtpOut, MtpState};
 pub use state::{Recurrent, SeqState};

@@ -3,10 +3,11 @@
 //! routed-expert executor; plus the shared SwiGLU expert scaled by
 //! `sigmoid(shared_expert_gate . u)`. This module owns only the routing.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::config::Qwen4ExpTextConfig;
 use crate::device::{Device, Enc};
+use crate::expert_cache::{Admission, CachePolicy, LayerCache};
 use crate::weights::MoeWeights;
 use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::ops::graph::Break;
@@ -71,12 +72,23 @@ pub(crate) enum Routed {
         banks: Option<Box<(ExpertBank, ExpertBank)>>,
         /// `[E]` u32: each expert's bank slot.
         slot_of: wgpu::Buffer,
-        /// The host's copy of `slot_of`.
-        slots: Vec<Option<u32>>,
+        /// The host's side: the map, and what the policy knows.
+        cache: Mutex<LayerCache>,
     },
     /// One matrix per expert (a bank larger than one binding): every expert runs over the
     /// frame's rows, weighted zero where a row did not choose it.
     Each(Vec<(Arc<GpuMatrix>, Arc<GpuMatrix>)>),
+}
+
+/// `b` padded with zeros to a whole number of words (what a buffer write takes).
+fn padded(b: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if b.len().is_multiple_of(4) {
+        std::borrow::Cow::Borrowed(b)
+    } else {
+        let mut v = b.to_vec();
+        v.resize(b.len().next_multiple_of(4), 0);
+        std::borrow::Cow::Owned(v)
+    }
 }
 
 /// The device's mark of an expert without a bank slot (and of a resident slot in a frame's
@@ -91,27 +103,28 @@ impl Routed {
         dev: &Device,
         w: &MoeWeights<'_>,
         banks: bool,
-        resident: usize,
+        resident: Option<(&[u32], Option<&[f32]>)>,
     ) -> Result<Routed, GpuError> {
         let ex = &w.routed.experts;
-        if resident < ex.len() {
-            let hot = &ex[..resident];
+        if let Some((hot, scores)) = resident {
             let banks = if hot.is_empty() {
                 None
             } else {
-                let gate_up: Vec<_> = hot.iter().map(|x| &x.gate_up).collect();
-                let down: Vec<_> = hot.iter().map(|x| &x.down).collect();
+                let gate_up: Vec<_> = hot.iter().map(|&x| &ex[x as usize].gate_up).collect();
+                let down: Vec<_> = hot.iter().map(|&x| &ex[x as usize].down).collect();
                 Some(Box::new((dev.bank(&gate_up)?, dev.bank(&down)?)))
             };
-            let slots: Vec<Option<u32>> = (0..ex.len())
-                .map(|x| (x < resident).then_some(x as u32))
+            let cache = LayerCache::new(ex.len(), hot, scores);
+            let words: Vec<u32> = cache
+                .slots()
+                .iter()
+                .map(|s| s.unwrap_or(NONE_SLOT))
                 .collect();
-            let words: Vec<u32> = slots.iter().map(|s| s.unwrap_or(NONE_SLOT)).collect();
             let slot_of = dev.words("expert slots", &words);
             return Ok(Routed::Partial {
                 banks,
                 slot_of,
-                slots,
+                cache: Mutex::new(cache),
             });
         }
         let gate_up: Vec<_> = ex.iter().map(|x| &x.gate_up).collect();
@@ -185,13 +198,61 @@ impl MoeGpu {
         )
     }
 
-    /// Each expert's bank slot when some experts are computed on the CPU (`None` when all
+    /// The layer's expert cache when some experts are computed on the CPU (`None` when all
     /// are resident).
-    pub(crate) fn cold_slots(&self) -> Option<&[Option<u32>]> {
+    pub(crate) fn cache(&self) -> Option<std::sync::MutexGuard<'_, LayerCache>> {
         match &self.routed {
-            Routed::Partial { slots, .. } => Some(slots),
+            Routed::Partial { cache, .. } => Some(cache.lock().unwrap_or_else(|p| p.into_inner())),
             _ => None,
         }
+    }
+
+    /// Records a frame's routing (`routed`, and `cold`: the slots computed on the CPU) and
+    /// uploads what `policy` admits (at most `max` experts) into their bank slots, with the
+    /// map entries: queued writes, so they land before the next submission and after the
+    /// work already submitted (which read the slots' old experts). `w` is where the experts'
+    /// bytes come from (the mapped file).
+    pub(crate) fn admit(
+        &self,
+        dev: &Device,
+        w: &MoeWeights<'_>,
+        routed: &[u32],
+        cold: &[u32],
+        policy: CachePolicy,
+        max: usize,
+    ) -> Vec<Admission> {
+        let Routed::Partial {
+            banks,
+            slot_of,
+            cache,
+        } = &self.routed
+        else {
+            return Vec::new();
+        };
+        let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+        let admitted = cache.frame(routed, cold, policy, max);
+        let Some(banks) = banks else {
+            return admitted;
+        };
+        let (gate_up, down) = &**banks;
+        let q = &dev.ctx.queue;
+        for a in &admitted {
+            let x = &w.routed.experts[a.expert as usize];
+            let slot = u64::from(a.slot);
+            q.write_buffer(
+                &gate_up.buffer,
+                slot * gate_up.slot_bytes,
+                &padded(x.gate_up.bytes()),
+            );
+            q.write_buffer(
+                &down.buffer,
+                slot * down.slot_bytes,
+                &padded(x.down.bytes()),
+            );
+            q.write_buffer(slot_of, u64::from(a.expert) * 4, &a.slot.to_le_bytes());
+            q.write_buffer(slot_of, u64::from(a.evicted) * 4, &NONE_SLOT.to_le_bytes());
+        }
+        admitted
     }
 }
 

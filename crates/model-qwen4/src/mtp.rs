@@ -208,11 +208,7 @@ impl MtpGpu {
             attn_hc: HcGpu::upload(dev, &lw.attn_hc)?,
             attn: AttnGpu::upload(dev, aw)?,
             mlp_hc: HcGpu::upload(dev, &lw.mlp_hc)?,
-            moe: MoeGpu::upload(
-                dev,
-                &lw.moe,
-                Routed::upload(dev, &lw.moe, banks, lw.moe.routed.experts.len())?,
-            )?,
+            moe: MoeGpu::upload(dev, &lw.moe, Routed::upload(dev, &lw.moe, banks, None)?)?,
             final_mixer: HcGpu::upload(dev, &w.final_mixer)?,
             ones: dev.vec("mtp ones", &vec![1.0; MAX_BATCH * h]),
             emb_in: storage(&dev.ctx, "mtp embedding rows", MAX_BATCH * d),

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use cmf_format::Cmf;
 use common::CASES;
 use gpu_runtime::{GpuContext, GpuError, GpuOptions};
-use model_qwen4::{CausalLm, GpuModel, Model, Residency, Weights};
+use model_qwen4::{CachePolicy, CausalLm, GpuModel, Model, Offload, Residency, Weights};
 use test_support::Profile;
 use test_support::harness as h;
 
@@ -185,5 +185,41 @@ fn the_budget_places_what_fits_and_refuses_too_little() {
         };
         assert_eq!(needed_mib, rest.div_ceil(1 << 20));
         assert!(err.to_string().contains("--vram"), "{err}");
+    });
+}
+
+/// Experts admitted into the banks while running (each policy that admits, up to every cold
+/// expert of a frame): the uploads land in the slots the map names, so the answers stay the
+/// CPU's; the static policy admits nothing.
+#[test]
+fn admissions_while_running_keep_the_answers() {
+    h::with_converted("qwen4_exp_c", Profile::F32, |cmf| {
+        let c = cpu(cmf);
+        let (ne, nl) = (c.config.num_experts, c.config.num_hidden_layers);
+        for policy in [CachePolicy::Lru, CachePolicy::Learned, CachePolicy::Static] {
+            let offload = Offload {
+                policy,
+                max_admissions: ne,
+                ..Offload::with(Residency::PerLayer(vec![ne / 2; nl]))
+            };
+            let g = GpuModel::with_offload(cpu(cmf), ctx(None), CTX, true, offload)
+                .unwrap_or_else(|u| panic!("upload: {}", u.error));
+            h::assert_none(&compare("qwen4_exp_c", &format!("{policy:?}"), &c, &g));
+            let stats = g.offload_stats();
+            eprintln!("{policy:?}: {stats:?}");
+            assert_eq!(
+                stats.admitted > 0,
+                policy != CachePolicy::Static,
+                "{stats:?}"
+            );
+            assert_eq!(g.resident_experts(), (ne / 2 * nl, ne * nl));
+            let scores = g.expert_scores();
+            assert_eq!(scores.len(), nl);
+            assert!(
+                scores
+                    .iter()
+                    .all(|s| s.len() == ne && s.iter().any(|&v| v > 0.0))
+            );
+        }
     });
 }

@@ -22,7 +22,7 @@ pub fn gpu_runner(ctx: usize) -> Option<Runner> {
         backend: engine::gpu_runtime::BackendChoice::Wgpu,
         vram: None,
         ctx: Some(ctx),
-        cpu_moe: None,
+        ..Default::default()
     };
     match Runner::from_cmf_on(engine::embedded_model().unwrap(), &place) {
         Ok(r) if r.model.model().backend_name() == "gpu" => Some(r),
