@@ -812,6 +812,7 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
         dispatches: args.dispatches,
         batch: args.batch,
         verify: args.verify,
+        scripted: args.synthetic.is_some(),
     };
     let mut err = io::stderr().lock();
     let mut progress = |r: &engine::bench_model::ModelRecord| {

@@ -5,7 +5,7 @@
 //!
 //! `Learned` keeps a per-expert score, the count of frames that routed to it decayed by
 //! [`DECAY`] per frame (frequency with recency), and admits a cold expert only when its score
-//! beats the lowest resident score: a burst of one-off experts (a scan) cannot flush the
+//! beats the lowest resident score by [`MARGIN`]: a burst of one-off experts (a scan) cannot flush the
 //! experts every frame uses, and a shift in what the text routes to is followed within a few
 //! dozen frames. `Lru` admits every cold expert over the least recently used one (the usual
 //! cache, the baseline the learned one must beat); `Static` never changes what was placed at
@@ -40,6 +40,9 @@ impl std::str::FromStr for CachePolicy {
 
 /// Per-frame decay of a score: a frame's routing counts half after about 69 frames.
 pub const DECAY: f32 = 0.99;
+
+/// How much higher a cold expert's score must be than the resident it would replace.
+pub const MARGIN: f32 = 2.0;
 
 /// One layer's bank: which expert each slot holds, and what the policy knows.
 #[derive(Debug, Clone)]
@@ -171,7 +174,11 @@ impl LayerCache {
                 })
                 .map(|(slot, &v)| (slot, v));
             let Some((slot, v)) = victim else { break };
-            if policy == CachePolicy::Learned && self.score_now(x) <= self.score_now(v as usize) {
+            // A margin of one frame's use: experts of about equal score do not trade places
+            // (each trade is an upload).
+            if policy == CachePolicy::Learned
+                && self.score_now(x) <= self.score_now(v as usize) + MARGIN
+            {
                 break;
             }
             self.slot_of[v as usize] = None;

@@ -942,44 +942,71 @@ impl<'a> GpuModel<'a> {
                     label: Some("frame (span)"),
                 })
         };
-        let mut read = None;
-        for span in g.spans() {
+        // A layer's admissions are uploaded after the next span is submitted: their copies
+        // overlap the GPU's work and land before any later use of the bank.
+        let mut admit: Option<(usize, Vec<u32>, Vec<u32>)> = None;
+        let admit_now = |a: &mut Option<(usize, Vec<u32>, Vec<u32>)>| {
+            if let Some((il, routed, cold)) = a.take() {
+                let moe = &self.res.layers[il].moe;
+                let w = &self.model.weights.layers[il].moe;
+                let (policy, max) = (self.res.policy, self.res.max_admissions);
+                let n = moe
+                    .admit(&self.res.dev, w, &routed, &cold, policy, max)
+                    .len();
+                self.res.admitted.fetch_add(n as u64, Ordering::Relaxed);
+            }
+        };
+        let spans = g.spans();
+        // Span `i` as a command buffer: its dispatches, then the layer's copies for the host
+        // (a read) or what the frame copies out (the last).
+        let encode = |i: usize, taps: &mut Option<&mut Vec<(Tap, wgpu::Buffer)>>| {
+            let span = &spans[i];
             let mut enc = encoder();
-            g.record_span(ctx, &mut enc, span.items, taps.as_deref_mut());
+            g.record_span(ctx, &mut enc, span.items.clone(), taps.as_deref_mut());
             match span.end {
-                Some(Break::Read(il)) => {
+                Some(Break::Read(_)) => {
                     let slots = (nt * k * 4) as u64;
                     enc.copy_buffer_to_buffer(&s.cold, 0, &stage, 0, slots);
                     let at = (MAX_BATCH * k * 4) as u64;
                     enc.copy_buffer_to_buffer(&s.slot_ids, 0, &stage, at, slots);
                     enc.copy_buffer_to_buffer(&s.u, 0, &stage, 2 * at, (nt * d * 4) as u64);
-                    read = Some((il, ctx.queue.submit([enc.finish()])));
                 }
-                Some(Break::Write(il)) => {
-                    ctx.queue.submit([enc.finish()]);
-                    let (from, index) = read.take().expect("a layer's read comes before its write");
-                    debug_assert_eq!(from, il);
-                    let words = 2 * MAX_BATCH * k + nt * d;
-                    let back = readback::read_mapped_after(ctx, &stage, words, Some(index))?;
-                    let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
-                    let cold = bits(&back[..nt * k]);
-                    let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
-                    self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..])?;
-                    let moe = &self.res.layers[il].moe;
-                    let w = &self.model.weights.layers[il].moe;
-                    let (policy, max) = (self.res.policy, self.res.max_admissions);
-                    let n = moe
-                        .admit(&self.res.dev, w, &routed, &cold, policy, max)
-                        .len();
-                    self.res.admitted.fetch_add(n as u64, Ordering::Relaxed);
-                }
-                None => {
-                    tail(&mut enc);
-                    ctx.queue.submit([enc.finish()]);
-                }
+                Some(Break::Write(_)) => {}
+                None => tail(&mut enc),
             }
+            enc.finish()
+        };
+        let mut i = 0;
+        let mut cb = encode(0, &mut taps);
+        loop {
+            let il = match spans[i].end {
+                None => {
+                    ctx.queue.submit([cb]);
+                    admit_now(&mut admit);
+                    return Ok(());
+                }
+                Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
+                Some(Break::Read(il)) => il,
+            };
+            let index = ctx.queue.submit([cb]);
+            // The resident experts and the shared expert go right behind it (they read only
+            // the device's data); then the last layer's admissions are uploaded, and the span
+            // after the write is encoded, while the GPU runs these (the cold outputs it reads
+            // go up by queued writes, which land before its submission).
+            debug_assert_eq!(spans[i + 1].end, Some(Break::Write(il)));
+            ctx.queue.submit([encode(i + 1, &mut taps)]);
+            admit_now(&mut admit);
+            let next = encode(i + 2, &mut taps);
+            let words = 2 * MAX_BATCH * k + nt * d;
+            let back = readback::read_mapped_after(ctx, &stage, words, Some(index))?;
+            let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+            let cold = bits(&back[..nt * k]);
+            let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
+            self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..])?;
+            admit = Some((il, routed, cold));
+            cb = next;
+            i += 2;
         }
-        Ok(())
     }
 
     /// Computes layer `il`'s cold slots (`cold[slot]`: the expert, or `NONE_SLOT`) on the CPU

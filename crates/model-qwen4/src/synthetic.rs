@@ -101,9 +101,9 @@ impl Synthetic {
         Self::with_skew(config, dtype_of, 0.0)
     }
 
-    /// [`Synthetic::new`] with skewed expert popularity: the router's row for expert `x`
-    /// scaled by `(x + 1)^-skew`, so its logits spread wider the lower its id and it lands in
-    /// a token's top-k more often (random weights otherwise route uniformly, which no trained
+    /// [`Synthetic::new`] with skewed expert popularity: the router's row for the expert of
+    /// popularity rank `r` (ranks a fixed shuffle of the ids) scaled by `(r + 1)^-skew`, so
+    /// its logits spread wider the higher it ranks and it lands in a token's top-k more often (random weights otherwise route uniformly, which no trained
     /// model does). Every layer shares the router payload, so every layer has the same
     /// popular experts. With top-10 of 512 and Gaussian logits, skew 0.1 sends 46% of the
     /// routed pairs to the most popular quarter of the experts, 0.15 about 56%, 0.2 66%.
@@ -202,7 +202,10 @@ impl Synthetic {
             let mut vals = noise(block * cols, 0x5eed + k as u64, 1.0 / (cols as f32).sqrt());
             if skew != 0.0 && name.ends_with(".mlp.gate.weight") {
                 for (x, row) in vals.chunks_mut(cols).enumerate() {
-                    let f = ((x + 1) as f64).powf(-skew) as f32;
+                    // Popularity by a fixed shuffle of the ids (389 is odd: a permutation of
+                    // any power-of-two count), so the first ids are not the popular ones.
+                    let rank = (x * 389) % block;
+                    let f = ((rank + 1) as f64).powf(-skew) as f32;
                     row.iter_mut().for_each(|v| *v *= f);
                 }
             }
