@@ -47,6 +47,14 @@ impl Placement {
     }
 }
 
+/// The machine's RAM in bytes (`MemTotal` of /proc/meminfo), where the OS says.
+fn host_ram() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// Expert scores saved by an earlier run ([`AnyModel::save_expert_scores`]), or `None` (no
 /// file; an unreadable one is skipped with a warning: a cold start is still right).
 fn load_expert_scores(path: &Path) -> Option<Vec<Vec<f32>>> {
@@ -544,6 +552,17 @@ impl LoadedModel {
 
     /// Binds the model in `cmf` where `place` asks ([`AnyModel::bind_on`]).
     pub fn new_on(cmf: Cmf, place: &Placement) -> Result<LoadedModel, LoadError> {
+        if let Some(ram) = host_ram()
+            && cmf.file_len() > ram
+        {
+            tracing::warn!(
+                "the model file ({:.1} GB) is larger than this machine's RAM ({:.1} GB): the \
+                 weights the CPU reads (cold experts, or all of them) are paged in from disk \
+                 as they are used, which is slow",
+                cmf.file_len() as f64 / 1e9,
+                ram as f64 / 1e9
+            );
+        }
         Ok(LoadedModel {
             bound: Bound::try_new(cmf, |c| {
                 AnyModel::bind_on(c, place).map_err(|e| LoadError::bind(c, e))

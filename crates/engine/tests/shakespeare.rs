@@ -722,3 +722,51 @@ fn drafting_is_exact_on(r: &Runner, prompts: &[&str], modes: &[(MtpMode, usize)]
     }
     assert!(kept > 0, "{backend} {modes:?}: no draft kept");
 }
+
+/// `run` on the GPU with the first half of the layers' experts on the CPU: the statistics
+/// line reports the share computed in VRAM (3 of 6 layers resident: exactly half the routed
+/// pairs), and the learned expert scores are kept beside the model file, one row of scores
+/// per layer, for the next run (which reads them back and runs as well).
+#[test]
+fn run_with_experts_on_the_cpu_reports_the_share_and_keeps_scores() {
+    if gpu(64).is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = converted(Profile::Q8, dir.path());
+    let m = model.to_str().unwrap();
+    let args = [
+        "run",
+        "-m",
+        m,
+        "-p",
+        "ROMEO:",
+        "--backend",
+        "wgpu",
+        "--n-cpu-moe",
+        "3",
+        "-n",
+        "8",
+        "--temp",
+        "0",
+    ];
+    let (_, err, ok) = cortiq(&args, "");
+    assert!(ok, "{err}");
+    assert!(err.contains("experts 50.0% in VRAM"), "{err}");
+    let kept = dir.path().join(format!(
+        "{}.experts",
+        model.file_name().unwrap().to_str().unwrap()
+    ));
+    let scores: Vec<Vec<f32>> = serde_json::from_slice(&std::fs::read(&kept).unwrap()).unwrap();
+    assert_eq!(scores.len(), 6);
+    assert!(
+        scores[..3].iter().all(|l| l.iter().any(|&s| s > 0.0)),
+        "{scores:?}"
+    );
+    assert!(
+        scores[3..].iter().all(Vec::is_empty),
+        "resident layers keep no scores"
+    );
+    let (_, err, ok) = cortiq(&args, "");
+    assert!(ok && err.contains("experts 50.0% in VRAM"), "{err}");
+}

@@ -107,10 +107,75 @@ pub fn parse_size(s: &str) -> Option<u64> {
     (v.is_finite() && v >= 0.0 && bytes < u64::MAX as f64).then_some(bytes as u64)
 }
 
-/// The VRAM budget used when none is given. wgpu does not report memory sizes, so it is derived
-/// from the adapter's type: 8 GiB for a discrete GPU (what a 12 GB consumer card can spare next to
-/// activations and caches), 4 GiB integrated or virtual, 2 GiB for a software adapter; never
-/// more than the largest buffer the device allows times 4. Set `--vram` to use a bigger card fully.
+/// Device-local memory the adapter reports free, in bytes: on Vulkan the device-local heaps'
+/// budget less their usage where `VK_EXT_memory_budget` reports them, else the largest
+/// device-local heap; `None` on other backends (wgpu itself does not report memory sizes).
+pub fn reported_free(adapter: &wgpu::Adapter) -> Option<u64> {
+    #[cfg(any(target_os = "linux", target_os = "windows", target_os = "android"))]
+    {
+        use ash::vk;
+        // SAFETY: the hal adapter is only read (its instance and physical device handles, for
+        // two property queries) while `adapter` is alive; nothing is created or destroyed.
+        let hal = unsafe { adapter.as_hal::<wgpu::hal::api::Vulkan>() }?;
+        let instance = hal.shared_instance().raw_instance();
+        let pd = hal.raw_physical_device();
+        // SAFETY: `pd` is a valid physical device of `instance`.
+        let exts = unsafe { instance.enumerate_device_extension_properties(pd) }.ok()?;
+        let has_budget = exts
+            .iter()
+            .any(|e| e.extension_name_as_c_str() == Ok(ash::ext::memory_budget::NAME));
+        let mut budget = vk::PhysicalDeviceMemoryBudgetPropertiesEXT::default();
+        let mut props = vk::PhysicalDeviceMemoryProperties2::default();
+        if has_budget {
+            props = props.push_next(&mut budget);
+        }
+        // SAFETY: as above; the chained struct belongs to an extension the device supports.
+        unsafe { instance.get_physical_device_memory_properties2(pd, &mut props) };
+        let mp = props.memory_properties;
+        let heaps = &mp.memory_heaps[..mp.memory_heap_count as usize];
+        let local = |i: &usize| heaps[*i].flags.contains(vk::MemoryHeapFlags::DEVICE_LOCAL);
+        let free = (0..heaps.len())
+            .filter(local)
+            .map(|i| {
+                if has_budget {
+                    budget.heap_budget[i].saturating_sub(budget.heap_usage[i])
+                } else {
+                    heaps[i].size
+                }
+            })
+            .max()?;
+        (free > 0).then_some(free)
+    }
+    #[cfg(not(any(target_os = "linux", target_os = "windows", target_os = "android")))]
+    {
+        let _ = adapter;
+        None
+    }
+}
+
+/// The VRAM budget used when none is given: what the adapter reports free
+/// ([`reported_free`]) less a tenth (at least 1 GiB) for activations, caches and the driver,
+/// for a hardware adapter; else by the adapter's type: 8 GiB for a discrete GPU (what a 12 GB
+/// consumer card can spare next to activations and caches), 4 GiB integrated or virtual, 2 GiB
+/// for a software adapter (whose "device memory" is the host's). Never more than the largest
+/// buffer the device allows times 64 (the weights are many buffers).
+pub fn default_budget_of(adapter: &wgpu::Adapter) -> u64 {
+    let (info, limits) = (adapter.get_info(), adapter.limits());
+    let hardware = !matches!(info.device_type, wgpu::DeviceType::Cpu);
+    match reported_free(adapter).filter(|_| hardware) {
+        Some(free) => {
+            let reserve = (free / 10).max(1 << 30);
+            free.saturating_sub(reserve)
+                .max(1 << 30)
+                .min(limits.max_buffer_size.saturating_mul(64))
+        }
+        None => default_budget(&info, &limits),
+    }
+}
+
+/// The VRAM budget by adapter type alone (see [`default_budget_of`]): 8 GiB for a discrete
+/// GPU, 4 GiB integrated or virtual, 2 GiB for a software adapter; never more than the largest
+/// buffer the device allows times 4. Set `--vram` to use a bigger card fully.
 pub fn default_budget(info: &wgpu::AdapterInfo, limits: &wgpu::Limits) -> u64 {
     let by_type: u64 = match info.device_type {
         wgpu::DeviceType::DiscreteGpu => 8 << 30,
@@ -298,7 +363,7 @@ impl GpuContext {
         };
         let vram_budget = opts
             .vram_budget
-            .unwrap_or_else(|| default_budget(&info, &limits));
+            .unwrap_or_else(|| default_budget_of(&adapter));
         let pipelines = Pipelines::new(
             &device,
             &info,
