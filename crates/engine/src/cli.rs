@@ -272,9 +272,9 @@ pub struct BenchModelArgs {
     /// (`verifyK`, steps per second, beside `tgN`'s one-row steps).
     #[arg(long)]
     pub verify: bool,
-    /// With --synthetic: skewed expert popularity (the router row of expert x scaled by
-    /// (x+1)^-SKEW; 0 routes uniformly, 0.15 sends ~56% of the routed pairs to a quarter of
-    /// the experts).
+    /// With --synthetic: skewed expert popularity (the router row of the expert of popularity
+    /// rank r, a fixed shuffle of the ids, scaled by (r+1)^-SKEW; 0 routes uniformly, 0.15
+    /// sends ~56% of the routed pairs to a quarter of the experts).
     #[arg(long, value_name = "SKEW", default_value_t = 0.0)]
     pub skew: f64,
     /// Print one JSON object instead of the table.
