@@ -140,33 +140,10 @@ pub fn compare_blocks(cases: &[&str], profile: Profile, banks: bool, tol: f32) -
             let (mut sc, mut sg) = (c.new_state(), g.new_state());
             let mut names = 0;
             for (si, step) in steps.iter().enumerate() {
-                let mut want: Vec<(String, usize, Vec<f32>)> = Vec::new();
-                c.forward_traced(step, &mut sc, &mut |n, l, d| {
-                    want.push((n.to_string(), l, d.to_vec()))
-                })
-                .unwrap();
-                let mut got: Vec<(String, usize, Vec<f32>)> = Vec::new();
-                g.forward_traced(step, &mut sg, &mut |n, l, d| {
-                    got.push((n.to_string(), l, d.to_vec()))
-                })
-                .unwrap();
-                let wn: Vec<_> = want.iter().map(|w| (&w.0, w.1)).collect();
-                let gn: Vec<_> = got.iter().map(|w| (&w.0, w.1)).collect();
-                if wn != gn {
-                    failures.push(format!("{case} step {si}: trace names {gn:?} != {wn:?}"));
-                    continue;
-                }
-                for (w, gv) in want.iter().zip(&got) {
-                    names += 1;
-                    let scale = test_support::max_abs(&w.2).max(1e-3);
-                    let err = test_support::max_abs_diff(&w.2, &gv.2);
-                    if w.2.len() != gv.2.len() || err > tol * scale {
-                        failures.push(format!(
-                            "{case} step {si} {} layer {}: max|diff| {err:.3e} (scale {scale:.3e}, len {} vs {})",
-                            w.0, w.1, gv.2.len(), w.2.len()
-                        ));
-                    }
-                }
+                let what = format!("{case} step {si}");
+                let (n, f) = common::compare_step(&what, &c, &mut sc, &g, &mut sg, step, tol);
+                names += n;
+                failures.extend(f);
             }
             eprintln!("{case} {profile:?}: {names} intermediates compared");
         });

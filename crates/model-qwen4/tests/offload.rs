@@ -236,29 +236,11 @@ fn every_block_matches_the_cpu_with_half_the_experts_on_the_cpu() {
         let (mut sc, mut sg) = (c.new_state(), g.new_state());
         let mut failures = Vec::new();
         let mut names = 0;
-        for step in [&ids[..13], &ids[13..14]] {
-            let mut want: Vec<(String, usize, Vec<f32>)> = Vec::new();
-            c.forward_traced(step, &mut sc, &mut |n, l, d| {
-                want.push((n.to_string(), l, d.to_vec()))
-            })
-            .unwrap();
-            let mut got: Vec<(String, usize, Vec<f32>)> = Vec::new();
-            g.forward_traced(step, &mut sg, &mut |n, l, d| {
-                got.push((n.to_string(), l, d.to_vec()))
-            })
-            .unwrap();
-            assert_eq!(
-                got.iter().map(|w| (&w.0, w.1)).collect::<Vec<_>>(),
-                want.iter().map(|w| (&w.0, w.1)).collect::<Vec<_>>()
-            );
-            for (w, gv) in want.iter().zip(&got) {
-                names += 1;
-                let scale = test_support::max_abs(&w.2).max(1e-3);
-                let err = test_support::max_abs_diff(&w.2, &gv.2);
-                if err > BOUND * scale {
-                    failures.push(format!("{} layer {}: {err:.3e} of {scale:.3e}", w.0, w.1));
-                }
-            }
+        for (si, step) in [&ids[..13], &ids[13..14]].into_iter().enumerate() {
+            let what = format!("step {si}");
+            let (n, f) = common::compare_step(&what, &c, &mut sc, &g, &mut sg, step, BOUND);
+            names += n;
+            failures.extend(f);
         }
         assert!(names > 10, "{names} intermediates");
         h::assert_none(&failures);
