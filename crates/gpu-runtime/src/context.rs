@@ -154,7 +154,7 @@ pub fn reported_free(adapter: &wgpu::Adapter) -> Option<u64> {
 }
 
 /// The VRAM budget used when none is given: what the adapter reports free
-/// ([`reported_free`]) less a tenth (at least 1 GiB) for activations, caches and the driver,
+/// ([`reported_free`]) less a fifth (at least 2 GiB) for activations, caches and the driver,
 /// for a hardware adapter; else by the adapter's type: 8 GiB for a discrete GPU (what a 12 GB
 /// consumer card can spare next to activations and caches), 4 GiB integrated or virtual, 2 GiB
 /// for a software adapter (whose "device memory" is the host's). Never more than the largest
@@ -164,7 +164,9 @@ pub fn default_budget_of(adapter: &wgpu::Adapter) -> u64 {
     let hardware = !matches!(info.device_type, wgpu::DeviceType::Cpu);
     match reported_free(adapter).filter(|_| hardware) {
         Some(free) => {
-            let reserve = (free / 10).max(1 << 30);
+            // The sequence states (KV caches of long contexts), scratch and the driver live
+            // outside the weights' budget.
+            let reserve = (free / 5).max(2 << 30);
             free.saturating_sub(reserve)
                 .max(1 << 30)
                 .min(limits.max_buffer_size.saturating_mul(64))

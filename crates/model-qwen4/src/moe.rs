@@ -151,6 +151,15 @@ impl Routed {
         })
     }
 
+    /// Experts a bank of one binding holds (gate/up and down each in their own).
+    pub(crate) fn bank_cap(dev: &Device, w: &MoeWeights<'_>) -> usize {
+        let pad = |m: &model_core::bind::Mat<'_>| (m.bytes().len() as u64).next_multiple_of(16);
+        w.routed.experts.first().map_or(0, |x| {
+            let widest = pad(&x.gate_up).max(pad(&x.down)).max(1);
+            (dev.ctx.max_binding() / widest) as usize
+        })
+    }
+
     /// Bytes one expert's gate/up and down take in a bank (16-byte padded slots).
     pub(crate) fn slot_bytes(w: &MoeWeights<'_>) -> u64 {
         w.routed.experts.first().map_or(0, |x| {

@@ -329,3 +329,41 @@ fn int8_arbitrary_payloads_never_panic() {
         }
     }
 }
+
+/// The prepared int8 matmat (`MatRef::int8_matmat`), its rows computed in ranges of 7 in
+/// reverse order, equals `matmat_path(Int8, ..)` bit for bit; a dtype without integer kernels
+/// has none, and a wrong activation length is an error.
+#[test]
+fn prepared_int8_rows_in_any_ranges_equal_the_whole_call() {
+    let (rows, cols) = (45, 320);
+    let w = weights(rows, cols, 21);
+    for dtype in QUANTISED {
+        let p = quantize(dtype, rows, cols, &w).unwrap();
+        let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+        for nt in [1, 3, 8] {
+            let xs = activations(nt * cols, cols, 40 + nt as u64);
+            let mut want = vec![0.0f32; nt * rows];
+            m.matmat_path(ActPath::Int8, &xs, &mut want).unwrap();
+            let mm = m.int8_matmat(&xs).unwrap().expect("an int8 dtype");
+            assert_eq!(mm.nt(), nt);
+            let mut got = vec![f32::NAN; nt * rows];
+            let starts: Vec<usize> = (0..rows).step_by(7).rev().collect();
+            for r0 in starts {
+                let n = (rows - r0).min(7);
+                let mut outs: Vec<&mut [f32]> =
+                    got.chunks_mut(rows).map(|y| &mut y[r0..r0 + n]).collect();
+                mm.rows(r0, &mut outs);
+            }
+            assert!(
+                got.iter()
+                    .zip(&want)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{dtype} nt {nt}"
+            );
+        }
+        assert!(m.int8_matmat(&w[..cols + 1]).is_err());
+    }
+    let f = quantize(DType::F16, rows, cols, &w).unwrap();
+    let m = MatRef::new(DType::F16, rows, cols, &f).unwrap();
+    assert!(m.int8_matmat(&w[..cols]).unwrap().is_none());
+}
