@@ -12,8 +12,7 @@
 //! This is where the expert offload (models larger than VRAM) will decide, per expert, whether
 //! it runs from the VRAM bank or on the CPU.
 
-use quant_codecs::ops::{act_path, linear, silu};
-use quant_codecs::{ActPath, Int8Matmat, MAX_BATCH};
+use quant_codecs::ops::{linear, silu};
 use rayon::prelude::*;
 
 use crate::bind::Mat;
@@ -126,53 +125,6 @@ impl RoutedExperts<'_> {
         linear(&e.down, &hmid, n)
     }
 
-    /// Several experts, each on its own rows (`jobs`: expert id and its input rows `[n, D]`,
-    /// 1 to 8 rows), unweighted: one `[n, D]` per job, bit for bit what
-    /// [`RoutedExperts::expert_rows`] computes. On the int8 path every job's gate/up rows are
-    /// one set of parallel tasks, then every job's down rows another, instead of two parallel
-    /// phases per expert: a layer's few cold experts are a few megabytes, which the threads'
-    /// fork and join would otherwise cost as much as reading.
-    pub fn experts_rows(&self, jobs: &[(usize, &[f32])]) -> Vec<Vec<f32>> {
-        let (d, i) = (self.hidden, self.intermediate);
-        let int8 =
-            |m: &Mat<'_>| act_path(m.dtype()) == ActPath::Int8 && m.dtype().has_int8_kernel();
-        let fused = jobs.iter().all(|&(x, xs)| {
-            let e = &self.experts[x];
-            int8(&e.gate_up) && int8(&e.down) && (1..=MAX_BATCH).contains(&(xs.len() / d))
-        });
-        if !fused {
-            return jobs
-                .par_iter()
-                .map(|&(x, xs)| self.expert_rows(x, xs, xs.len() / d))
-                .collect();
-        }
-        fn prepared<'b>(m: &Mat<'b>, xs: &[f32]) -> Int8Matmat<'b> {
-            m.mat()
-                .int8_matmat(xs)
-                .expect("shapes checked at bind time")
-                .expect("an int8 dtype")
-        }
-        let gate_up: Vec<_> = jobs
-            .iter()
-            .map(|&(x, xs)| prepared(&self.experts[x].gate_up, xs))
-            .collect();
-        let gu = rows_in_tasks(&gate_up, 2 * i);
-        let hidden: Vec<Vec<f32>> = gu
-            .iter()
-            .map(|g| {
-                g.chunks(2 * i)
-                    .flat_map(|row| self.activation.apply(&row[..i], &row[i..]))
-                    .collect()
-            })
-            .collect();
-        let down: Vec<_> = jobs
-            .iter()
-            .zip(&hidden)
-            .map(|(&(x, _), h)| prepared(&self.experts[x].down, h))
-            .collect();
-        rows_in_tasks(&down, d)
-    }
-
     /// `sum over routes of weight * expert(u[row])` for the `t` rows of `u` `[t, D]`; returns
     /// `[t, D]`.
     ///
@@ -218,25 +170,6 @@ impl RoutedExperts<'_> {
         }
         y
     }
-}
-
-/// Every row of every prepared matmat (`rows` matrix rows each) as one set of parallel tasks
-/// of 64 rows: one `[nt, rows]` output per matmat.
-fn rows_in_tasks(mms: &[Int8Matmat<'_>], rows: usize) -> Vec<Vec<f32>> {
-    const CHUNK: usize = 64;
-    let mut ys: Vec<Vec<f32>> = mms.iter().map(|m| vec![0f32; m.nt() * rows]).collect();
-    let mut tasks: Vec<(usize, usize, Vec<&mut [f32]>)> = Vec::new();
-    for (j, y) in ys.iter_mut().enumerate() {
-        let mut per_row: Vec<_> = y.chunks_mut(rows).map(|r| r.chunks_mut(CHUNK)).collect();
-        for c in 0..rows.div_ceil(CHUNK) {
-            let outs = per_row.iter_mut().filter_map(Iterator::next).collect();
-            tasks.push((j, c * CHUNK, outs));
-        }
-    }
-    tasks
-        .into_par_iter()
-        .for_each(|(j, r0, mut outs)| mms[j].rows(r0, &mut outs));
-    ys
 }
 
 /// A dense SwiGLU MLP (the shared expert): `down(act(gate . u, up . u))` for `t` rows.

@@ -1024,6 +1024,7 @@ impl<'a> GpuModel<'a> {
     /// over all of its rows, and writes the outputs into the slots' rows of the expert
     /// outputs.
     fn cold_experts(&self, il: usize, cold: &[u32], u: &[f32]) -> Result<(), ForwardError> {
+        use rayon::prelude::*;
         let c = &self.model.config;
         let (k, d, ne) = (c.num_experts_per_tok, c.hidden_size, c.num_experts);
         let routed = &self.model.weights.layers[il].moe.routed;
@@ -1053,21 +1054,18 @@ impl<'a> GpuModel<'a> {
             .cold_bytes
             .fetch_add(bytes as u64, Ordering::Relaxed);
         let t0 = std::time::Instant::now();
-        let inputs: Vec<(usize, Vec<usize>, Vec<f32>)> = by_expert
-            .into_iter()
+        let outs: Vec<(Vec<usize>, Vec<f32>)> = by_expert
+            .into_par_iter()
             .map(|(x, slots)| {
                 let mut xs = Vec::with_capacity(slots.len() * d);
                 for &slot in &slots {
                     let r = slot / k;
                     xs.extend_from_slice(&u[r * d..(r + 1) * d]);
                 }
-                (x, slots, xs)
+                let y = routed.expert_rows(x, &xs, slots.len());
+                (slots, y)
             })
             .collect();
-        let jobs: Vec<(usize, &[f32])> = inputs.iter().map(|(x, _, xs)| (*x, &xs[..])).collect();
-        let ys = routed.experts_rows(&jobs);
-        let outs: Vec<(&Vec<usize>, Vec<f32>)> =
-            inputs.iter().map(|(_, slots, _)| slots).zip(ys).collect();
         let ns = t0.elapsed().as_nanos() as u64;
         self.res.cold_ns.fetch_add(ns, Ordering::Relaxed);
         let q = &self.res.dev.ctx.queue;

@@ -387,84 +387,32 @@ fn run_nt<const NT: usize>(p: Path, m: &Mat, a: &Acts, order: Order, ys: &mut [f
         .for_each(|(i, mut outs)| rows_path::<NT>(p, m, a, order, i * chunk, &mut outs));
 }
 
-/// An int8 matmat prepared for the caller's own scheduling (several matrices' rows as one
-/// set of parallel tasks, say): the activations quantised once, then any range of rows by
-/// [`Int8Matmat::rows`], bit for bit what [`crate::MatRef::matmat_path`] computes for them.
-pub struct Int8Matmat<'a> {
-    p: Path,
-    m: Mat<'a>,
-    a: Acts,
-    order: Order,
-    nt: usize,
-}
-
-impl<'a> Int8Matmat<'a> {
-    /// Quantises `nt` activation rows `xs` for the matrix `l`/`bytes` (an int8 dtype).
-    pub(crate) fn new(isa: Isa, l: Layout, bytes: &'a [u8], nt: usize, xs: &[f32]) -> Self {
-        debug_assert!(l.dtype.has_int8_kernel());
-        let order = Order::of(l.dtype);
-        let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(&l, bytes));
-        let a = Acts::new(xs, l.cols, order, cs.as_deref());
-        let isa = if isa.available() { isa } else { Isa::Baseline };
-        let p = match isa {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Path::Vnni,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => Path::Avx512,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => Path::Avx2,
-            _ => Path::Portable,
-        };
-        Int8Matmat {
-            p,
-            m: Mat { l, bytes },
-            a,
-            order,
-            nt,
-        }
-    }
-
-    /// Token rows.
-    pub fn nt(&self) -> usize {
-        self.nt
-    }
-
-    /// Matrix rows `r0 .. r0 + n` for every token row `t`: `outs[t][i] = dot(row r0 + i,
-    /// xs[t])`, `n = outs[t].len()`.
-    ///
-    /// # Panics
-    /// If `outs` does not hold one slice per token row of equal length within the matrix.
-    pub fn rows(&self, r0: usize, outs: &mut [&mut [f32]]) {
-        assert_eq!(outs.len(), self.nt, "one output slice per token row");
-        let n = outs.first().map_or(0, |o| o.len());
-        assert!(outs.iter().all(|o| o.len() == n) && r0 + n <= self.m.l.rows);
-        let (p, m, a, o) = (self.p, &self.m, &self.a, self.order);
-        match self.nt {
-            1 => rows_path::<1>(p, m, a, o, r0, outs),
-            2 => rows_path::<2>(p, m, a, o, r0, outs),
-            3 => rows_path::<3>(p, m, a, o, r0, outs),
-            4 => rows_path::<4>(p, m, a, o, r0, outs),
-            5 => rows_path::<5>(p, m, a, o, r0, outs),
-            6 => rows_path::<6>(p, m, a, o, r0, outs),
-            7 => rows_path::<7>(p, m, a, o, r0, outs),
-            _ => rows_path::<8>(p, m, a, o, r0, outs),
-        }
-    }
-}
-
 /// `ys[t * rows + r] = dot(row r, xs[t])` for a quantised dtype, `nt` rows. Callers have
 /// checked `1 <= nt <= MAX_BATCH` and the buffer lengths.
 pub(crate) fn run(isa: Isa, l: Layout, bytes: &[u8], nt: usize, xs: &[f32], ys: &mut [f32]) {
-    let mm = Int8Matmat::new(isa, l, bytes, nt, xs);
-    let (p, m, a, order) = (mm.p, &mm.m, &mm.a, mm.order);
+    debug_assert!(l.dtype.has_int8_kernel());
+    let order = Order::of(l.dtype);
+    let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(&l, bytes));
+    let a = Acts::new(xs, l.cols, order, cs.as_deref());
+    let m = Mat { l, bytes };
+    let isa = if isa.available() { isa } else { Isa::Baseline };
+    let p = match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Path::Vnni,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => Path::Avx512,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => Path::Avx2,
+        _ => Path::Portable,
+    };
     match nt {
-        1 => run_nt::<1>(p, m, a, order, ys),
-        2 => run_nt::<2>(p, m, a, order, ys),
-        3 => run_nt::<3>(p, m, a, order, ys),
-        4 => run_nt::<4>(p, m, a, order, ys),
-        5 => run_nt::<5>(p, m, a, order, ys),
-        6 => run_nt::<6>(p, m, a, order, ys),
-        7 => run_nt::<7>(p, m, a, order, ys),
-        _ => run_nt::<8>(p, m, a, order, ys),
+        1 => run_nt::<1>(p, &m, &a, order, ys),
+        2 => run_nt::<2>(p, &m, &a, order, ys),
+        3 => run_nt::<3>(p, &m, &a, order, ys),
+        4 => run_nt::<4>(p, &m, &a, order, ys),
+        5 => run_nt::<5>(p, &m, &a, order, ys),
+        6 => run_nt::<6>(p, &m, &a, order, ys),
+        7 => run_nt::<7>(p, &m, &a, order, ys),
+        _ => run_nt::<8>(p, &m, &a, order, ys),
     }
 }

@@ -51,7 +51,7 @@ use rayon::prelude::*;
 pub use dtype::{DType, GROUP, Layout, split_matrix_shape};
 pub use error::CodecError;
 pub use float::round_bf16;
-pub use int8::{ActPath, Int8Matmat};
+pub use int8::ActPath;
 use kernel::Permute;
 pub use kernel::{Isa, MAX_BATCH};
 pub use stream::{RowEncoder, column_maxima};
@@ -185,30 +185,6 @@ impl<'a> MatRef<'a> {
         let nt = self.batch_rows(xs, ys)?;
         int8::run(isa, self.layout, self.bytes, nt, xs, ys);
         Ok(())
-    }
-
-    /// The int8 path of [`MatRef::matmat_path`] prepared for the caller's own scheduling
-    /// ([`Int8Matmat`]): `xs` (1 to [`MAX_BATCH`] rows) quantised once; `None` for a dtype
-    /// without integer kernels.
-    pub fn int8_matmat(&self, xs: &[f32]) -> Result<Option<Int8Matmat<'a>>, CodecError> {
-        if !self.dtype().has_int8_kernel() {
-            return Ok(None);
-        }
-        let nt = xs.len() / self.cols();
-        if nt == 0 || nt > MAX_BATCH || xs.len() != nt * self.cols() {
-            return Err(CodecError::BufferLength {
-                what: "x",
-                expected: nt.clamp(1, MAX_BATCH) * self.cols(),
-                found: xs.len(),
-            });
-        }
-        Ok(Some(Int8Matmat::new(
-            Isa::detect(),
-            self.layout,
-            self.bytes,
-            nt,
-            xs,
-        )))
     }
 
     fn batch_rows(&self, xs: &[f32], ys: &[f32]) -> Result<usize, CodecError> {
