@@ -225,8 +225,8 @@ impl<'a> AnyModel<'a> {
         let offload = model_qwen4::Offload {
             residency,
             policy: place.policy.unwrap_or_default(),
-            max_admissions: model_qwen4::gpu::DEFAULT_ADMISSIONS,
             warm,
+            ..model_qwen4::Offload::default()
         };
         match model_qwen4::GpuModel::with_offload(model, Arc::from(ctx), ctx_len, true, offload) {
             Ok(g) => {

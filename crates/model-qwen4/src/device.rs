@@ -83,8 +83,7 @@ impl Device {
 
     /// A small u32 table (an expert -> slot map) as a storage buffer.
     pub fn words(&self, label: &str, v: &[u32]) -> wgpu::Buffer {
-        let f: Vec<f32> = v.iter().map(|w| f32::from_bits(*w)).collect();
-        graph::upload_f32(&self.ctx, label, &f)
+        graph::upload_words(&self.ctx, label, v)
     }
 
     /// The VRAM budget the weights live within.

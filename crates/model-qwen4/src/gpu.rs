@@ -107,7 +107,7 @@ pub(crate) struct Resident {
 }
 
 /// Where a model's routed experts live when they do not all fit in VRAM.
-#[derive(Debug, Clone, PartialEq, Default)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Offload {
     /// How many of each layer's experts are resident.
     pub residency: Residency,
@@ -120,12 +120,23 @@ pub struct Offload {
     pub warm: Option<Vec<Vec<f32>>>,
 }
 
+impl Default for Offload {
+    /// As many experts as the budget holds, the learned policy, [`DEFAULT_ADMISSIONS`].
+    fn default() -> Offload {
+        Offload {
+            residency: Residency::Budget,
+            policy: CachePolicy::default(),
+            max_admissions: DEFAULT_ADMISSIONS,
+            warm: None,
+        }
+    }
+}
+
 impl Offload {
     /// The default offload with `residency`.
     pub fn with(residency: Residency) -> Offload {
         Offload {
             residency,
-            max_admissions: DEFAULT_ADMISSIONS,
             ..Offload::default()
         }
     }

@@ -136,8 +136,13 @@ pub fn storage(ctx: &GpuContext, label: &str, floats: usize) -> wgpu::Buffer {
 
 /// A storage buffer holding `data`.
 pub fn upload_f32(ctx: &GpuContext, label: &str, data: &[f32]) -> wgpu::Buffer {
+    upload_words(ctx, label, bytemuck::cast_slice(data))
+}
+
+/// A storage buffer holding the words `data` (at least 4 words: short ones padded with zeros).
+pub fn upload_words(ctx: &GpuContext, label: &str, data: &[u32]) -> wgpu::Buffer {
     let mut padded = data.to_vec();
-    padded.resize(data.len().max(4), 0.0);
+    padded.resize(data.len().max(4), 0);
     ctx.device
         .create_buffer_init(&wgpu::util::BufferInitDescriptor {
             label: Some(label),
