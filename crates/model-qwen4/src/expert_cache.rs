@@ -44,12 +44,15 @@ pub const DECAY: f32 = 0.99;
 /// How much higher a cold expert's score must be than the resident it would replace.
 pub const MARGIN: f32 = 2.0;
 
+/// What a retired slot holds: nothing (an upload into it failed; it is never used again).
+const RETIRED: u32 = u32::MAX;
+
 /// One layer's bank: which expert each slot holds, and what the policy knows.
 #[derive(Debug, Clone)]
 pub struct LayerCache {
     /// Expert -> bank slot.
     slot_of: Vec<Option<u32>>,
-    /// Bank slot -> expert.
+    /// Bank slot -> expert ([`RETIRED`] for a slot taken out of use).
     expert_in: Vec<u32>,
     /// Decayed routing count per expert, as of frame `seen[x]`.
     score: Vec<f32>,
@@ -108,7 +111,23 @@ impl LayerCache {
 
     /// Resident experts.
     pub fn resident(&self) -> usize {
-        self.expert_in.len()
+        self.expert_in.iter().filter(|&&x| x != RETIRED).count()
+    }
+
+    /// Takes back an admission whose upload could not start (no staging room): the slot
+    /// holds the expert it held, which the device never stopped computing there.
+    pub fn undo(&mut self, a: &Admission) {
+        self.slot_of[a.expert as usize] = None;
+        self.slot_of[a.evicted as usize] = Some(a.slot);
+        self.expert_in[a.slot as usize] = a.evicted;
+    }
+
+    /// Takes an admission's slot out of use after its upload failed: neither its expert nor
+    /// the one it evicted is resident (the caller marks both cold on the device).
+    pub fn retire(&mut self, a: &Admission) {
+        self.slot_of[a.expert as usize] = None;
+        self.slot_of[a.evicted as usize] = None;
+        self.expert_in[a.slot as usize] = RETIRED;
     }
 
     /// Each expert's score now (what a later run starts from).
@@ -143,7 +162,7 @@ impl LayerCache {
             self.score[x] = self.score_now(x) + 1.0;
             self.seen[x] = self.frame;
         }
-        if policy == CachePolicy::Static || self.expert_in.is_empty() {
+        if policy == CachePolicy::Static || self.resident() == 0 {
             return Vec::new();
         }
         let mut wanted: Vec<usize> = cold
@@ -165,7 +184,7 @@ impl LayerCache {
                 .expert_in
                 .iter()
                 .enumerate()
-                .filter(|&(_, &v)| self.seen[v as usize] != self.frame)
+                .filter(|&(_, &v)| v != RETIRED && self.seen[v as usize] != self.frame)
                 .min_by(|a, b| match policy {
                     CachePolicy::Lru => self.seen[*a.1 as usize].cmp(&self.seen[*b.1 as usize]),
                     _ => self
@@ -248,6 +267,28 @@ mod tests {
         assert_eq!(c.slots()[x], Some(a[0].slot));
         assert_eq!(c.slots()[a[0].evicted as usize], None);
         assert_eq!(c.resident(), 2);
+    }
+
+    /// An undone admission leaves the map as it was; a retired slot holds nothing and is
+    /// never a victim again, so the bank shrinks by one and later admissions use the others.
+    #[test]
+    fn undo_restores_and_a_retired_slot_is_never_reused() {
+        let mut c = LayerCache::new(8, &[0, 1], None);
+        let before = c.slots().to_vec();
+        let a = c.frame(&[5], &[5], CachePolicy::Lru, 1);
+        c.undo(&a[0]);
+        assert_eq!(c.slots(), &before[..]);
+        let a = c.frame(&[6], &[6], CachePolicy::Lru, 1)[0];
+        c.retire(&a);
+        assert_eq!((c.slots()[6], c.slots()[a.evicted as usize]), (None, None));
+        assert_eq!(c.resident(), 1);
+        for x in 2..8u32 {
+            let k = cold(&c, &[x]);
+            for b in c.frame(&[x], &k, CachePolicy::Lru, 2) {
+                assert_ne!(b.slot, a.slot, "a retired slot is reused");
+            }
+        }
+        assert_eq!(c.resident(), 1);
     }
 
     #[test]

@@ -13,7 +13,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use gpu_runtime::ops::graph::{self, Break, Granularity, Graph, Tap};
+use gpu_runtime::ops::graph::{self, Granularity, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, readback};
 use model_core::trace::{
     ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
@@ -24,12 +24,13 @@ use quant_codecs::MAX_BATCH;
 
 use crate::config::LayerType;
 use crate::device::{ARGMAX_CHUNK, Device, Enc, Part, Scratch};
-use crate::expert_cache::{CachePolicy, LayerCache};
+use crate::expert_cache::LayerCache;
 use crate::forward::{ForwardError, Model};
 use crate::gdn::{GdnDeviceState, GdnGpu};
 use crate::hc::HcGpu;
-use crate::moe::{MoeGpu, NONE_SLOT, Routed};
+use crate::moe::{MoeGpu, Routed};
 use crate::mtp::MtpGpu;
+use crate::offload::{ColdPath, Offload, Residency};
 use crate::ple::PleGpu;
 use crate::qsa::{AttnDeviceState, AttnGpu, RopeGpu};
 use crate::weights::MixerWeights;
@@ -42,12 +43,12 @@ enum MixerGpu {
     Attn(AttnGpu),
 }
 
-struct LayerGpu {
+pub(crate) struct LayerGpu {
     ple: Option<PleGpu>,
     attn_hc: HcGpu,
     mixer: MixerGpu,
     mlp_hc: HcGpu,
-    moe: MoeGpu,
+    pub(crate) moe: MoeGpu,
 }
 
 /// What a frame computes after the layers.
@@ -75,7 +76,7 @@ pub struct GpuModel<'a> {
 /// What lives on the device for a model, and the context its states are sized for.
 pub(crate) struct Resident {
     pub(crate) dev: Device,
-    layers: Vec<LayerGpu>,
+    pub(crate) layers: Vec<LayerGpu>,
     final_mixer: HcGpu,
     pub(crate) lm_head: Arc<gpu_runtime::GpuMatrix>,
     pub(crate) rope: Option<RopeGpu>,
@@ -91,85 +92,8 @@ pub(crate) struct Resident {
     batch_stage: wgpu::Buffer,
     /// The batched decode steps recorded so far.
     batches: BatchGraphs,
-    /// Where a layer's cold slots (`[8k]` u32) and the MoE input (`[8, D]`) are read back,
-    /// when some experts are on the CPU (locked for a frame).
-    cold_stage: Mutex<wgpu::Buffer>,
-    /// Routed (token row, expert) slots run so far, and those computed on the CPU.
-    routed: AtomicU64,
-    cold: AtomicU64,
-    policy: CachePolicy,
-    max_admissions: usize,
-    /// Experts uploaded into a bank while running, the bytes of the experts the CPU computed
-    /// (each once per frame), and the CPU's time on them.
-    admitted: AtomicU64,
-    cold_bytes: AtomicU64,
-    cold_ns: AtomicU64,
-}
-
-/// Where a model's routed experts live when they do not all fit in VRAM.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Offload {
-    /// How many of each layer's experts are resident.
-    pub residency: Residency,
-    /// How the resident ones change while running.
-    pub policy: CachePolicy,
-    /// Experts admitted into a layer's bank per frame at most (each an upload of its bytes).
-    pub max_admissions: usize,
-    /// Per layer, each expert's score from an earlier run ([`GpuModel::expert_scores`]): the
-    /// initial residents are the highest.
-    pub warm: Option<Vec<Vec<f32>>>,
-}
-
-impl Default for Offload {
-    /// As many experts as the budget holds, the learned policy, [`DEFAULT_ADMISSIONS`].
-    fn default() -> Offload {
-        Offload {
-            residency: Residency::Budget,
-            policy: CachePolicy::default(),
-            max_admissions: DEFAULT_ADMISSIONS,
-            warm: None,
-        }
-    }
-}
-
-impl Offload {
-    /// The default offload with `residency`.
-    pub fn with(residency: Residency) -> Offload {
-        Offload {
-            residency,
-            ..Offload::default()
-        }
-    }
-}
-
-/// [`Offload::max_admissions`]' default: one expert per layer and frame (a q4 expert of the
-/// release geometry is 2.6 MB on the bus).
-pub const DEFAULT_ADMISSIONS: usize = 1;
-
-/// Counters of the cold path ([`GpuModel::offload_stats`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct OffloadStats {
-    /// Routed (token row, expert) slots run.
-    pub routed: u64,
-    /// Those computed on the CPU.
-    pub cold: u64,
-    /// Bytes of the experts the CPU computed (each once per frame and layer).
-    pub cold_bytes: u64,
-    /// The CPU's time on them.
-    pub cold_seconds: f64,
-    /// Experts uploaded into banks while running.
-    pub admitted: u64,
-}
-
-/// How many of each layer's routed experts live in VRAM (the rest are computed on the CPU).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub enum Residency {
-    /// All of them when the VRAM budget holds them after every other weight; else as many
-    /// per layer as what is left holds, the same number in every layer.
-    #[default]
-    Budget,
-    /// These many in each layer (at most the expert count), whatever the budget says.
-    PerLayer(Vec<usize>),
+    /// The cold path (routed experts on the CPU): its buffers and counters.
+    pub(crate) cold: ColdPath,
 }
 
 /// The batched decode steps recorded so far, least recently used first. A graph binds its
@@ -205,7 +129,7 @@ impl std::fmt::Debug for Unplaced<'_> {
 }
 
 /// Why a geometry is refused by the device kernels, or anything else at upload.
-fn unsupported(what: String) -> GpuError {
+pub(crate) fn unsupported(what: String) -> GpuError {
     GpuError::UnsupportedFusion {
         epilogue: "qwen4_exp device forward",
         reason: what,
@@ -429,10 +353,8 @@ impl<'a> GpuModel<'a> {
             })
             .collect();
         let batch_stage = readback_buffer(&dev.ctx, MAX_BATCH * c.vocab_size);
-        let cold_stage = readback_buffer(
-            &dev.ctx,
-            MAX_BATCH * (2 * c.num_experts_per_tok + c.hidden_size),
-        );
+        let slot = w.layers.first().map_or(0, |l| Routed::slot_bytes(&l.moe));
+        let cold = ColdPath::new(&dev, c, offload, slot, partial);
         Ok(Resident {
             dev,
             layers,
@@ -446,14 +368,7 @@ impl<'a> GpuModel<'a> {
             batch_stage,
             batches: Arc::default(),
             mtp,
-            cold_stage: Mutex::new(cold_stage),
-            routed: AtomicU64::new(0),
-            cold: AtomicU64::new(0),
-            policy: offload.policy,
-            max_admissions: offload.max_admissions,
-            admitted: AtomicU64::new(0),
-            cold_bytes: AtomicU64::new(0),
-            cold_ns: AtomicU64::new(0),
+            cold,
         })
     }
 
@@ -932,222 +847,6 @@ impl<'a> GpuModel<'a> {
         self.count_routed(k);
         let out = readback::read_mapped(ctx, stage, k * v)?;
         Ok(out.chunks(v).map(<[f32]>::to_vec).collect())
-    }
-
-    /// Submits a graph with breaks (some routed experts on the CPU) span by span: at a
-    /// layer's [`Break::Read`] the span so far goes to the GPU with a copy of the layer's cold
-    /// slots and MoE input; the next span (the resident experts and the shared expert) is
-    /// submitted behind it, and while the GPU runs it the host reads the copy back, computes
-    /// the cold experts from the mapped file and, at [`Break::Write`], writes their outputs
-    /// into the cold slots' rows for the sum that starts the next span. `tail` records what
-    /// the frame copies out after its last dispatch.
-    fn run_breaks(
-        &self,
-        g: &Graph,
-        nt: usize,
-        mut taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
-        tail: &dyn Fn(&mut wgpu::CommandEncoder),
-    ) -> Result<(), ForwardError> {
-        let c = &self.model.config;
-        let ctx = &self.res.dev.ctx;
-        let s = &self.res.scratch;
-        let (k, d) = (c.num_experts_per_tok, c.hidden_size);
-        let stage = self
-            .res
-            .cold_stage
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
-        let encoder = || {
-            ctx.device
-                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                    label: Some("frame (span)"),
-                })
-        };
-        // A layer's admissions are uploaded after the next span is submitted: their copies
-        // overlap the GPU's work and land before any later use of the bank.
-        let mut admit: Option<(usize, Vec<u32>, Vec<u32>)> = None;
-        let admit_now = |a: &mut Option<(usize, Vec<u32>, Vec<u32>)>| {
-            if let Some((il, routed, cold)) = a.take() {
-                let moe = &self.res.layers[il].moe;
-                let w = &self.model.weights.layers[il].moe;
-                let (policy, max) = (self.res.policy, self.res.max_admissions);
-                let n = moe
-                    .admit(&self.res.dev, w, &routed, &cold, policy, max)
-                    .len();
-                self.res.admitted.fetch_add(n as u64, Ordering::Relaxed);
-            }
-        };
-        let spans = g.spans();
-        // Span `i` as a command buffer: its dispatches, then the layer's copies for the host
-        // (a read) or what the frame copies out (the last).
-        let encode = |i: usize, taps: &mut Option<&mut Vec<(Tap, wgpu::Buffer)>>| {
-            let span = &spans[i];
-            let mut enc = encoder();
-            g.record_span(ctx, &mut enc, span.items.clone(), taps.as_deref_mut());
-            match span.end {
-                Some(Break::Read(_)) => {
-                    let slots = (nt * k * 4) as u64;
-                    enc.copy_buffer_to_buffer(&s.cold, 0, &stage, 0, slots);
-                    let at = (MAX_BATCH * k * 4) as u64;
-                    enc.copy_buffer_to_buffer(&s.slot_ids, 0, &stage, at, slots);
-                    enc.copy_buffer_to_buffer(&s.u, 0, &stage, 2 * at, (nt * d * 4) as u64);
-                }
-                Some(Break::Write(_)) => {}
-                None => tail(&mut enc),
-            }
-            enc.finish()
-        };
-        let mut i = 0;
-        let mut cb = encode(0, &mut taps);
-        loop {
-            let il = match spans[i].end {
-                None => {
-                    ctx.queue.submit([cb]);
-                    admit_now(&mut admit);
-                    return Ok(());
-                }
-                Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
-                Some(Break::Read(il)) => il,
-            };
-            let index = ctx.queue.submit([cb]);
-            // The resident experts and the shared expert go right behind it (they read only
-            // the device's data); then the last layer's admissions are uploaded, and the span
-            // after the write is encoded, while the GPU runs these (the cold outputs it reads
-            // go up by queued writes, which land before its submission).
-            debug_assert_eq!(spans[i + 1].end, Some(Break::Write(il)));
-            ctx.queue.submit([encode(i + 1, &mut taps)]);
-            admit_now(&mut admit);
-            let next = encode(i + 2, &mut taps);
-            let words = 2 * MAX_BATCH * k + nt * d;
-            let back = readback::read_mapped_after(ctx, &stage, words, Some(index))?;
-            let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
-            let cold = bits(&back[..nt * k]);
-            let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
-            self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..])?;
-            admit = Some((il, routed, cold));
-            cb = next;
-            i += 2;
-        }
-    }
-
-    /// Computes layer `il`'s cold slots (`cold[slot]`: the expert, or `NONE_SLOT`) on the CPU
-    /// from the MoE input rows `u` (`[nt, D]`, slot `i` reading row `i / k`), each expert once
-    /// over all of its rows, and writes the outputs into the slots' rows of the expert
-    /// outputs.
-    fn cold_experts(&self, il: usize, cold: &[u32], u: &[f32]) -> Result<(), ForwardError> {
-        use rayon::prelude::*;
-        let c = &self.model.config;
-        let (k, d, ne) = (c.num_experts_per_tok, c.hidden_size, c.num_experts);
-        let routed = &self.model.weights.layers[il].moe.routed;
-        let mut by_expert: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
-        for (slot, &x) in cold.iter().enumerate() {
-            if x == NONE_SLOT {
-                continue;
-            }
-            if x as usize >= ne {
-                return Err(unsupported(format!(
-                    "layer {il}: the device routed slot {slot} to expert {x} of {ne}"
-                ))
-                .into());
-            }
-            by_expert.entry(x as usize).or_default().push(slot);
-        }
-        let n_cold: usize = by_expert.values().map(Vec::len).sum();
-        self.res.cold.fetch_add(n_cold as u64, Ordering::Relaxed);
-        let bytes: usize = by_expert
-            .keys()
-            .map(|&x| {
-                let e = &routed.experts[x];
-                e.gate_up.bytes().len() + e.down.bytes().len()
-            })
-            .sum();
-        self.res
-            .cold_bytes
-            .fetch_add(bytes as u64, Ordering::Relaxed);
-        let t0 = std::time::Instant::now();
-        let outs: Vec<(Vec<usize>, Vec<f32>)> = by_expert
-            .into_par_iter()
-            .map(|(x, slots)| {
-                let mut xs = Vec::with_capacity(slots.len() * d);
-                for &slot in &slots {
-                    let r = slot / k;
-                    xs.extend_from_slice(&u[r * d..(r + 1) * d]);
-                }
-                let y = routed.expert_rows(x, &xs, slots.len());
-                (slots, y)
-            })
-            .collect();
-        let ns = t0.elapsed().as_nanos() as u64;
-        self.res.cold_ns.fetch_add(ns, Ordering::Relaxed);
-        let q = &self.res.dev.ctx.queue;
-        for (slots, y) in &outs {
-            for (slot, row) in slots.iter().zip(y.chunks(d)) {
-                let at = (slot * d * 4) as u64;
-                q.write_buffer(&self.res.scratch.expert_out, at, bytemuck::cast_slice(row));
-            }
-        }
-        Ok(())
-    }
-
-    /// Counts a frame's routed slots (`nt` rows through every layer).
-    fn count_routed(&self, nt: usize) {
-        let c = &self.model.config;
-        let n = nt * c.num_experts_per_tok * c.num_hidden_layers;
-        self.res.routed.fetch_add(n as u64, Ordering::Relaxed);
-    }
-
-    /// The share of routed (token row, expert) slots computed in VRAM so far, when some
-    /// experts are on the CPU (`None` when every expert is resident).
-    pub fn expert_share(&self) -> Option<f64> {
-        let partial = self.res.layers.iter().any(|l| l.moe.cache().is_some());
-        if !partial {
-            return None;
-        }
-        let all = self.res.routed.load(Ordering::Relaxed);
-        let cold = self.res.cold.load(Ordering::Relaxed);
-        Some(if all == 0 {
-            0.0
-        } else {
-            1.0 - cold as f64 / all as f64
-        })
-    }
-
-    /// What the cold path has done so far: routed slots, slots computed on the CPU, the bytes
-    /// of the experts it read (each expert once per frame), the CPU's seconds on them, and
-    /// the experts admitted into banks.
-    pub fn offload_stats(&self) -> OffloadStats {
-        let r = &self.res;
-        OffloadStats {
-            routed: r.routed.load(Ordering::Relaxed),
-            cold: r.cold.load(Ordering::Relaxed),
-            cold_bytes: r.cold_bytes.load(Ordering::Relaxed),
-            cold_seconds: r.cold_ns.load(Ordering::Relaxed) as f64 * 1e-9,
-            admitted: r.admitted.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Routed experts in VRAM and in all, over the layers (admissions move experts in and
-    /// out, never their number).
-    pub fn resident_experts(&self) -> (usize, usize) {
-        let c = &self.model.config;
-        let all = c.num_experts * c.num_hidden_layers;
-        let cold: usize = self
-            .res
-            .layers
-            .iter()
-            .filter_map(|l| l.moe.cache().map(|c| c.slots().len() - c.resident()))
-            .sum();
-        (all - cold, all)
-    }
-
-    /// Per layer, each routed expert's learned score (empty rows for layers whose experts are
-    /// all resident): what [`Offload::warm`] takes in a later run.
-    pub fn expert_scores(&self) -> Vec<Vec<f32>> {
-        self.res
-            .layers
-            .iter()
-            .map(|l| l.moe.cache().map_or_else(Vec::new, |c| c.scores()))
-            .collect()
     }
 
     /// Copies what the host reads (`read` floats of the logits, or the token) into the

@@ -38,6 +38,7 @@ pub mod gdn;
 pub mod hc;
 pub mod moe;
 pub mod mtp;
+pub mod offload;
 pub mod ops;
 pub mod ple;
 pub mod qsa;
@@ -47,8 +48,9 @@ pub mod weights;
 
 pub use expert_cache::CachePolicy;
 pub use forward::{ForwardError, Model, Trace};
-pub use gpu::{GpuModel, GpuRecurrent, GpuState, Head, Offload, OffloadStats, Residency, Unplaced};
+pub use gpu::{GpuModel, GpuRecurrent, GpuState, Head, Unplaced};
 pub use model_core::{BindError, CausalLm, InputError};
 pub use mtp::{MtpDeviceState, MtpGpuOut, MtpHead, MtpOut, MtpState};
+pub use offload::{DEFAULT_ADMISSIONS, Offload, OffloadStats, Residency};
 pub use state::{Recurrent, SeqState};
 pub use weights::{WeightError, Weights};

@@ -3,6 +3,7 @@
 //! routed-expert executor; plus the shared SwiGLU expert scaled by
 //! `sigmoid(shared_expert_gate . u)`. This module owns only the routing.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::config::Qwen4ExpTextConfig;
@@ -11,6 +12,7 @@ use crate::expert_cache::{Admission, CachePolicy, LayerCache};
 use crate::weights::MoeWeights;
 use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::ops::graph::Break;
+use gpu_runtime::staging::{Staged, StagingRing};
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
 use kernels_wgsl::Op;
 use model_core::experts::{Activation, Routes, dense_swiglu};
@@ -78,17 +80,6 @@ pub(crate) enum Routed {
     /// One matrix per expert (a bank larger than one binding): every expert runs over the
     /// frame's rows, weighted zero where a row did not choose it.
     Each(Vec<(Arc<GpuMatrix>, Arc<GpuMatrix>)>),
-}
-
-/// `b` padded with zeros to a whole number of words (what a buffer write takes).
-fn padded(b: &[u8]) -> std::borrow::Cow<'_, [u8]> {
-    if b.len().is_multiple_of(4) {
-        std::borrow::Cow::Borrowed(b)
-    } else {
-        let mut v = b.to_vec();
-        v.resize(b.len().next_multiple_of(4), 0);
-        std::borrow::Cow::Owned(v)
-    }
 }
 
 /// The device's mark of an expert without a bank slot (and of a resident slot in a frame's
@@ -216,54 +207,132 @@ impl MoeGpu {
         }
     }
 
-    /// Records a frame's routing (`routed`, and `cold`: the slots computed on the CPU) and
-    /// uploads what `policy` admits (at most `max` experts) into their bank slots, with the
-    /// map entries: queued writes, so they land before the next submission and after the
-    /// work already submitted (which read the slots' old experts). `w` is where the experts'
-    /// bytes come from (the mapped file).
-    pub(crate) fn admit(
+    /// Records a frame's routing (`routed`, and `cold`: the slots computed on the CPU) in the
+    /// layer's cache and returns what `policy` admits (at most `max` experts), already in the
+    /// host's map; the device's map changes when the upload is committed.
+    pub(crate) fn decide(
         &self,
-        dev: &Device,
-        w: &MoeWeights<'_>,
         routed: &[u32],
         cold: &[u32],
         policy: CachePolicy,
         max: usize,
     ) -> Vec<Admission> {
+        match &self.routed {
+            Routed::Partial {
+                banks: Some(_),
+                cache,
+                ..
+            } => cache
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .frame(routed, cold, policy, max),
+            Routed::Partial { cache, .. } => {
+                // Nothing resident, nothing to admit into: the scores still learn.
+                let mut c = cache.lock().unwrap_or_else(|p| p.into_inner());
+                c.frame(routed, cold, policy, max);
+                Vec::new()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Writes each admitted expert's bytes (from `w`, the mapped file) into a slot of `ring`,
+    /// without waiting for the GPU: an admission finding no ready slot comes back with `None`.
+    pub(crate) fn stage(
+        &self,
+        w: &MoeWeights<'_>,
+        ring: &mut StagingRing,
+        admitted: Vec<Admission>,
+    ) -> Vec<Upload> {
+        admitted
+            .into_iter()
+            .map(|a| {
+                let x = &w.routed.experts[a.expert as usize];
+                let staged = ring.try_stage(&[x.gate_up.bytes(), x.down.bytes()]);
+                (a, staged)
+            })
+            .collect()
+    }
+
+    /// Commits staged admissions: each one's copies into its bank slot go into `cbs` (for
+    /// the next submission, ahead of its frame) and its map entries into queued writes, so
+    /// the work already submitted reads the slot's old expert and everything later the new
+    /// one. An admission without staging room is taken back (the slot keeps its expert); one
+    /// whose copies the device refuses retires its slot, and both experts stay cold, so the
+    /// CPU computes them and the token is still right. `fault` counts copies to aim past
+    /// their bank on purpose (what the tests use to make the device refuse one). Returns the
+    /// staged slots to release after that submission, and (committed, failed).
+    pub(crate) fn commit(
+        &self,
+        dev: &Device,
+        ring: &StagingRing,
+        uploads: Vec<Upload>,
+        fault: &AtomicUsize,
+        cbs: &mut Vec<wgpu::CommandBuffer>,
+    ) -> (Vec<Staged>, usize, usize) {
         let Routed::Partial {
-            banks,
+            banks: Some(banks),
             slot_of,
             cache,
         } = &self.routed
         else {
-            return Vec::new();
-        };
-        let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
-        let admitted = cache.frame(routed, cold, policy, max);
-        let Some(banks) = banks else {
-            return admitted;
+            return (Vec::new(), 0, 0);
         };
         let (gate_up, down) = &**banks;
-        let q = &dev.ctx.queue;
-        for a in &admitted {
-            let x = &w.routed.experts[a.expert as usize];
+        let ctx = &dev.ctx;
+        let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+        let (mut release, mut ok, mut failed) = (Vec::new(), 0, 0);
+        for (a, staged) in uploads {
+            let Some(staged) = staged else {
+                cache.undo(&a);
+                continue;
+            };
+            let faulty = fault
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok();
             let slot = u64::from(a.slot);
-            q.write_buffer(
-                &gate_up.buffer,
-                slot * gate_up.slot_bytes,
-                &padded(x.gate_up.bytes()),
-            );
-            q.write_buffer(
-                &down.buffer,
-                slot * down.slot_bytes,
-                &padded(x.down.bytes()),
-            );
-            q.write_buffer(slot_of, u64::from(a.expert) * 4, &a.slot.to_le_bytes());
+            let cb = ctx.checked("expert admission", || {
+                let mut enc = ctx
+                    .device
+                    .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                        label: Some("expert admission"),
+                    });
+                let at = if faulty {
+                    gate_up.buffer.size()
+                } else {
+                    slot * gate_up.slot_bytes
+                };
+                ring.record(&mut enc, &staged, 0, &gate_up.buffer, at);
+                ring.record(&mut enc, &staged, 1, &down.buffer, slot * down.slot_bytes);
+                enc.finish()
+            });
+            let q = &ctx.queue;
             q.write_buffer(slot_of, u64::from(a.evicted) * 4, &NONE_SLOT.to_le_bytes());
+            match cb {
+                Ok(cb) => {
+                    q.write_buffer(slot_of, u64::from(a.expert) * 4, &a.slot.to_le_bytes());
+                    cbs.push(cb);
+                    ok += 1;
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        "expert {} could not go into bank slot {}; it and expert {} stay on the CPU: {e}",
+                        a.expert,
+                        a.slot,
+                        a.evicted
+                    );
+                    cache.retire(&a);
+                    failed += 1;
+                }
+            }
+            release.push(staged);
         }
-        admitted
+        (release, ok, failed)
     }
 }
+
+/// An admission on its way into a bank: its bytes in a staging slot (`None`: no room).
+pub(crate) type Upload = (Admission, Option<Staged>);
 
 /// Encodes the block on `e.s.u` `[nt, D]` into `out` `[nt, D]`: router, softmax and top-k on
 /// the device; the chosen experts through the grouped kernels (their ids never leave the

@@ -224,6 +224,30 @@ fn admissions_while_running_keep_the_answers() {
     });
 }
 
+/// Admissions the device refuses (their copies aimed past the bank: a validation error, as a
+/// failed upload would raise): each retires its slot, both experts it concerned are computed
+/// on the CPU, and the answers stay the CPU's.
+#[test]
+fn a_refused_admission_leaves_its_experts_on_the_cpu() {
+    h::with_converted("qwen4_exp_c", Profile::F32, |cmf| {
+        let c = cpu(cmf);
+        let (ne, nl) = (c.config.num_experts, c.config.num_hidden_layers);
+        let offload = Offload {
+            policy: CachePolicy::Lru,
+            max_admissions: ne,
+            ..Offload::with(Residency::PerLayer(vec![ne / 2; nl]))
+        };
+        let g = GpuModel::with_offload(cpu(cmf), ctx(None), CTX, true, offload)
+            .unwrap_or_else(|u| panic!("upload: {}", u.error));
+        g.inject_upload_faults(3);
+        h::assert_none(&compare("qwen4_exp_c", "refused uploads", &c, &g));
+        let stats = g.offload_stats();
+        assert_eq!(stats.failed, 3, "{stats:?}");
+        assert!(stats.admitted > 0, "{stats:?}");
+        assert_eq!(g.resident_experts(), (ne / 2 * nl - 3, ne * nl));
+    });
+}
+
 /// Every traced intermediate with half of each layer's experts on the CPU (the frame broken at
 /// every layer, the taps read span by span), GPU against CPU, within the device forward's bound.
 #[test]

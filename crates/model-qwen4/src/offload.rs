@@ -1,0 +1,398 @@
+//! Routed experts split between VRAM and the CPU on the device path (a model larger than the
+//! VRAM budget): how many stay resident ([`Offload`], [`Residency`]), the frame's cold path
+//! (a frame with breaks submitted span by span, the cold experts computed on the CPU while the
+//! GPU computes the resident ones), the admissions that move experts into a layer's bank
+//! through the staging ring, and the counters ([`OffloadStats`]).
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+use gpu_runtime::ops::graph::{Break, Graph, Tap};
+use gpu_runtime::readback;
+use gpu_runtime::staging::StagingRing;
+use quant_codecs::MAX_BATCH;
+
+use crate::config::Qwen4ExpTextConfig;
+use crate::device::Device;
+use crate::expert_cache::CachePolicy;
+use crate::forward::ForwardError;
+use crate::gpu::{GpuModel, readback_buffer, unsupported};
+use crate::moe::{NONE_SLOT, Upload};
+
+/// Where a model's routed experts live when they do not all fit in VRAM.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Offload {
+    /// How many of each layer's experts are resident.
+    pub residency: Residency,
+    /// How the resident ones change while running.
+    pub policy: CachePolicy,
+    /// Experts admitted into a layer's bank per frame at most (each an upload of its bytes).
+    pub max_admissions: usize,
+    /// Per layer, each expert's score from an earlier run ([`GpuModel::expert_scores`]): the
+    /// initial residents are the highest.
+    pub warm: Option<Vec<Vec<f32>>>,
+}
+
+impl Default for Offload {
+    /// As many experts as the budget holds, the learned policy, [`DEFAULT_ADMISSIONS`].
+    fn default() -> Offload {
+        Offload {
+            residency: Residency::Budget,
+            policy: CachePolicy::default(),
+            max_admissions: DEFAULT_ADMISSIONS,
+            warm: None,
+        }
+    }
+}
+
+impl Offload {
+    /// The default offload with `residency`.
+    pub fn with(residency: Residency) -> Offload {
+        Offload {
+            residency,
+            ..Offload::default()
+        }
+    }
+}
+
+/// [`Offload::max_admissions`]' default: one expert per layer and frame (a q4 expert of the
+/// release geometry is 2.6 MB on the bus).
+pub const DEFAULT_ADMISSIONS: usize = 1;
+
+/// Counters of the cold path ([`GpuModel::offload_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct OffloadStats {
+    /// Routed (token row, expert) slots run.
+    pub routed: u64,
+    /// Those computed on the CPU.
+    pub cold: u64,
+    /// Bytes of the experts the CPU computed (each once per frame and layer).
+    pub cold_bytes: u64,
+    /// The CPU's time on them.
+    pub cold_seconds: f64,
+    /// Experts uploaded into banks while running.
+    pub admitted: u64,
+    /// Admissions the device refused (their slots retired; their experts computed on the
+    /// CPU).
+    pub failed: u64,
+}
+
+/// How many of each layer's routed experts live in VRAM (the rest are computed on the CPU).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Residency {
+    /// All of them when the VRAM budget holds them after every other weight; else as many
+    /// per layer as what is left holds, the same number in every layer.
+    #[default]
+    Budget,
+    /// These many in each layer (at most the expert count), whatever the budget says.
+    PerLayer(Vec<usize>),
+}
+
+/// The cold path's buffers and counters.
+pub(crate) struct ColdPath {
+    /// Where a layer's cold slots (`[8k]` u32), routed experts (`[8k]` u32) and MoE input
+    /// (`[8, D]`) are read back (locked for a frame).
+    stage: Mutex<wgpu::Buffer>,
+    /// Admitted experts' bytes on their way into the banks.
+    ring: Mutex<StagingRing>,
+    policy: CachePolicy,
+    max_admissions: usize,
+    /// Routed (token row, expert) slots run so far, and those computed on the CPU.
+    pub(crate) routed: AtomicU64,
+    cold: AtomicU64,
+    /// Experts uploaded into a bank while running, and those the device refused.
+    admitted: AtomicU64,
+    failed: AtomicU64,
+    /// The bytes of the experts the CPU computed (each once per frame), and its time on them.
+    cold_bytes: AtomicU64,
+    cold_ns: AtomicU64,
+    /// Admissions still to be aimed past their bank ([`GpuModel::inject_upload_faults`]).
+    faults: AtomicUsize,
+}
+
+impl ColdPath {
+    /// The cold path of a model whose experts take `slot_bytes` each in a bank; `partial`:
+    /// whether some are on the CPU (else the staging ring is a token one, never used).
+    pub(crate) fn new(
+        dev: &Device,
+        c: &Qwen4ExpTextConfig,
+        offload: &Offload,
+        slot_bytes: u64,
+        partial: bool,
+    ) -> ColdPath {
+        let stage = readback_buffer(
+            &dev.ctx,
+            MAX_BATCH * (2 * c.num_experts_per_tok + c.hidden_size),
+        );
+        // Each admission holds a slot from its staging until the submission with its copies
+        // has run: two layers' worth is enough for the host never to wait on one.
+        let admits = partial && offload.policy != CachePolicy::Static;
+        let ring = if admits {
+            let slots = 2 * offload.max_admissions.max(1) + 2;
+            StagingRing::with_slots(&dev.ctx, slots, slot_bytes + 256)
+        } else {
+            StagingRing::with_slots(&dev.ctx, 1, 256)
+        };
+        ColdPath {
+            stage: Mutex::new(stage),
+            ring: Mutex::new(ring),
+            policy: offload.policy,
+            max_admissions: offload.max_admissions,
+            routed: AtomicU64::new(0),
+            cold: AtomicU64::new(0),
+            admitted: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            cold_bytes: AtomicU64::new(0),
+            cold_ns: AtomicU64::new(0),
+            faults: AtomicUsize::new(0),
+        }
+    }
+}
+
+impl GpuModel<'_> {
+    /// Submits a graph with breaks (some routed experts on the CPU) span by span: at a
+    /// layer's [`Break::Read`] the span so far goes to the GPU with a copy of the layer's cold
+    /// slots, routed experts and MoE input; the next span (the resident experts and the
+    /// shared expert) is submitted behind it, and while the GPU runs it the host reads the
+    /// copy back, computes the cold experts from the mapped file and, at [`Break::Write`],
+    /// writes their outputs into the cold slots' rows for the sum that starts the next span.
+    /// The experts the policy admits are staged on another core meanwhile, and their copies
+    /// go up in the next submission, ahead of its span. `tail` records what the frame copies
+    /// out after its last dispatch.
+    pub(crate) fn run_breaks(
+        &self,
+        g: &Graph,
+        nt: usize,
+        mut taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
+        tail: &dyn Fn(&mut wgpu::CommandEncoder),
+    ) -> Result<(), ForwardError> {
+        let c = &self.model.config;
+        let ctx = &self.res.dev.ctx;
+        let s = &self.res.scratch;
+        let cp = &self.res.cold;
+        let (k, d) = (c.num_experts_per_tok, c.hidden_size);
+        let stage = cp.stage.lock().unwrap_or_else(|p| p.into_inner());
+        let encoder = || {
+            ctx.device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("frame (span)"),
+                })
+        };
+        // Submits `cb` behind the copies of the admissions staged at the last layer.
+        let submit = |cb: wgpu::CommandBuffer, pending: &mut Option<(usize, Vec<Upload>)>| {
+            let Some((il, uploads)) = pending.take() else {
+                return ctx.queue.submit([cb]);
+            };
+            let ring = cp.ring.lock().unwrap_or_else(|p| p.into_inner());
+            let mut cbs = Vec::with_capacity(uploads.len() + 1);
+            let moe = &self.res.layers[il].moe;
+            let (release, ok, failed) =
+                moe.commit(&self.res.dev, &ring, uploads, &cp.faults, &mut cbs);
+            cbs.push(cb);
+            let index = ctx.queue.submit(cbs);
+            for staged in release {
+                ring.release(staged);
+            }
+            cp.admitted.fetch_add(ok as u64, Ordering::Relaxed);
+            cp.failed.fetch_add(failed as u64, Ordering::Relaxed);
+            index
+        };
+        let spans = g.spans();
+        // Span `i` as a command buffer: its dispatches, then the layer's copies for the host
+        // (a read) or what the frame copies out (the last).
+        let encode = |i: usize, taps: &mut Option<&mut Vec<(Tap, wgpu::Buffer)>>| {
+            let span = &spans[i];
+            let mut enc = encoder();
+            g.record_span(ctx, &mut enc, span.items.clone(), taps.as_deref_mut());
+            match span.end {
+                Some(Break::Read(_)) => {
+                    let slots = (nt * k * 4) as u64;
+                    enc.copy_buffer_to_buffer(&s.cold, 0, &stage, 0, slots);
+                    let at = (MAX_BATCH * k * 4) as u64;
+                    enc.copy_buffer_to_buffer(&s.slot_ids, 0, &stage, at, slots);
+                    enc.copy_buffer_to_buffer(&s.u, 0, &stage, 2 * at, (nt * d * 4) as u64);
+                }
+                Some(Break::Write(_)) => {}
+                None => tail(&mut enc),
+            }
+            enc.finish()
+        };
+        let mut pending = None;
+        let mut i = 0;
+        let mut cb = encode(0, &mut taps);
+        loop {
+            let il = match spans[i].end {
+                None => {
+                    submit(cb, &mut pending);
+                    return Ok(());
+                }
+                Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
+                Some(Break::Read(il)) => il,
+            };
+            let index = submit(cb, &mut pending);
+            // The resident experts and the shared expert go right behind it (they read only
+            // the device's data); the span after the write is encoded while the GPU runs
+            // these (the cold outputs it reads go up by queued writes, which land before its
+            // submission).
+            debug_assert_eq!(spans[i + 1].end, Some(Break::Write(il)));
+            ctx.queue.submit([encode(i + 1, &mut taps)]);
+            let next = encode(i + 2, &mut taps);
+            let words = 2 * MAX_BATCH * k + nt * d;
+            let back = readback::read_mapped_after(ctx, &stage, words, Some(index))?;
+            let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+            let cold = bits(&back[..nt * k]);
+            let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
+            let moe = &self.res.layers[il].moe;
+            let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
+            let (done, uploads) = rayon::join(
+                || self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]),
+                || {
+                    if admitted.is_empty() {
+                        return Vec::new();
+                    }
+                    let mut ring = cp.ring.lock().unwrap_or_else(|p| p.into_inner());
+                    moe.stage(&self.model.weights.layers[il].moe, &mut ring, admitted)
+                },
+            );
+            done?;
+            if !uploads.is_empty() {
+                pending = Some((il, uploads));
+            }
+            cb = next;
+            i += 2;
+        }
+    }
+
+    /// Computes layer `il`'s cold slots (`cold[slot]`: the expert, or `NONE_SLOT`) on the CPU
+    /// from the MoE input rows `u` (`[nt, D]`, slot `i` reading row `i / k`), each expert once
+    /// over all of its rows, and writes the outputs into the slots' rows of the expert
+    /// outputs.
+    fn cold_experts(&self, il: usize, cold: &[u32], u: &[f32]) -> Result<(), ForwardError> {
+        use rayon::prelude::*;
+        let c = &self.model.config;
+        let (k, d, ne) = (c.num_experts_per_tok, c.hidden_size, c.num_experts);
+        let routed = &self.model.weights.layers[il].moe.routed;
+        let mut by_expert: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (slot, &x) in cold.iter().enumerate() {
+            if x == NONE_SLOT {
+                continue;
+            }
+            if x as usize >= ne {
+                return Err(unsupported(format!(
+                    "layer {il}: the device routed slot {slot} to expert {x} of {ne}"
+                ))
+                .into());
+            }
+            by_expert.entry(x as usize).or_default().push(slot);
+        }
+        let n_cold: usize = by_expert.values().map(Vec::len).sum();
+        self.res
+            .cold
+            .cold
+            .fetch_add(n_cold as u64, Ordering::Relaxed);
+        let bytes: usize = by_expert
+            .keys()
+            .map(|&x| {
+                let e = &routed.experts[x];
+                e.gate_up.bytes().len() + e.down.bytes().len()
+            })
+            .sum();
+        self.res
+            .cold
+            .cold_bytes
+            .fetch_add(bytes as u64, Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
+        let outs: Vec<(Vec<usize>, Vec<f32>)> = by_expert
+            .into_par_iter()
+            .map(|(x, slots)| {
+                let mut xs = Vec::with_capacity(slots.len() * d);
+                for &slot in &slots {
+                    let r = slot / k;
+                    xs.extend_from_slice(&u[r * d..(r + 1) * d]);
+                }
+                let y = routed.expert_rows(x, &xs, slots.len());
+                (slots, y)
+            })
+            .collect();
+        let ns = t0.elapsed().as_nanos() as u64;
+        self.res.cold.cold_ns.fetch_add(ns, Ordering::Relaxed);
+        let q = &self.res.dev.ctx.queue;
+        for (slots, y) in &outs {
+            for (slot, row) in slots.iter().zip(y.chunks(d)) {
+                let at = (slot * d * 4) as u64;
+                q.write_buffer(&self.res.scratch.expert_out, at, bytemuck::cast_slice(row));
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a frame's routed slots (`nt` rows through every layer).
+    pub(crate) fn count_routed(&self, nt: usize) {
+        let c = &self.model.config;
+        let n = nt * c.num_experts_per_tok * c.num_hidden_layers;
+        self.res.cold.routed.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// The share of routed (token row, expert) slots computed in VRAM so far, when some
+    /// experts are on the CPU (`None` when every expert is resident).
+    pub fn expert_share(&self) -> Option<f64> {
+        let partial = self.res.layers.iter().any(|l| l.moe.cache().is_some());
+        if !partial {
+            return None;
+        }
+        let all = self.res.cold.routed.load(Ordering::Relaxed);
+        let cold = self.res.cold.cold.load(Ordering::Relaxed);
+        Some(if all == 0 {
+            0.0
+        } else {
+            1.0 - cold as f64 / all as f64
+        })
+    }
+
+    /// What the cold path has done so far: routed slots, slots computed on the CPU, the bytes
+    /// of the experts it read (each expert once per frame), the CPU's seconds on them, and
+    /// the experts admitted into banks (and refused).
+    pub fn offload_stats(&self) -> OffloadStats {
+        let r = &self.res.cold;
+        OffloadStats {
+            routed: r.routed.load(Ordering::Relaxed),
+            cold: r.cold.load(Ordering::Relaxed),
+            cold_bytes: r.cold_bytes.load(Ordering::Relaxed),
+            cold_seconds: r.cold_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            admitted: r.admitted.load(Ordering::Relaxed),
+            failed: r.failed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Routed experts in VRAM and in all, over the layers (admissions move experts in and
+    /// out, never their number, unless one fails and retires its slot).
+    pub fn resident_experts(&self) -> (usize, usize) {
+        let c = &self.model.config;
+        let all = c.num_experts * c.num_hidden_layers;
+        let cold: usize = self
+            .res
+            .layers
+            .iter()
+            .filter_map(|l| l.moe.cache().map(|c| c.slots().len() - c.resident()))
+            .sum();
+        (all - cold, all)
+    }
+
+    /// Per layer, each routed expert's learned score (empty rows for layers whose experts are
+    /// all resident): what [`Offload::warm`] takes in a later run.
+    pub fn expert_scores(&self) -> Vec<Vec<f32>> {
+        self.res
+            .layers
+            .iter()
+            .map(|l| l.moe.cache().map_or_else(Vec::new, |c| c.scores()))
+            .collect()
+    }
+
+    /// Makes the device refuse the next `n` admissions (their copies aimed past their bank:
+    /// a validation error, caught like any other refusal). For testing the fault path: each
+    /// refused slot is retired and its experts computed on the CPU.
+    #[doc(hidden)]
+    pub fn inject_upload_faults(&self, n: usize) {
+        self.res.cold.faults.store(n, Ordering::Relaxed);
+    }
+}
