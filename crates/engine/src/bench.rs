@@ -577,6 +577,12 @@ fn cpu(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&BenchRecord)) -> Ben
                 records.push(r);
             }
         }
+        if dtype.is_quantized() {
+            for r in cold_experts(opts, dtype) {
+                progress(&r);
+                records.push(r);
+            }
+        }
     }
     let device = format!(
         "CPU, {} kernels, {} threads",
@@ -586,6 +592,103 @@ fn cpu(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&BenchRecord)) -> Ben
     finish("cpu", device, records)
 }
 
+/// A layer's cold experts on the CPU, as the offload's cold path computes them: `n` distinct
+/// experts of Qwen3.8-Flash-Next's shape (`[2 x 640, 2560]` gate/up + SwiGLU, `[2560, 640]`
+/// down), one token row each, drawn from a pool of `--large` bytes (past the last-level
+/// cache, so their bytes come from memory), on `--act auto`'s path for the format. Two
+/// schedules: `each` (every expert's two projections split over the threads in turn, the
+/// experts in parallel) and `together` (all experts' gate/up rows in one parallel region, then
+/// all down rows: what the cold path runs). Calls are 300 us apart, as a layer's are while the
+/// GPU runs the rest of the layer, so the threads have gone to sleep each time; the figure is
+/// the mean call alone.
+fn cold_experts(opts: &KernelBenchOptions, dtype: DType) -> Vec<BenchRecord> {
+    use model_core::experts::{Activation, expert_mlp, experts_mlp};
+    use quant_codecs::ops::{ActChoice, act_choice, set_act_choice};
+    let (inter, d) = (640, 2560);
+    let (Ok(gu), Ok(dn)) = (
+        synthetic_payload(dtype, 2 * inter, d, 3),
+        synthetic_payload(dtype, d, inter, 4),
+    ) else {
+        return Vec::new();
+    };
+    let expert_bytes = (gu.len() + dn.len()) as u64;
+    let pool = (opts.large_bytes / expert_bytes).max(16) as usize;
+    let gus: Vec<Vec<u8>> = (0..pool).map(|_| gu.clone()).collect();
+    let dns: Vec<Vec<u8>> = (0..pool).map(|_| dn.clone()).collect();
+    let mats: Vec<(MatRef<'_>, MatRef<'_>)> = gus
+        .iter()
+        .zip(&dns)
+        .filter_map(|(g, n)| {
+            Some((
+                MatRef::new(dtype, 2 * inter, d, g).ok()?,
+                MatRef::new(dtype, d, inter, n).ok()?,
+            ))
+        })
+        .collect();
+    let act = Activation::SwiGlu { limit: None };
+    let before = act_choice();
+    set_act_choice(ActChoice::Auto);
+    let x: Vec<f32> = (0..d).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+    // The pause between calls (`CORTIQ_BENCH_GAP_US`, default 300; 0: back to back, the
+    // threads still awake): the difference is what waking the threads costs.
+    let gap = std::env::var("CORTIQ_BENCH_GAP_US")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300u64);
+    let mut out = Vec::new();
+    for n in [5usize, 10] {
+        let (sets, _) = expert_id_sets(mats.len(), 1, n, 64);
+        for together in [false, true] {
+            let mut total = 0.0;
+            let mut calls = 0usize;
+            let t_end = Instant::now() + std::time::Duration::from_secs_f64(opts.seconds);
+            while calls < sets.len() || Instant::now() < t_end {
+                let set = &sets[calls % sets.len()];
+                if gap > 0 {
+                    std::thread::sleep(std::time::Duration::from_micros(gap));
+                }
+                let t0 = Instant::now();
+                if together {
+                    let jobs: Vec<_> = set
+                        .iter()
+                        .map(|&e| (&mats[e as usize].0, &mats[e as usize].1, x.as_slice()))
+                        .collect();
+                    black_box(experts_mlp(act, &jobs));
+                } else {
+                    let y: Vec<Vec<f32>> = set
+                        .par_iter()
+                        .map(|&e| {
+                            let (g, n) = &mats[e as usize];
+                            expert_mlp(act, g, n, &x, 1)
+                        })
+                        .collect();
+                    black_box(y);
+                }
+                total += t0.elapsed().as_secs_f64();
+                calls += 1;
+            }
+            let mut r = record(
+                "cold_experts",
+                dtype.name().into(),
+                format!("{n}x(1280x2560+2560x640)"),
+                1,
+                n as u64 * expert_bytes,
+                total / calls as f64,
+                "wall",
+            );
+            r.path = match (quant_codecs::ops::act_path(dtype), together) {
+                (ActPath::Int8, true) => "i8 tog",
+                (ActPath::Int8, false) => "i8 each",
+                (ActPath::F32, true) => "f32 tog",
+                (ActPath::F32, false) => "f32 each",
+            };
+            out.push(r);
+        }
+    }
+    set_act_choice(before);
+    out
+}
+
 impl BenchReport {
     /// The llama-bench style table.
     pub fn write_text(&self, w: &mut dyn std::io::Write) -> std::io::Result<()> {
@@ -593,13 +696,13 @@ impl BenchReport {
         writeln!(w, "device   {}", self.device)?;
         writeln!(
             w,
-            "{:<13} {:<7} {:<6} {:<14} {:>2} {:>14} {:>12} {:>9} {:>7}  {:<10} llama.cpp",
+            "{:<13} {:<7} {:<8} {:<24} {:>2} {:>14} {:>12} {:>9} {:>7}  {:<10} llama.cpp",
             "test", "format", "path", "shape", "T", "bytes", "us/call", "GB/s", "% ceil", "timing"
         )?;
         for r in &self.records {
             writeln!(
                 w,
-                "{:<13} {:<7} {:<6} {:<14} {:>2} {:>14} {:>12.2} {:>9.1} {:>7.1}{} {:<10} {}",
+                "{:<13} {:<7} {:<8} {:<24} {:>2} {:>14} {:>12.2} {:>9.1} {:>7.1}{} {:<10} {}",
                 r.test,
                 r.format,
                 r.path,

@@ -30,6 +30,19 @@ pub fn read_f32(
     read_mapped(ctx, &stage, count)
 }
 
+/// How long a readback polls before it blocks: 2 ms (the original engine's figure), or
+/// `CORTIQ_SPIN_US` microseconds (0: block at once).
+fn spin_limit() -> std::time::Duration {
+    static SPIN: std::sync::OnceLock<std::time::Duration> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        let us = std::env::var("CORTIQ_SPIN_US")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2000);
+        std::time::Duration::from_micros(us)
+    })
+}
+
 /// Maps `stage` (a `MAP_READ` buffer the submitted work has filled), copies `count` f32 out,
 /// unmaps it: the readback of a preallocated buffer.
 pub fn read_mapped(
@@ -51,6 +64,21 @@ pub fn read_mapped_after(
     let result: Arc<Mutex<Option<Result<(), wgpu::BufferAsyncError>>>> = Arc::new(Mutex::new(None));
     let r = result.clone();
     stage.map_async(wgpu::MapMode::Read, .., move |res| *r.lock() = Some(res));
+    // On a hardware adapter the host polls without blocking for a while first: a blocking
+    // fence wait wakes the thread tens of microseconds after the GPU is done, and the cold
+    // path waits dozens of times a token. A software adapter's GPU is the CPU: no spinning.
+    let spin = if ctx.is_software() {
+        std::time::Duration::ZERO
+    } else {
+        spin_limit()
+    };
+    let t0 = std::time::Instant::now();
+    while result.lock().is_none() && t0.elapsed() < spin {
+        ctx.device
+            .poll(wgpu::PollType::Poll)
+            .map_err(|e| GpuError::Map(e.to_string()))?;
+        std::hint::spin_loop();
+    }
     let mut wait = match after {
         Some(index) => wgpu::PollType::Wait {
             submission_index: Some(index),

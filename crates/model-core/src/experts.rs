@@ -12,7 +12,8 @@
 //! This is where the expert offload (models larger than VRAM) will decide, per expert, whether
 //! it runs from the VRAM bank or on the CPU.
 
-use quant_codecs::ops::{linear, silu};
+use quant_codecs::ops::{act_path, linear, silu};
+use quant_codecs::{MAX_BATCH, MatRef, Product};
 use rayon::prelude::*;
 
 use crate::bind::Mat;
@@ -95,6 +96,94 @@ impl Routes {
     }
 }
 
+/// One expert MLP on the `n` rows of `xs` `[n, D]`: `down(act(gate_up xs))`, `[n, D]`, its
+/// projections split over the threads by the CPU kernels.
+pub fn expert_mlp(
+    act: Activation,
+    gate_up: &MatRef<'_>,
+    down: &MatRef<'_>,
+    xs: &[f32],
+    n: usize,
+) -> Vec<f32> {
+    let i = down.cols();
+    let gu = linear(gate_up, xs, n);
+    let mut hmid = Vec::with_capacity(n * i);
+    for row in gu.chunks(2 * i) {
+        hmid.extend(act.apply(&row[..i], &row[i..]));
+    }
+    linear(down, &hmid, n)
+}
+
+/// Several expert MLPs (`(gate_up, down, xs)`, each on its own rows `[n, D]`), each output
+/// equal to [`expert_mlp`]'s bit for bit, but scheduled together: every expert's gate/up rows
+/// in one parallel region ([`MatRef::matmat_many`]), then every down projection in another.
+/// A layer's few cold experts are small matrices (a few MB each), so one fork/join per
+/// projection instead of one per expert and projection is what keeps the cores reading.
+pub fn experts_mlp(act: Activation, jobs: &[(&MatRef<'_>, &MatRef<'_>, &[f32])]) -> Vec<Vec<f32>> {
+    let Some(&(first, _, _)) = jobs.first() else {
+        return Vec::new();
+    };
+    let path = act_path(first.dtype());
+    // Products of at most MAX_BATCH rows: (job, first row, rows).
+    let mut parts = Vec::new();
+    for (j, &(gu, _, xs)) in jobs.iter().enumerate() {
+        let n = xs.len() / gu.cols();
+        for r0 in (0..n).step_by(MAX_BATCH) {
+            parts.push((j, r0, (n - r0).min(MAX_BATCH)));
+        }
+    }
+    let run = |outs: &mut [Vec<f32>], ins: &[&[f32]], mats: &[MatRef<'_>]| {
+        let mut slices: Vec<&mut [f32]> = Vec::with_capacity(parts.len());
+        for (j, out) in outs.iter_mut().enumerate() {
+            let rows = mats[j].rows();
+            let mut rest: &mut [f32] = out;
+            for &(_, _, n) in parts.iter().filter(|p| p.0 == j) {
+                let (now, later) = std::mem::take(&mut rest).split_at_mut(n * rows);
+                slices.push(now);
+                rest = later;
+            }
+        }
+        // `parts` lists each job's products in order, jobs in order: as `slices` was filled.
+        let mut products: Vec<Product<'_, '_>> = parts
+            .iter()
+            .zip(slices)
+            .map(|(&(j, r0, n), ys)| {
+                let cols = mats[j].cols();
+                Product {
+                    w: mats[j],
+                    xs: &ins[j][r0 * cols..(r0 + n) * cols],
+                    ys,
+                }
+            })
+            .collect();
+        MatRef::matmat_many(path, &mut products).expect("shapes checked at bind time");
+    };
+    let rows_of = |j: usize| jobs[j].2.len() / jobs[j].0.cols();
+    let mut gu: Vec<Vec<f32>> = (0..jobs.len())
+        .map(|j| vec![0.0; rows_of(j) * jobs[j].0.rows()])
+        .collect();
+    let xs: Vec<&[f32]> = jobs.iter().map(|j| j.2).collect();
+    let gate_ups: Vec<MatRef<'_>> = jobs.iter().map(|j| *j.0).collect();
+    run(&mut gu, &xs, &gate_ups);
+    let hmid: Vec<Vec<f32>> = gu
+        .iter()
+        .zip(jobs)
+        .map(|(g, &(_, down, _))| {
+            let i = down.cols();
+            g.chunks(2 * i)
+                .flat_map(|row| act.apply(&row[..i], &row[i..]))
+                .collect()
+        })
+        .collect();
+    let mut out: Vec<Vec<f32>> = (0..jobs.len())
+        .map(|j| vec![0.0; rows_of(j) * jobs[j].1.rows()])
+        .collect();
+    let hs: Vec<&[f32]> = hmid.iter().map(Vec::as_slice).collect();
+    let downs: Vec<MatRef<'_>> = jobs.iter().map(|j| *j.1).collect();
+    run(&mut out, &hs, &downs);
+    out
+}
+
 /// The routed experts of one MoE layer.
 #[derive(Debug, Clone)]
 pub struct RoutedExperts<'a> {
@@ -115,14 +204,25 @@ impl RoutedExperts<'_> {
     /// # Panics
     /// If `x` is not an expert of the layer.
     pub fn expert_rows(&self, x: usize, xs: &[f32], n: usize) -> Vec<f32> {
-        let i = self.intermediate;
         let e = &self.experts[x];
-        let gu = linear(&e.gate_up, xs, n);
-        let mut hmid = Vec::with_capacity(n * i);
-        for row in gu.chunks(2 * i) {
-            hmid.extend(self.activation.apply(&row[..i], &row[i..]));
-        }
-        linear(&e.down, &hmid, n)
+        expert_mlp(self.activation, e.gate_up.mat(), e.down.mat(), xs, n)
+    }
+
+    /// Several experts at once, each on its own rows (`jobs`: expert id and its rows
+    /// `[n, D]`), unweighted, as one parallel region per projection ([`experts_mlp`]); each
+    /// output equals [`RoutedExperts::expert_rows`] bit for bit.
+    ///
+    /// # Panics
+    /// If an id is not an expert of the layer.
+    pub fn experts_rows(&self, jobs: &[(usize, &[f32])]) -> Vec<Vec<f32>> {
+        let mats: Vec<(&MatRef<'_>, &MatRef<'_>, &[f32])> = jobs
+            .iter()
+            .map(|&(x, xs)| {
+                let e = &self.experts[x];
+                (e.gate_up.mat(), e.down.mat(), xs)
+            })
+            .collect();
+        experts_mlp(self.activation, &mats)
     }
 
     /// `sum over routes of weight * expert(u[row])` for the `t` rows of `u` `[t, D]`; returns

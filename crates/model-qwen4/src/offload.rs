@@ -108,6 +108,14 @@ pub(crate) struct ColdPath {
     cold_ns: AtomicU64,
     /// Admissions still to be aimed past their bank ([`GpuModel::inject_upload_faults`]).
     faults: AtomicUsize,
+    /// Each cold expert's projections split over the threads in turn, the experts in
+    /// parallel (the default: measured faster on the H200's host, docs/perf.md), or with
+    /// `CORTIQ_COLD_SCHEDULE=together` every expert's gate/up rows in one parallel region and
+    /// then every down ([`RoutedExperts::experts_rows`]), kept to measure one against the
+    /// other.
+    ///
+    /// [`RoutedExperts::experts_rows`]: model_core::experts::RoutedExperts::experts_rows
+    each: bool,
 }
 
 impl ColdPath {
@@ -145,6 +153,7 @@ impl ColdPath {
             cold_bytes: AtomicU64::new(0),
             cold_ns: AtomicU64::new(0),
             faults: AtomicUsize::new(0),
+            each: std::env::var("CORTIQ_COLD_SCHEDULE").map_or(true, |v| v != "together"),
         }
     }
 }
@@ -302,17 +311,33 @@ impl GpuModel<'_> {
             .cold_bytes
             .fetch_add(bytes as u64, Ordering::Relaxed);
         let t0 = std::time::Instant::now();
-        let outs: Vec<(Vec<usize>, Vec<f32>)> = by_expert
-            .into_par_iter()
+        let inputs: Vec<(usize, Vec<usize>, Vec<f32>)> = by_expert
+            .into_iter()
             .map(|(x, slots)| {
                 let mut xs = Vec::with_capacity(slots.len() * d);
                 for &slot in &slots {
                     let r = slot / k;
                     xs.extend_from_slice(&u[r * d..(r + 1) * d]);
                 }
-                let y = routed.expert_rows(x, &xs, slots.len());
-                (slots, y)
+                (x, slots, xs)
             })
+            .collect();
+        let ys: Vec<Vec<f32>> = if self.res.cold.each {
+            inputs
+                .par_iter()
+                .map(|(x, slots, xs)| routed.expert_rows(*x, xs, slots.len()))
+                .collect()
+        } else {
+            let jobs: Vec<(usize, &[f32])> = inputs
+                .iter()
+                .map(|(x, _, xs)| (*x, xs.as_slice()))
+                .collect();
+            routed.experts_rows(&jobs)
+        };
+        let outs: Vec<(Vec<usize>, Vec<f32>)> = inputs
+            .into_iter()
+            .zip(ys)
+            .map(|((_, slots, _), y)| (slots, y))
             .collect();
         let ns = t0.elapsed().as_nanos() as u64;
         self.res.cold.cold_ns.fetch_add(ns, Ordering::Relaxed);

@@ -387,16 +387,9 @@ fn run_nt<const NT: usize>(p: Path, m: &Mat, a: &Acts, order: Order, ys: &mut [f
         .for_each(|(i, mut outs)| rows_path::<NT>(p, m, a, order, i * chunk, &mut outs));
 }
 
-/// `ys[t * rows + r] = dot(row r, xs[t])` for a quantised dtype, `nt` rows. Callers have
-/// checked `1 <= nt <= MAX_BATCH` and the buffer lengths.
-pub(crate) fn run(isa: Isa, l: Layout, bytes: &[u8], nt: usize, xs: &[f32], ys: &mut [f32]) {
-    debug_assert!(l.dtype.has_int8_kernel());
-    let order = Order::of(l.dtype);
-    let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(&l, bytes));
-    let a = Acts::new(xs, l.cols, order, cs.as_deref());
-    let m = Mat { l, bytes };
+fn path_of(isa: Isa) -> Path {
     let isa = if isa.available() { isa } else { Isa::Baseline };
-    let p = match isa {
+    match isa {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 if is_x86_feature_detected!("avx512vnni") => Path::Vnni,
         #[cfg(target_arch = "x86_64")]
@@ -404,7 +397,23 @@ pub(crate) fn run(isa: Isa, l: Layout, bytes: &[u8], nt: usize, xs: &[f32], ys: 
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => Path::Avx2,
         _ => Path::Portable,
-    };
+    }
+}
+
+fn acts_of(m: &Mat, xs: &[f32]) -> Acts {
+    let l = &m.l;
+    let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(l, m.bytes));
+    Acts::new(xs, l.cols, Order::of(l.dtype), cs.as_deref())
+}
+
+/// `ys[t * rows + r] = dot(row r, xs[t])` for a quantised dtype, `nt` rows. Callers have
+/// checked `1 <= nt <= MAX_BATCH` and the buffer lengths.
+pub(crate) fn run(isa: Isa, l: Layout, bytes: &[u8], nt: usize, xs: &[f32], ys: &mut [f32]) {
+    debug_assert!(l.dtype.has_int8_kernel());
+    let order = Order::of(l.dtype);
+    let m = Mat { l, bytes };
+    let a = acts_of(&m, xs);
+    let p = path_of(isa);
     match nt {
         1 => run_nt::<1>(p, &m, &a, order, ys),
         2 => run_nt::<2>(p, &m, &a, order, ys),
@@ -414,5 +423,64 @@ pub(crate) fn run(isa: Isa, l: Layout, bytes: &[u8], nt: usize, xs: &[f32], ys: 
         6 => run_nt::<6>(p, &m, &a, order, ys),
         7 => run_nt::<7>(p, &m, &a, order, ys),
         _ => run_nt::<8>(p, &m, &a, order, ys),
+    }
+}
+
+/// Bytes of weights one task of [`run_many`] reads at least: a few tens of KB keep a core's
+/// prefetchers streaming, and a layer's few experts still make dozens of tasks per thread.
+const TASK_BYTES: usize = 48 << 10;
+
+/// One product of [`run_many`]: the matrix's layout and bytes, `nt`, `xs`, `ys`.
+pub(crate) type ManyProduct<'a> = (Layout, &'a [u8], usize, &'a [f32], &'a mut [f32]);
+
+/// Several products (each `(matrix, nt, xs, ys)`, quantised dtypes, `1 <= nt <= MAX_BATCH`,
+/// lengths checked by the caller) in one parallel region: every product's rows split into
+/// tasks of about [`TASK_BYTES`] and all the tasks scheduled together, so a handful of small
+/// matrices (a layer's cold experts) costs one fork/join instead of one per matrix. Each row
+/// is computed exactly as [`run`] computes it.
+pub(crate) fn run_many(isa: Isa, products: Vec<ManyProduct<'_>>) {
+    let p = path_of(isa);
+    let prepared: Vec<(Mat, Acts, usize)> = products
+        .iter()
+        .map(|&(l, bytes, nt, xs, _)| {
+            debug_assert!(l.dtype.has_int8_kernel());
+            let m = Mat { l, bytes };
+            let a = acts_of(&m, xs);
+            (m, a, nt)
+        })
+        .collect();
+    // (product, first row, the rows' outputs per token row)
+    let mut tasks: Vec<(usize, usize, Vec<&mut [f32]>)> = Vec::new();
+    for (j, (l, bytes, nt, _, ys)) in products.into_iter().enumerate() {
+        let row_bytes = (bytes.len() / l.rows).max(1);
+        let chunk = (TASK_BYTES / row_bytes).clamp(8, l.rows.max(8));
+        let first = tasks.len();
+        for c in 0..l.rows.div_ceil(chunk) {
+            tasks.push((j, c * chunk, Vec::with_capacity(nt)));
+        }
+        for y in ys.chunks_mut(l.rows).take(nt) {
+            for (task, part) in tasks[first..].iter_mut().zip(y.chunks_mut(chunk)) {
+                task.2.push(part);
+            }
+        }
+    }
+    let work = |(j, r0, mut outs): (usize, usize, Vec<&mut [f32]>)| {
+        let (m, a, nt) = &prepared[j];
+        let order = Order::of(m.l.dtype);
+        match nt {
+            1 => rows_path::<1>(p, m, a, order, r0, &mut outs),
+            2 => rows_path::<2>(p, m, a, order, r0, &mut outs),
+            3 => rows_path::<3>(p, m, a, order, r0, &mut outs),
+            4 => rows_path::<4>(p, m, a, order, r0, &mut outs),
+            5 => rows_path::<5>(p, m, a, order, r0, &mut outs),
+            6 => rows_path::<6>(p, m, a, order, r0, &mut outs),
+            7 => rows_path::<7>(p, m, a, order, r0, &mut outs),
+            _ => rows_path::<8>(p, m, a, order, r0, &mut outs),
+        }
+    };
+    if tasks.len() == 1 {
+        tasks.into_iter().for_each(work);
+    } else {
+        tasks.into_par_iter().for_each(work);
     }
 }

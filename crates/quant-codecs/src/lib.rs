@@ -56,6 +56,18 @@ use kernel::Permute;
 pub use kernel::{Isa, MAX_BATCH};
 pub use stream::{RowEncoder, column_maxima};
 
+/// One product of [`MatRef::matmat_many`]: `ys = w xs`, `xs` `[nt, cols]` and `ys`
+/// `[nt, rows]` row-major, `1 <= nt <= MAX_BATCH`.
+#[derive(Debug)]
+pub struct Product<'a, 'b> {
+    /// The matrix.
+    pub w: MatRef<'a>,
+    /// The activation rows.
+    pub xs: &'b [f32],
+    /// The outputs.
+    pub ys: &'b mut [f32],
+}
+
 /// A validated view of one `[rows, cols]` matrix payload in any dtype.
 #[derive(Debug, Clone, Copy)]
 pub struct MatRef<'a> {
@@ -184,6 +196,27 @@ impl<'a> MatRef<'a> {
         }
         let nt = self.batch_rows(xs, ys)?;
         int8::run(isa, self.layout, self.bytes, nt, xs, ys);
+        Ok(())
+    }
+
+    /// Several products `ys = W xs` at once on `path`, as one parallel region: with int8
+    /// activations every product's rows are split into tasks scheduled together (a handful
+    /// of small matrices, such as a layer's routed experts, cost one fork/join rather than one
+    /// each); on the f32 path, and for dtypes without integer kernels, one product after
+    /// another. Each product's result equals its own [`MatRef::matmat_path`] bit for bit.
+    pub fn matmat_many(path: ActPath, products: &mut [Product<'_, '_>]) -> Result<(), CodecError> {
+        let mut many = Vec::new();
+        for p in products.iter_mut() {
+            let nt = p.w.batch_rows(p.xs, p.ys)?;
+            if path == ActPath::F32 || !p.w.dtype().has_int8_kernel() {
+                p.w.matmat_path(path, p.xs, p.ys)?;
+            } else {
+                many.push((p.w.layout, p.w.bytes, nt, p.xs, &mut *p.ys));
+            }
+        }
+        if !many.is_empty() {
+            int8::run_many(Isa::detect(), many);
+        }
         Ok(())
     }
 

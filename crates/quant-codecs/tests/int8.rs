@@ -329,3 +329,81 @@ fn int8_arbitrary_payloads_never_panic() {
         }
     }
 }
+
+/// Several products in one parallel region equal each product's own call bit for bit, on both
+/// paths, whatever mix of dtypes, widths and row counts (rows split into tasks at other
+/// offsets than the single call's; a wrong offset or output slice shows here), and a wrong
+/// length is refused naming the buffer.
+#[test]
+fn matmat_many_equals_each_product_alone() {
+    use quant_codecs::Product;
+    let shapes = [
+        (DType::Q4tp, 700, 320, 1),
+        (DType::Q2tp, 90, 2560, 3),
+        (DType::Mxfp4, 1280, 256, 8),
+        (DType::Q8_2f, 33, 96, 2),
+        (DType::F16, 40, 64, 5),
+        (DType::Q4tp, 8, 32, 1),
+    ];
+    type Case = (DType, usize, usize, usize, Vec<u8>, Vec<f32>);
+    let mats: Vec<Case> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(d, rows, cols, nt))| {
+            let p = quantize(d, rows, cols, &weights(rows, cols, i as u64 + 1)).unwrap();
+            (
+                d,
+                rows,
+                cols,
+                nt,
+                p,
+                activations(nt * cols, cols, i as u64 + 9),
+            )
+        })
+        .collect();
+    for path in [ActPath::Int8, ActPath::F32] {
+        let want: Vec<Vec<f32>> = mats
+            .iter()
+            .map(|(d, rows, cols, nt, p, xs)| {
+                let m = MatRef::new(*d, *rows, *cols, p).unwrap();
+                let mut y = vec![0.0f32; nt * rows];
+                m.matmat_path(path, xs, &mut y).unwrap();
+                y
+            })
+            .collect();
+        let mut got: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; m.3 * m.1]).collect();
+        let mut products: Vec<Product<'_, '_>> = mats
+            .iter()
+            .zip(got.iter_mut())
+            .map(|((d, rows, cols, _, p, xs), ys)| Product {
+                w: MatRef::new(*d, *rows, *cols, p).unwrap(),
+                xs,
+                ys,
+            })
+            .collect();
+        MatRef::matmat_many(path, &mut products).unwrap();
+        drop(products);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{path:?} product {i} ({:?})",
+                shapes[i]
+            );
+        }
+    }
+    let (d, rows, cols, _, p, xs) = &mats[0];
+    let mut short = vec![0.0f32; rows - 1];
+    let err = MatRef::matmat_many(
+        ActPath::Int8,
+        &mut [Product {
+            w: MatRef::new(*d, *rows, *cols, p).unwrap(),
+            xs,
+            ys: &mut short,
+        }],
+    )
+    .unwrap_err();
+    assert!(
+        matches!(err, CodecError::BufferLength { what: "y", .. }),
+        "{err}"
+    );
+}
