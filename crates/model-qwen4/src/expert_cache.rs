@@ -44,6 +44,24 @@ pub const DECAY: f32 = 0.99;
 /// How much higher a cold expert's score must be than the resident it would replace.
 pub const MARGIN: f32 = 2.0;
 
+/// The learned policy's decay and margin: [`DECAY`] and [`MARGIN`], or `CORTIQ_CACHE_DECAY`
+/// and `CORTIQ_CACHE_MARGIN` (measurement knobs, docs/perf.md).
+fn tuning() -> (f32, f32) {
+    static T: std::sync::OnceLock<(f32, f32)> = std::sync::OnceLock::new();
+    *T.get_or_init(|| {
+        let get = |k: &str, d: f32| {
+            std::env::var(k)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(d)
+        };
+        (
+            get("CORTIQ_CACHE_DECAY", DECAY),
+            get("CORTIQ_CACHE_MARGIN", MARGIN),
+        )
+    })
+}
+
 /// What a retired slot holds: nothing (an upload into it failed; it is never used again).
 const RETIRED: u32 = u32::MAX;
 
@@ -136,7 +154,7 @@ impl LayerCache {
     }
 
     fn score_now(&self, x: usize) -> f32 {
-        self.score[x] * DECAY.powf((self.frame - self.seen[x]) as f32)
+        self.score[x] * tuning().0.powf((self.frame - self.seen[x]) as f32)
     }
 
     /// Records a frame's routing (`routed`: every slot's expert) and returns at most `max`
@@ -196,7 +214,7 @@ impl LayerCache {
             // A margin of one frame's use: experts of about equal score do not trade places
             // (each trade is an upload).
             if policy == CachePolicy::Learned
-                && self.score_now(x) <= self.score_now(v as usize) + MARGIN
+                && self.score_now(x) <= self.score_now(v as usize) + tuning().1
             {
                 break;
             }

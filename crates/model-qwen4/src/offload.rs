@@ -108,6 +108,9 @@ pub(crate) struct ColdPath {
     cold_ns: AtomicU64,
     /// Admissions still to be aimed past their bank ([`GpuModel::inject_upload_faults`]).
     faults: AtomicUsize,
+    /// Whether the thread pool is kept awake while the host waits for a layer's readback
+    /// (`CORTIQ_WARM_POOL=0` turns it off).
+    warm_pool: bool,
     /// Each cold expert's projections split over the threads in turn, the experts in
     /// parallel (the default: measured faster on the H200's host, docs/perf.md), or with
     /// `CORTIQ_COLD_SCHEDULE=together` every expert's gate/up rows in one parallel region and
@@ -153,8 +156,39 @@ impl ColdPath {
             cold_bytes: AtomicU64::new(0),
             cold_ns: AtomicU64::new(0),
             faults: AtomicUsize::new(0),
+            warm_pool: std::env::var("CORTIQ_WARM_POOL").map_or(true, |v| v != "0"),
             each: std::env::var("CORTIQ_COLD_SCHEDULE").map_or(true, |v| v != "together"),
         }
+    }
+}
+
+/// Keeps the CPU thread pool awake while the host waits for the GPU: every worker spins on
+/// a flag until the guard drops (or 5 ms pass), so the cold experts that follow start on
+/// threads that are running rather than asleep (waking them measured 50-150 us per layer on
+/// the H200's host, docs/perf.md).
+struct WarmPool(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl WarmPool {
+    fn hold() -> WarmPool {
+        let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+        for _ in 0..rayon::current_num_threads() {
+            let f = flag.clone();
+            rayon::spawn(move || {
+                let t0 = std::time::Instant::now();
+                while f.load(Ordering::Relaxed)
+                    && t0.elapsed() < std::time::Duration::from_millis(5)
+                {
+                    std::hint::spin_loop();
+                }
+            });
+        }
+        WarmPool(flag)
+    }
+}
+
+impl Drop for WarmPool {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Relaxed);
     }
 }
 
@@ -247,7 +281,9 @@ impl GpuModel<'_> {
             ctx.queue.submit([encode(i + 1, &mut taps)]);
             let next = encode(i + 2, &mut taps);
             let words = 2 * MAX_BATCH * k + nt * d;
+            let warm = cp.warm_pool.then(WarmPool::hold);
             let back = readback::read_mapped_after(ctx, &stage, words, Some(index))?;
+            drop(warm);
             let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
             let cold = bits(&back[..nt * k]);
             let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
