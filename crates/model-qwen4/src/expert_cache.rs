@@ -38,11 +38,13 @@ impl std::str::FromStr for CachePolicy {
     }
 }
 
-/// Per-frame decay of a score: a frame's routing counts half after about 69 frames.
-pub const DECAY: f32 = 0.99;
+/// Per-frame decay of a score: a frame's routing counts half after about 139 frames. (0.99
+/// with a margin of 2, the first choice, converged more slowly than LRU followed; slower
+/// decays with a smaller margin measured best: docs/perf.md.)
+pub const DECAY: f32 = 0.995;
 
 /// How much higher a cold expert's score must be than the resident it would replace.
-pub const MARGIN: f32 = 2.0;
+pub const MARGIN: f32 = 1.0;
 
 /// The learned policy's decay and margin: [`DECAY`] and [`MARGIN`], or `CORTIQ_CACHE_DECAY`
 /// and `CORTIQ_CACHE_MARGIN` (measurement knobs, docs/perf.md).
