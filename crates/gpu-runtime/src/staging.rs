@@ -39,13 +39,6 @@ pub struct Staged {
     parts: Vec<(u64, u64)>,
 }
 
-impl Staged {
-    /// The parts' padded lengths, in order.
-    pub fn lens(&self) -> impl Iterator<Item = u64> + '_ {
-        self.parts.iter().map(|&(_, len)| len)
-    }
-}
-
 impl StagingRing {
     /// Creates the ring, every slot mapped and ready.
     pub fn new(ctx: &GpuContext) -> StagingRing {

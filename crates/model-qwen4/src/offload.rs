@@ -109,7 +109,7 @@ pub(crate) struct ColdPath {
     /// Admissions still to be aimed past their bank ([`GpuModel::inject_upload_faults`]).
     faults: AtomicUsize,
     /// Whether the thread pool is kept awake while the host waits for a layer's readback
-    /// (`CORTIQ_WARM_POOL=0` turns it off).
+    /// (hardware adapters; `CORTIQ_WARM_POOL=0` turns it off).
     warm_pool: bool,
     /// Each cold expert's projections split over the threads in turn, the experts in
     /// parallel (the default: measured faster on the H200's host, docs/perf.md), or with
@@ -156,7 +156,9 @@ impl ColdPath {
             cold_bytes: AtomicU64::new(0),
             cold_ns: AtomicU64::new(0),
             faults: AtomicUsize::new(0),
-            warm_pool: std::env::var("CORTIQ_WARM_POOL").map_or(true, |v| v != "0"),
+            // A software adapter's GPU is the CPU: spinning threads would take its cores.
+            warm_pool: !dev.ctx.is_software()
+                && std::env::var("CORTIQ_WARM_POOL").map_or(true, |v| v != "0"),
             each: std::env::var("CORTIQ_COLD_SCHEDULE").map_or(true, |v| v != "together"),
         }
     }
