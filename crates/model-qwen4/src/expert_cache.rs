@@ -3,13 +3,17 @@
 //! device's, and the policy that decides, from the routing the device reads back each frame,
 //! which cold expert to admit and which resident one it replaces.
 //!
-//! `Learned` keeps a per-expert score, the count of frames that routed to it decayed by
-//! [`DECAY`] per frame (frequency with recency), and admits a cold expert only when its score
-//! beats the lowest resident score by [`MARGIN`]: a burst of one-off experts (a scan) cannot flush the
-//! experts every frame uses, and a shift in what the text routes to is followed within a few
-//! dozen frames. `Lru` admits every cold expert over the least recently used one (the usual
-//! cache, the baseline the learned one must beat); `Static` never changes what was placed at
-//! load (llama.cpp's `--n-cpu-moe` keeps whole layers on the CPU this way).
+//! `Learned` values an expert by two decayed counts of the frames that routed to it: a slow
+//! one ([`DECAY`] per frame: popularity, what an expert is worth over hundreds of tokens) and
+//! a fast one ([`RECENT_DECAY`], weighted by [`RECENT_WEIGHT`]: the last few tokens, since
+//! consecutive tokens route to overlapping experts). It admits a cold expert only when its
+//! value beats the lowest resident value by [`MARGIN`]: a burst of one-off experts (a scan)
+//! cannot flush the experts every frame uses, and a shift in what the text routes to is
+//! followed within a few frames. Replayed on recorded routing (`CORTIQ_ROUTING_TRACE`,
+//! docs/perf.md) the two counts together beat LRU at every bank size tried, where either alone
+//! lost to it at some. `Lru` admits every cold expert over the least recently used one (the
+//! usual cache, the baseline the learned one must beat); `Static` never changes what was
+//! placed at load (llama.cpp's `--n-cpu-moe` keeps whole layers on the CPU this way).
 
 /// How a layer's resident experts change while running.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -38,18 +42,33 @@ impl std::str::FromStr for CachePolicy {
     }
 }
 
-/// Per-frame decay of a score: a frame's routing counts half after about 139 frames. (0.99
-/// with a margin of 2, the first choice, converged more slowly than LRU followed; slower
-/// decays with a smaller margin measured best: docs/perf.md.)
+/// Per-frame decay of the slow count: a frame's routing counts half after about 139 frames.
+/// (0.99 forgot too fast, 0.999 gained nothing: docs/perf.md.)
 pub const DECAY: f32 = 0.995;
 
-/// How much higher a cold expert's score must be than the resident it would replace.
+/// Per-frame decay of the fast count: a frame's routing counts half in the next frame.
+pub const RECENT_DECAY: f32 = 0.5;
+
+/// The fast count's weight in an expert's value: an expert routed in each of the last few
+/// frames (fast count ~2) is worth twenty frames of the slow count's memory.
+pub const RECENT_WEIGHT: f32 = 10.0;
+
+/// How much higher a cold expert's value must be than the resident it would replace (each
+/// trade is an upload).
 pub const MARGIN: f32 = 1.0;
 
-/// The learned policy's decay and margin: [`DECAY`] and [`MARGIN`], or `CORTIQ_CACHE_DECAY`
-/// and `CORTIQ_CACHE_MARGIN` (measurement knobs, docs/perf.md).
-fn tuning() -> (f32, f32) {
-    static T: std::sync::OnceLock<(f32, f32)> = std::sync::OnceLock::new();
+/// The learned policy's constants (measurement knobs: `CORTIQ_CACHE_DECAY`,
+/// `CORTIQ_CACHE_RECENT_DECAY`, `CORTIQ_CACHE_RECENT_WEIGHT`, `CORTIQ_CACHE_MARGIN`).
+#[derive(Debug, Clone, Copy)]
+struct Tuning {
+    decay: f32,
+    recent_decay: f32,
+    recent_weight: f32,
+    margin: f32,
+}
+
+fn tuning() -> Tuning {
+    static T: std::sync::OnceLock<Tuning> = std::sync::OnceLock::new();
     *T.get_or_init(|| {
         let get = |k: &str, d: f32| {
             std::env::var(k)
@@ -57,10 +76,12 @@ fn tuning() -> (f32, f32) {
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(d)
         };
-        (
-            get("CORTIQ_CACHE_DECAY", DECAY),
-            get("CORTIQ_CACHE_MARGIN", MARGIN),
-        )
+        Tuning {
+            decay: get("CORTIQ_CACHE_DECAY", DECAY),
+            recent_decay: get("CORTIQ_CACHE_RECENT_DECAY", RECENT_DECAY),
+            recent_weight: get("CORTIQ_CACHE_RECENT_WEIGHT", RECENT_WEIGHT),
+            margin: get("CORTIQ_CACHE_MARGIN", MARGIN),
+        }
     })
 }
 
@@ -74,8 +95,10 @@ pub struct LayerCache {
     slot_of: Vec<Option<u32>>,
     /// Bank slot -> expert ([`RETIRED`] for a slot taken out of use).
     expert_in: Vec<u32>,
-    /// Decayed routing count per expert, as of frame `seen[x]`.
+    /// Slowly decayed routing count per expert.
     score: Vec<f32>,
+    /// Quickly decayed routing count per expert.
+    recent: Vec<f32>,
     /// The last frame that routed to each expert.
     seen: Vec<u64>,
     frame: u64,
@@ -108,6 +131,7 @@ impl LayerCache {
             slot_of,
             expert_in: resident.to_vec(),
             score,
+            recent: vec![0.0; experts],
             seen: vec![0; experts],
             frame: 0,
         }
@@ -150,13 +174,15 @@ impl LayerCache {
         self.expert_in[a.slot as usize] = RETIRED;
     }
 
-    /// Each expert's score now (what a later run starts from).
+    /// Each expert's slow count now (what a later run starts from: the fast one says
+    /// nothing about the next run's first tokens).
     pub fn scores(&self) -> Vec<f32> {
-        (0..self.score.len()).map(|x| self.score_now(x)).collect()
+        self.score.clone()
     }
 
-    fn score_now(&self, x: usize) -> f32 {
-        self.score[x] * tuning().0.powf((self.frame - self.seen[x]) as f32)
+    /// What keeping expert `x` is worth to the learned policy.
+    fn value(&self, x: usize) -> f32 {
+        self.score[x] + tuning().recent_weight * self.recent[x]
     }
 
     /// Records a frame's routing (`routed`: every slot's expert) and returns at most `max`
@@ -178,8 +204,20 @@ impl LayerCache {
             .collect();
         touched.sort_unstable();
         touched.dedup();
+        // Decayed in full each frame (a few hundred multiplies) so that valuing a resident
+        // is two loads: the victim search visits every slot.
+        let t = tuning();
+        // (Counts that reach nothing are flushed to zero: subnormal arithmetic is slow.)
+        let decay = |v: &mut [f32], by: f32| {
+            for s in v {
+                *s = if *s > 1e-20 { *s * by } else { 0.0 };
+            }
+        };
+        decay(&mut self.score, t.decay);
+        decay(&mut self.recent, t.recent_decay);
         for &x in &touched {
-            self.score[x] = self.score_now(x) + 1.0;
+            self.score[x] += 1.0;
+            self.recent[x] += 1.0;
             self.seen[x] = self.frame;
         }
         if policy == CachePolicy::Static || self.resident() == 0 {
@@ -192,14 +230,14 @@ impl LayerCache {
             .collect();
         wanted.sort_unstable();
         wanted.dedup();
-        // The most valuable first: the highest score (learned) or any (LRU: all are as recent).
-        wanted.sort_by(|&a, &b| self.score_now(b).total_cmp(&self.score_now(a)));
+        // The most valuable first (LRU: all are as recent, any order does).
+        wanted.sort_by(|&a, &b| self.value(b).total_cmp(&self.value(a)));
         let mut out = Vec::new();
         for x in wanted {
             if out.len() == max {
                 break;
             }
-            // The victim: not used this frame, the lowest score (learned) or the oldest use.
+            // The victim: not used this frame, the lowest value (learned) or the oldest use.
             let victim = self
                 .expert_in
                 .iter()
@@ -208,16 +246,15 @@ impl LayerCache {
                 .min_by(|a, b| match policy {
                     CachePolicy::Lru => self.seen[*a.1 as usize].cmp(&self.seen[*b.1 as usize]),
                     _ => self
-                        .score_now(*a.1 as usize)
-                        .total_cmp(&self.score_now(*b.1 as usize)),
+                        .value(*a.1 as usize)
+                        .total_cmp(&self.value(*b.1 as usize)),
                 })
                 .map(|(slot, &v)| (slot, v));
             let Some((slot, v)) = victim else { break };
-            // A margin of one frame's use: experts of about equal score do not trade places
-            // (each trade is an upload).
-            if policy == CachePolicy::Learned
-                && self.score_now(x) <= self.score_now(v as usize) + tuning().1
-            {
+            // Experts of about equal value do not trade places (each trade is an upload); a
+            // resident of no value (never routed to, nor by an earlier run) is no one's loss.
+            let kept = self.value(v as usize);
+            if policy == CachePolicy::Learned && kept > 0.0 && self.value(x) <= kept + t.margin {
                 break;
             }
             self.slot_of[v as usize] = None;
@@ -274,6 +311,76 @@ mod tests {
             }
             let still = hot.iter().all(|&x| c.slots()[x as usize].is_some());
             assert_eq!(still, kept, "{policy:?} after a scan");
+        }
+    }
+
+    /// A stream with both a skewed popularity (Zipf 0.8 over a shuffled order) and locality
+    /// (each routed expert repeats one of the previous frame's with probability `reuse`), the
+    /// two things real routing has: the learned policy's hit rate beats LRU's and the static
+    /// placement's at every bank size, from no locality to much.
+    #[test]
+    fn learned_beats_lru_and_static_on_popularity_with_locality() {
+        let (experts, k, frames, warm) = (64usize, 4usize, 2000usize, 500usize);
+        for reuse in [0.0, 0.3, 0.5] {
+            let mut s = 7u64;
+            let mut rand = move || {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (s >> 11) as f64 / (1u64 << 53) as f64
+            };
+            let mut rank: Vec<usize> = (0..experts).collect();
+            for i in (1..experts).rev() {
+                rank.swap(i, (rand() * (i + 1) as f64) as usize);
+            }
+            let w: Vec<f64> = rank.iter().map(|&r| ((r + 1) as f64).powf(-0.8)).collect();
+            let total: f64 = w.iter().sum();
+            let mut stream: Vec<Vec<u32>> = Vec::new();
+            let mut prev: Vec<u32> = Vec::new();
+            for _ in 0..frames {
+                let mut cur: Vec<u32> = Vec::new();
+                while cur.len() < k {
+                    let x = if !prev.is_empty() && rand() < reuse {
+                        prev[(rand() * prev.len() as f64) as usize]
+                    } else {
+                        let (mut u, mut x) = (rand() * total, 0);
+                        while x + 1 < experts && u >= w[x] {
+                            u -= w[x];
+                            x += 1;
+                        }
+                        x as u32
+                    };
+                    if !cur.contains(&x) {
+                        cur.push(x);
+                    }
+                }
+                prev = cur.clone();
+                stream.push(cur);
+            }
+            for capacity in [8usize, 16, 32] {
+                let hits = |policy| {
+                    let resident: Vec<u32> = (0..capacity as u32).collect();
+                    let mut c = LayerCache::new(experts, &resident, None);
+                    let mut h = 0;
+                    for (f, r) in stream.iter().enumerate() {
+                        let k = cold(&c, r);
+                        if f >= warm {
+                            h += k.iter().filter(|&&x| x == NONE).count();
+                        }
+                        c.frame(r, &k, policy, 1);
+                    }
+                    h
+                };
+                let (l, u, st) = (
+                    hits(CachePolicy::Learned),
+                    hits(CachePolicy::Lru),
+                    hits(CachePolicy::Static),
+                );
+                assert!(
+                    l > u && l > st,
+                    "reuse {reuse}, {capacity} slots: learned {l}, lru {u}, static {st} hits"
+                );
+            }
         }
     }
 

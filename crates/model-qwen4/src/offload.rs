@@ -119,6 +119,9 @@ pub(crate) struct ColdPath {
     ///
     /// [`RoutedExperts::experts_rows`]: model_core::experts::RoutedExperts::experts_rows
     each: bool,
+    /// With `CORTIQ_ROUTING_TRACE=FILE`: every layer's routing, one line a frame (`layer:
+    /// ids...`), for replaying cache policies offline (`cortiq bench cache`).
+    trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
 }
 
 impl ColdPath {
@@ -160,6 +163,30 @@ impl ColdPath {
             warm_pool: !dev.ctx.is_software()
                 && std::env::var("CORTIQ_WARM_POOL").map_or(true, |v| v != "0"),
             each: std::env::var("CORTIQ_COLD_SCHEDULE").map_or(true, |v| v != "together"),
+            trace: std::env::var_os("CORTIQ_ROUTING_TRACE").and_then(
+                |p| match std::fs::File::create(&p) {
+                    Ok(f) => Some(Mutex::new(std::io::BufWriter::new(f))),
+                    Err(e) => {
+                        tracing::warn!("routing trace {}: {e}", p.to_string_lossy());
+                        None
+                    }
+                },
+            ),
+        }
+    }
+
+    /// Appends a layer's routed experts of one frame to the routing trace, if one is kept.
+    fn record(&self, layer: usize, routed: &[u32]) {
+        use std::io::Write;
+        let Some(t) = &self.trace else { return };
+        let mut w = t.lock().unwrap_or_else(|p| p.into_inner());
+        let mut line = format!("{layer}:");
+        for x in routed {
+            line.push_str(&format!(" {x}"));
+        }
+        line.push('\n');
+        if let Err(e) = w.write_all(line.as_bytes()).and_then(|_| w.flush()) {
+            tracing::warn!("routing trace: {e}");
         }
     }
 }
@@ -290,10 +317,13 @@ impl GpuModel<'_> {
             let cold = bits(&back[..nt * k]);
             let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
             let moe = &self.res.layers[il].moe;
-            let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
+            cp.record(il, &routed);
+            // What to admit is decided beside the cold experts, not before them: they are
+            // the cold winners the device read back whatever the policy says next.
             let (done, uploads) = rayon::join(
                 || self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]),
                 || {
+                    let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
                     if admitted.is_empty() {
                         return Vec::new();
                     }
