@@ -231,6 +231,29 @@ pub enum BenchCommand {
     /// Prefill and decode tokens/s of a whole model (a file, or the synthetic release
     /// geometry), with the bound the device's read bandwidth puts on decode.
     Model(BenchModelArgs),
+    /// Hit rates of the expert cache's policies replayed over recorded routing
+    /// (CORTIQ_ROUTING_TRACE=FILE on a run with experts on the CPU), at any bank size.
+    Cache(BenchCacheArgs),
+}
+
+/// `cortiq bench cache`.
+#[derive(Debug, Args)]
+pub struct BenchCacheArgs {
+    /// The routing trace (one line per layer and frame: `layer: id id ...`).
+    #[arg(value_name = "TRACE")]
+    pub trace: PathBuf,
+    /// Bank sizes to replay, in experts per layer, comma-separated.
+    #[arg(long, value_name = "N,...", value_delimiter = ',', required = true, value_parser = count)]
+    pub slots: Vec<usize>,
+    /// Experts per layer (default: one more than the largest id in the trace).
+    #[arg(long, value_name = "N", value_parser = count)]
+    pub experts: Option<usize>,
+    /// Admissions per layer and frame (what a run allows: 1).
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub max_admissions: usize,
+    /// Frames not counted while the cache warms up (default: the first third).
+    #[arg(long, value_name = "N")]
+    pub warm: Option<usize>,
 }
 
 /// `cortiq bench model`.

@@ -104,6 +104,7 @@ fn run(cli: Cli) -> ExitCode {
         Command::Doctor(args) => run_doctor(args),
         Command::Bench(BenchCommand::Kernels(args)) => run_bench_kernels(args),
         Command::Bench(BenchCommand::Model(args)) => run_bench_model(args),
+        Command::Bench(BenchCommand::Cache(args)) => run_bench_cache(args),
         Command::Convert(args) => run_convert(args),
         Command::Logits(args) => run_logits(args),
         Command::Run(args) => run_generate(args),
@@ -799,6 +800,60 @@ async fn shutdown_signal() {
         _ = term => {},
     }
     eprintln!("cortiq serve: shutting down (the requests in flight end now)");
+}
+
+fn run_bench_cache(args: cli::BenchCacheArgs) -> anyhow::Result<ExitCode> {
+    use model_qwen4::CachePolicy;
+    use model_qwen4::cache_replay::{RoutingTrace, replay};
+    let text = std::fs::read_to_string(&args.trace)
+        .with_context(|| format!("reading {}", args.trace.display()))?;
+    let trace =
+        RoutingTrace::parse(&text).with_context(|| format!("in {}", args.trace.display()))?;
+    let seen = trace.experts();
+    let experts = args.experts.unwrap_or(seen);
+    if seen > experts {
+        anyhow::bail!(
+            "{}: expert id {} routed, but --experts is {experts}",
+            args.trace.display(),
+            seen - 1
+        );
+    }
+    let frames = trace.frames();
+    let warm = args.warm.unwrap_or(frames / 3);
+    if warm >= frames {
+        anyhow::bail!(
+            "{}: {frames} frames, none left after a warm-up of {warm}",
+            args.trace.display()
+        );
+    }
+    println!(
+        "{}: {} layers, {frames} frames, {experts} experts; counted after {warm} frames, at most {} admission(s) a layer and frame",
+        args.trace.display(),
+        trace.layers.len(),
+        args.max_admissions
+    );
+    println!("| slots / layer | policy | routed pairs in VRAM | admitted / layer / frame |");
+    println!("|---:|---|---:|---:|");
+    for &slots in &args.slots {
+        for policy in [CachePolicy::Learned, CachePolicy::Lru, CachePolicy::Static] {
+            let r = replay(
+                &trace,
+                experts,
+                slots.min(experts),
+                policy,
+                args.max_admissions,
+                warm,
+            );
+            let per = (frames - warm) * trace.layers.len();
+            println!(
+                "| {slots} | {} | {:.1}% | {:.3} |",
+                format!("{policy:?}").to_lowercase(),
+                100.0 * r.hit_rate(),
+                r.admitted as f64 / per.max(1) as f64
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {

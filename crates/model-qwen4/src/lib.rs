@@ -27,6 +27,7 @@
 //! `shared/notes/reference-arch.md` §3.
 #![deny(missing_docs)]
 
+pub mod cache_replay;
 pub mod config;
 pub mod device;
 pub mod expert_cache;
