@@ -71,6 +71,13 @@ impl Order {
         }
     }
 
+    /// `pos(b, e) - pos(b, 0)` for the 32 elements of block `b`.
+    #[inline(always)]
+    fn offsets(self, b: usize) -> [usize; ACT_BLOCK] {
+        let base = self.pos(b, 0);
+        core::array::from_fn(|e| self.pos(b, e) - base)
+    }
+
     fn of(dtype: DType) -> Order {
         match dtype {
             DType::Q4tp | DType::Mxfp4 => Order::Pairs4,
@@ -110,24 +117,7 @@ impl Acts {
         };
         let per = nbp * ACT_BLOCK;
         let work = |(t, ((q, d), s)): (usize, RowParts)| {
-            let x = &xs[t * cols..][..cols];
-            for b in 0..nb {
-                let len = (cols - b * ACT_BLOCK).min(ACT_BLOCK);
-                let mut buf = [0.0f32; ACT_BLOCK];
-                for e in 0..len {
-                    let i = b * ACT_BLOCK + e;
-                    buf[e] = match cs {
-                        Some(cs) => x[i] * cs[i],
-                        None => x[i],
-                    };
-                }
-                let mut qb = [0i8; ACT_BLOCK];
-                d[b] = quantize_block(&buf[..len], &mut qb[..len]);
-                s[b] = qb.iter().map(|&v| i32::from(v)).sum();
-                for e in 0..len {
-                    q[order.pos(b, e)] = qb[e];
-                }
-            }
+            quantize_row(&xs[t * cols..][..cols], cs, order, q, d, s)
         };
         let it =
             a.q.chunks_mut(per)
@@ -147,6 +137,90 @@ impl Acts {
 
 /// One token row's quantised parts: codes, block scales, block sums.
 type RowParts<'a> = ((&'a mut [i8], &'a mut [f32]), &'a mut [i32]);
+
+/// One activation row into its codes `q` (in `order`), block scales `d` and block sums `s`,
+/// compiled for the widest vector unit the CPU has (the same integer and f64 operations
+/// whichever: the codes do not depend on it).
+fn quantize_row(
+    x: &[f32],
+    cs: Option<&[f32]>,
+    order: Order,
+    q: &mut [i8],
+    d: &mut [f32],
+    s: &mut [i32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
+            // SAFETY: the features were detected.
+            return unsafe { quantize_row_avx512(x, cs, order, q, d, s) };
+        }
+        if is_x86_feature_detected!("avx2") {
+            // SAFETY: the feature was detected.
+            return unsafe { quantize_row_avx2(x, cs, order, q, d, s) };
+        }
+    }
+    quantize_row_any(x, cs, order, q, d, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
+fn quantize_row_avx512(
+    x: &[f32],
+    cs: Option<&[f32]>,
+    order: Order,
+    q: &mut [i8],
+    d: &mut [f32],
+    s: &mut [i32],
+) {
+    quantize_row_any(x, cs, order, q, d, s)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn quantize_row_avx2(
+    x: &[f32],
+    cs: Option<&[f32]>,
+    order: Order,
+    q: &mut [i8],
+    d: &mut [f32],
+    s: &mut [i32],
+) {
+    quantize_row_any(x, cs, order, q, d, s)
+}
+
+#[inline(always)]
+fn quantize_row_any(
+    x: &[f32],
+    cs: Option<&[f32]>,
+    order: Order,
+    q: &mut [i8],
+    d: &mut [f32],
+    s: &mut [i32],
+) {
+    let cols = x.len();
+    for b in 0..cols.div_ceil(ACT_BLOCK) {
+        let len = (cols - b * ACT_BLOCK).min(ACT_BLOCK);
+        let mut buf = [0.0f32; ACT_BLOCK];
+        let xb = &x[b * ACT_BLOCK..][..len];
+        match cs {
+            Some(cs) => {
+                for ((o, &v), &c) in buf.iter_mut().zip(xb).zip(&cs[b * ACT_BLOCK..][..len]) {
+                    *o = v * c;
+                }
+            }
+            None => buf[..len].copy_from_slice(xb),
+        }
+        let mut qb = [0i8; ACT_BLOCK];
+        d[b] = quantize_block(&buf[..len], &mut qb[..len]);
+        s[b] = qb.iter().map(|&v| i32::from(v)).sum();
+        let base = order.pos(b, 0);
+        let at = order.offsets(b);
+        for e in 0..len {
+            q[base + at[e]] = qb[e];
+        }
+    }
+}
 
 /// One quantised matrix for the integer kernels.
 #[derive(Clone, Copy)]

@@ -15,7 +15,7 @@ use core::arch::x86_64::*;
 
 use crate::DType;
 use crate::act8::ACT_BLOCK;
-use crate::int8::{Acts, LANES8, MX_INT, Mat, Row, fold16};
+use crate::int8::{Acts, LANES8, MX_INT, Mat, Row};
 
 /// How far ahead of the bytes being decoded the weight stream is prefetched.
 const PREFETCH: usize = 4096;
@@ -96,6 +96,9 @@ fn drive<const NT: usize>(
     let per = a.nbp * ACT_BLOCK;
     let chunks = a.nb.div_ceil(LANES8);
     let offv = _mm512_set1_epi32(off);
+    // Each row's 16 lanes wait here until 16 rows are done, to be folded together.
+    let mut held = [[[0.0f32; LANES8]; LANES8]; NT];
+    let mut rs = [1.0f32; LANES8];
     for i in 0..n {
         let row = m.row(r0 + i);
         let mut acc = [_mm512_setzero_ps(); NT];
@@ -128,13 +131,66 @@ fn drive<const NT: usize>(
                 acc[t] = _mm512_mask3_fmadd_ps(f, _mm512_cvtepi32_ps(int), acc[t], mask);
             }
         }
+        let slot = i % LANES8;
+        rs[slot] = row.rs;
         for t in 0..NT {
-            let mut lanes = [0.0f32; LANES8];
-            // SAFETY: `lanes` holds 16 f32.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc[t]) };
-            outs[t][i] = fold16(&lanes) * row.rs;
+            // SAFETY: a row of `held` holds 16 f32.
+            unsafe { _mm512_storeu_ps(held[t][slot].as_mut_ptr(), acc[t]) };
+        }
+        if slot == LANES8 - 1 || i + 1 == n {
+            let first = i - slot;
+            for t in 0..NT {
+                let sums = fold16x16(&held[t]);
+                for j in 0..=slot {
+                    outs[t][first + j] = sums[j] * rs[j];
+                }
+            }
         }
     }
+}
+
+/// [`fold16`](crate::int8::fold16) of 16 rows at once: the same additions of the same operands (lane `j + w` into
+/// lane `j` for `w` = 8, 4, 2, 1), two rows' halves per vector, so each row's sum is bit for
+/// bit `fold16`'s; row `r`'s sum comes back in lane `r`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+fn fold16x16(rows: &[[f32; LANES8]; LANES8]) -> [f32; LANES8] {
+    // SAFETY: each row holds 16 f32.
+    let mut v: [__m512; 16] =
+        core::array::from_fn(|r| unsafe { _mm512_loadu_ps(rows[r].as_ptr()) });
+    // At width `w` a vector holds 16 / w rows of w lanes each, row by row; two vectors fold
+    // into one holding twice the rows at half the width: its lanes come from `a` then `b`,
+    // each row's first half plus its second.
+    let mut w = 16;
+    let mut count = 16;
+    while w > 1 {
+        let h = w / 2;
+        let lo: [u32; 16] = core::array::from_fn(|k| {
+            let (src, r, j) = (k / 8, (k % 8) / h, k % h);
+            (src * 16 + r * w + j) as u32
+        });
+        let hi: [u32; 16] = core::array::from_fn(|k| lo[k] + h as u32);
+        // SAFETY: both index tables hold 16 u32.
+        let (lo, hi) = unsafe {
+            (
+                _mm512_loadu_si512(lo.as_ptr().cast()),
+                _mm512_loadu_si512(hi.as_ptr().cast()),
+            )
+        };
+        count /= 2;
+        for i in 0..count {
+            let (a, b) = (v[2 * i], v[2 * i + 1]);
+            v[i] = _mm512_add_ps(
+                _mm512_permutex2var_ps(a, lo, b),
+                _mm512_permutex2var_ps(a, hi, b),
+            );
+        }
+        w = h;
+    }
+    let mut out = [0.0f32; LANES8];
+    // SAFETY: `out` holds 16 f32.
+    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), v[0]) };
+    out
 }
 
 /// Per lane `k` of [`ladder_scales`]: bytes `5k / 8` and `5k / 8 + 1` of a chunk's codes as a
@@ -330,5 +386,33 @@ pub(crate) unsafe fn rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &
         DType::Q4tp => q4tp_rows::<NT>(m, a, r0, outs),
         DType::Q2tp => q2tp_rows::<NT>(m, a, r0, outs),
         _ => mxfp4_rows::<NT>(m, a, r0, outs),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::int8::fold16;
+
+    /// Each row's sum is bit for bit the one-row fold's, on values whose sums round
+    /// differently in every other order.
+    #[test]
+    fn sixteen_rows_fold_as_each_alone() {
+        if !(is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni")) {
+            return;
+        }
+        let mut s = 1u32;
+        let rows: [[f32; LANES8]; LANES8] = core::array::from_fn(|_| {
+            core::array::from_fn(|_| {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                let e = (s >> 24) as i32 % 40 - 20;
+                (s as f32 / u32::MAX as f32 - 0.5) * (e as f32).exp2()
+            })
+        });
+        // SAFETY: the features were detected above.
+        let got = unsafe { fold16x16(&rows) };
+        for r in 0..LANES8 {
+            assert_eq!(got[r].to_bits(), fold16(&rows[r]).to_bits(), "row {r}");
+        }
     }
 }
