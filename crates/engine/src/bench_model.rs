@@ -94,6 +94,8 @@ pub struct OffloadRecord {
     pub token_ms: f64,
     /// Experts uploaded into banks per token.
     pub admitted: f64,
+    /// Of those, prefetched (the next layer's likeliest experts) per token.
+    pub prefetched: f64,
 }
 
 /// One stage's (or one kernel shape's) share of a decoded token.
@@ -203,6 +205,7 @@ pub fn bench(
                 cpu_ms: 1e3 * (b.cold_seconds - a.cold_seconds) / tokens,
                 token_ms: 1e3 * t_decode.elapsed().as_secs_f64() / tokens,
                 admitted: (b.admitted - a.admitted) as f64 / tokens,
+                prefetched: (b.prefetched - a.prefetched) as f64 / tokens,
             })
         }
         _ => None,
@@ -389,14 +392,15 @@ impl ModelReport {
                 w,
                 "\nrouted experts on the CPU ({} of {} resident): decode {:.1}% in VRAM; per \
                  token {:.1} MB of cold experts read by the CPU in {:.2} ms (of {:.2} ms), {:.2} \
-                 experts admitted",
+                 experts admitted ({:.2} prefetched)",
                 o.resident.0,
                 o.resident.1,
                 100.0 * o.hit_rate,
                 o.cold_bytes / 1e6,
                 o.cpu_ms,
                 o.token_ms,
-                o.admitted
+                o.admitted,
+                o.prefetched
             )?;
         }
         if !self.stages.is_empty() {

@@ -254,6 +254,10 @@ pub struct BenchCacheArgs {
     /// Frames not counted while the cache warms up (default: the first third).
     #[arg(long, value_name = "N")]
     pub warm: Option<usize>,
+    /// The learned policy's prefetch: the next layer's likeliest experts uploaded per layer
+    /// and frame (what a run does with CORTIQ_PREFETCH=N; default: a run's default).
+    #[arg(long, value_name = "N")]
+    pub prefetch: Option<usize>,
 }
 
 /// `cortiq bench model`.

@@ -826,13 +826,16 @@ fn run_bench_cache(args: cli::BenchCacheArgs) -> anyhow::Result<ExitCode> {
             args.trace.display()
         );
     }
+    let prefetch = args
+        .prefetch
+        .unwrap_or(model_qwen4::Offload::default().prefetch);
     println!(
-        "{}: {} layers, {frames} frames, {experts} experts; counted after {warm} frames, at most {} admission(s) a layer and frame",
+        "{}: {} layers, {frames} frames, {experts} experts; counted after {warm} frames, at most {} admission(s) a layer and frame, learned prefetching {prefetch}",
         args.trace.display(),
         trace.layers.len(),
         args.max_admissions
     );
-    println!("| slots / layer | policy | routed pairs in VRAM | admitted / layer / frame |");
+    println!("| slots / layer | policy | routed pairs in VRAM | uploads / layer / frame |");
     println!("|---:|---|---:|---:|");
     for &slots in &args.slots {
         for policy in [CachePolicy::Learned, CachePolicy::Lru, CachePolicy::Static] {
@@ -842,6 +845,7 @@ fn run_bench_cache(args: cli::BenchCacheArgs) -> anyhow::Result<ExitCode> {
                 slots.min(experts),
                 policy,
                 args.max_admissions,
+                prefetch,
                 warm,
             );
             let per = (frames - warm) * trace.layers.len();

@@ -5,6 +5,7 @@
 //! run with that bank would have had (`cortiq bench cache`).
 
 use crate::expert_cache::{CachePolicy, LayerCache};
+use crate::prefetch::CoRouting;
 
 /// A line of a routing trace that does not parse.
 #[derive(Debug, thiserror::Error)]
@@ -82,7 +83,7 @@ pub struct Replayed {
     pub routed: u64,
     /// Those whose expert was in the bank.
     pub hits: u64,
-    /// Admissions after the warm-up.
+    /// Uploads after the warm-up (admissions and prefetches).
     pub admitted: u64,
 }
 
@@ -95,20 +96,38 @@ impl Replayed {
 
 /// Replays `trace` through a bank of `capacity` slots per layer that starts with the first
 /// ids resident (as a run without saved scores does), admitting at most `max` experts per
-/// layer and frame under `policy`; frames before `warm` are not counted.
+/// layer and frame under `policy`, and (learned policy, `prefetch > 0`) prefetching that many
+/// of the next layer's likeliest experts when a layer's routing is known, as a run does;
+/// frames before `warm` are not counted.
 pub fn replay(
     trace: &RoutingTrace,
     experts: usize,
     capacity: usize,
     policy: CachePolicy,
     max: usize,
+    prefetch: usize,
     warm: usize,
 ) -> Replayed {
     let mut out = Replayed::default();
-    for frames in &trace.layers {
-        let resident = LayerCache::initial(experts, capacity, None);
-        let mut c = LayerCache::new(experts, &resident, None);
-        for (f, routed) in frames.iter().enumerate() {
+    let layers = trace.layers.len();
+    let resident = LayerCache::initial(experts, capacity, None);
+    let mut caches: Vec<LayerCache> = (0..layers)
+        .map(|_| LayerCache::new(experts, &resident, None))
+        .collect();
+    let mut co = CoRouting::new(layers, experts);
+    let prefetch = if policy == CachePolicy::Learned {
+        prefetch
+    } else {
+        0
+    };
+    // Frame by frame, layer by layer: the order a run sees them in.
+    for f in 0..trace.frames() {
+        let mut last: Option<(usize, &[u32])> = None;
+        for (l, frames) in trace.layers.iter().enumerate() {
+            let Some(routed) = frames.get(f) else {
+                continue;
+            };
+            let c = &mut caches[l];
             let cold: Vec<u32> = routed
                 .iter()
                 .map(|&x| match c.slots().get(x as usize) {
@@ -117,11 +136,20 @@ pub fn replay(
                 })
                 .collect();
             let admitted = c.frame(routed, &cold, policy, max);
+            let mut uploads = admitted.len();
+            if let Some((pl, pr)) = last.filter(|&(pl, _)| pl + 1 == l) {
+                co.observe(pl, pr, routed);
+            }
+            if prefetch > 0 && l + 1 < layers {
+                let likely = co.likely(l, routed);
+                uploads += caches[l + 1].prefetch(&likely, prefetch).len();
+            }
             if f >= warm {
                 out.routed += routed.len() as u64;
                 out.hits += cold.iter().filter(|&&x| x == u32::MAX).count() as u64;
-                out.admitted += admitted.len() as u64;
+                out.admitted += uploads as u64;
             }
+            last = Some((l, routed));
         }
     }
     out
@@ -147,13 +175,13 @@ mod tests {
     fn replay_counts_hits_and_admissions() {
         let t = RoutingTrace::parse("0: 1\n0: 1\n0: 0\n0: 1\n").unwrap();
         // LRU admits 1 at once (hit at frame 2), then 0 (its own miss), then 1 again.
-        let lru = replay(&t, 2, 1, CachePolicy::Lru, 1, 0);
+        let lru = replay(&t, 2, 1, CachePolicy::Lru, 1, 0, 0);
         assert_eq!((lru.routed, lru.hits, lru.admitted), (4, 1, 3));
         // Static never moves: expert 0's one frame is its only hit.
-        let st = replay(&t, 2, 1, CachePolicy::Static, 1, 0);
+        let st = replay(&t, 2, 1, CachePolicy::Static, 1, 0, 0);
         assert_eq!((st.hits, st.admitted), (1, 0));
         // With the warm-up the first two frames are not counted.
-        let w = replay(&t, 2, 1, CachePolicy::Lru, 1, 2);
+        let w = replay(&t, 2, 1, CachePolicy::Lru, 1, 0, 2);
         assert_eq!((w.routed, w.hits), (2, 0));
     }
 }

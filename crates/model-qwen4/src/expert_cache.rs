@@ -242,36 +242,75 @@ impl LayerCache {
             if out.len() == max {
                 break;
             }
-            // The victim: not used this frame, the lowest value (learned) or the oldest use.
-            let victim = self
-                .expert_in
-                .iter()
-                .enumerate()
-                .filter(|&(_, &v)| v != RETIRED && self.seen[v as usize] != self.frame)
-                .min_by(|a, b| match policy {
-                    CachePolicy::Lru => self.seen[*a.1 as usize].cmp(&self.seen[*b.1 as usize]),
-                    _ => self
-                        .value(*a.1 as usize)
-                        .total_cmp(&self.value(*b.1 as usize)),
-                })
-                .map(|(slot, &v)| (slot, v));
-            let Some((slot, v)) = victim else { break };
+            let Some((slot, v)) = self.victim(policy, &[]) else {
+                break;
+            };
             // Experts of about equal value do not trade places (each trade is an upload); a
             // resident of no value (never routed to, nor by an earlier run) is no one's loss.
             let kept = self.value(v as usize);
             if policy == CachePolicy::Learned && kept > 0.0 && self.value(x) <= kept + t.margin {
                 break;
             }
-            self.slot_of[v as usize] = None;
-            self.slot_of[x] = Some(slot as u32);
-            self.expert_in[slot] = x as u32;
-            out.push(Admission {
-                expert: x as u32,
-                slot: slot as u32,
-                evicted: v,
-            });
+            out.push(self.swap(x, slot, v));
         }
         out
+    }
+
+    /// Admits up to `m` experts this layer is expected to route to next (`likely[x]`: how
+    /// strongly; 0: not at all), the likeliest first, each over the lowest-valued resident not
+    /// used in the last frame (a prefetch, before the frame routes; already applied to the
+    /// map).
+    pub fn prefetch(&mut self, likely: &[u32], m: usize) -> Vec<Admission> {
+        if self.resident() == 0 {
+            return Vec::new();
+        }
+        let n = likely.len().min(self.slot_of.len());
+        let mut want: Vec<usize> = (0..n)
+            .filter(|&x| likely[x] > 0 && self.slot_of[x].is_none())
+            .collect();
+        want.sort_by(|&a, &b| likely[b].cmp(&likely[a]).then(a.cmp(&b)));
+        want.truncate(m);
+        let mut out: Vec<Admission> = Vec::new();
+        for x in want {
+            // (Not a slot this prefetch just filled: those experts have no value yet.)
+            let taken: Vec<u32> = out.iter().map(|a| a.slot).collect();
+            let Some((slot, v)) = self.victim(CachePolicy::Learned, &taken) else {
+                break;
+            };
+            out.push(self.swap(x, slot, v));
+        }
+        out
+    }
+
+    /// The slot to give up, not one of `taken`: one whose expert was not used in the current
+    /// frame, the lowest value (learned) or the oldest use (LRU).
+    fn victim(&self, policy: CachePolicy, taken: &[u32]) -> Option<(usize, u32)> {
+        self.expert_in
+            .iter()
+            .enumerate()
+            .filter(|&(slot, &v)| {
+                v != RETIRED
+                    && self.seen[v as usize] != self.frame
+                    && !taken.contains(&(slot as u32))
+            })
+            .min_by(|a, b| match policy {
+                CachePolicy::Lru => self.seen[*a.1 as usize].cmp(&self.seen[*b.1 as usize]),
+                _ => self
+                    .value(*a.1 as usize)
+                    .total_cmp(&self.value(*b.1 as usize)),
+            })
+            .map(|(slot, &v)| (slot, v))
+    }
+
+    fn swap(&mut self, x: usize, slot: usize, v: u32) -> Admission {
+        self.slot_of[v as usize] = None;
+        self.slot_of[x] = Some(slot as u32);
+        self.expert_in[slot] = x as u32;
+        Admission {
+            expert: x as u32,
+            slot: slot as u32,
+            evicted: v,
+        }
     }
 }
 
@@ -387,6 +426,31 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A prefetch takes the likeliest non-resident experts, over the lowest-valued residents
+    /// not used in the last frame.
+    #[test]
+    fn prefetch_admits_the_likeliest_over_the_least_valued() {
+        let mut c = LayerCache::new(8, &[0, 1, 2], None);
+        c.frame(&[0, 1], &[NONE, NONE], CachePolicy::Learned, 1);
+        c.frame(&[1], &[NONE], CachePolicy::Learned, 1);
+        // Expert 2 was never routed, 0 not in the last frame, 1 in it.
+        let likely = [0, 0, 0, 0, 5, 0, 9, 1];
+        let a = c.prefetch(&likely, 2);
+        assert_eq!(
+            a.iter().map(|a| (a.expert, a.evicted)).collect::<Vec<_>>(),
+            vec![(6, 2), (4, 0)]
+        );
+        assert_eq!(
+            (c.slots()[6], c.slots()[4], c.slots()[1]),
+            (Some(2), Some(0), Some(1))
+        );
+        assert!(c.prefetch(&[0; 8], 2).is_empty(), "nothing likely");
+        assert!(
+            c.prefetch(&likely, 2).iter().all(|a| a.expert == 7),
+            "4 and 6 are in"
+        );
     }
 
     #[test]

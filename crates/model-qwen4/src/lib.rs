@@ -42,6 +42,7 @@ pub mod mtp;
 pub mod offload;
 pub mod ops;
 pub mod ple;
+pub mod prefetch;
 pub mod qsa;
 pub mod state;
 pub mod synthetic;

@@ -236,6 +236,16 @@ impl MoeGpu {
         }
     }
 
+    /// Prefetches up to `m` of the experts `likely` rates highest into this layer's bank
+    /// ([`LayerCache::prefetch`]; nothing without a bank).
+    pub(crate) fn prefetch(&self, likely: &[u32], m: usize) -> Vec<Admission> {
+        let banked = matches!(&self.routed, Routed::Partial { banks: Some(_), .. });
+        match self.cache() {
+            Some(mut c) if banked => c.prefetch(likely, m),
+            _ => Vec::new(),
+        }
+    }
+
     /// Writes each admitted expert's bytes (from `w`, the mapped file) into a slot of `ring`,
     /// without waiting for the GPU: an admission finding no ready slot comes back with `None`.
     pub(crate) fn stage(

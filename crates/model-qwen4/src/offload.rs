@@ -18,6 +18,7 @@ use crate::expert_cache::CachePolicy;
 use crate::forward::ForwardError;
 use crate::gpu::{GpuModel, readback_buffer, unsupported};
 use crate::moe::{NONE_SLOT, Upload};
+use crate::prefetch::CoRouting;
 
 /// Where a model's routed experts live when they do not all fit in VRAM.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,6 +32,9 @@ pub struct Offload {
     /// Per layer, each expert's score from an earlier run ([`GpuModel::expert_scores`]): the
     /// initial residents are the highest.
     pub warm: Option<Vec<Vec<f32>>>,
+    /// With the learned policy: how many of the next layer's likeliest experts to upload when
+    /// a layer's routing comes back ([`crate::prefetch`]).
+    pub prefetch: usize,
 }
 
 impl Default for Offload {
@@ -41,6 +45,10 @@ impl Default for Offload {
             policy: CachePolicy::default(),
             max_admissions: DEFAULT_ADMISSIONS,
             warm: None,
+            prefetch: std::env::var("CORTIQ_PREFETCH")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(DEFAULT_PREFETCH),
         }
     }
 }
@@ -59,6 +67,9 @@ impl Offload {
 /// release geometry is 2.6 MB on the bus).
 pub const DEFAULT_ADMISSIONS: usize = 1;
 
+/// [`Offload::prefetch`]'s default (`CORTIQ_PREFETCH` overrides it).
+pub const DEFAULT_PREFETCH: usize = 0;
+
 /// Counters of the cold path ([`GpuModel::offload_stats`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct OffloadStats {
@@ -75,6 +86,8 @@ pub struct OffloadStats {
     /// Admissions the device refused (their slots retired; their experts computed on the
     /// CPU).
     pub failed: u64,
+    /// Of the uploads, prefetches (the next layer's likeliest experts).
+    pub prefetched: u64,
 }
 
 /// How many of each layer's routed experts live in VRAM (the rest are computed on the CPU).
@@ -97,6 +110,10 @@ pub(crate) struct ColdPath {
     ring: Mutex<StagingRing>,
     policy: CachePolicy,
     max_admissions: usize,
+    /// Experts of the next layer prefetched per layer and frame, and what predicts them.
+    prefetch: usize,
+    corouting: Mutex<CoRouting>,
+    prefetched: AtomicU64,
     /// Routed (token row, expert) slots run so far, and those computed on the CPU.
     pub(crate) routed: AtomicU64,
     cold: AtomicU64,
@@ -142,8 +159,13 @@ impl ColdPath {
         // Each admission holds a slot from its staging until the submission with its copies
         // has run: two layers' worth is enough for the host never to wait on one.
         let admits = partial && offload.policy != CachePolicy::Static;
+        let prefetch = if partial && offload.policy == CachePolicy::Learned {
+            offload.prefetch
+        } else {
+            0
+        };
         let ring = if admits {
-            let slots = 2 * offload.max_admissions.max(1) + 2;
+            let slots = 2 * (offload.max_admissions.max(1) + prefetch) + 2;
             StagingRing::with_slots(&dev.ctx, slots, slot_bytes + 256)
         } else {
             StagingRing::with_slots(&dev.ctx, 1, 256)
@@ -153,6 +175,12 @@ impl ColdPath {
             ring: Mutex::new(ring),
             policy: offload.policy,
             max_admissions: offload.max_admissions,
+            prefetch,
+            corouting: Mutex::new(CoRouting::new(
+                if prefetch > 0 { c.num_hidden_layers } else { 0 },
+                c.num_experts,
+            )),
+            prefetched: AtomicU64::new(0),
             routed: AtomicU64::new(0),
             cold: AtomicU64::new(0),
             admitted: AtomicU64::new(0),
@@ -251,23 +279,28 @@ impl GpuModel<'_> {
                     label: Some("frame (span)"),
                 })
         };
-        // Submits `cb` behind the copies of the admissions staged at the last layer.
-        let submit = |cb: wgpu::CommandBuffer, pending: &mut Option<(usize, Vec<Upload>)>| {
-            let Some((il, uploads)) = pending.take() else {
+        // Submits `cb` behind the copies of the uploads staged at the last layer (its
+        // admissions, and the next layer's prefetches, which must land before it routes).
+        let submit = |cb: wgpu::CommandBuffer, pending: &mut Vec<(usize, Vec<Upload>)>| {
+            if pending.is_empty() {
                 return ctx.queue.submit([cb]);
-            };
+            }
             let ring = cp.ring.lock().unwrap_or_else(|p| p.into_inner());
-            let mut cbs = Vec::with_capacity(uploads.len() + 1);
-            let moe = &self.res.layers[il].moe;
-            let (release, ok, failed) =
-                moe.commit(&self.res.dev, &ring, uploads, &cp.faults, &mut cbs);
+            let mut cbs = Vec::new();
+            let mut release = Vec::new();
+            for (il, uploads) in pending.drain(..) {
+                let moe = &self.res.layers[il].moe;
+                let (r, ok, failed) =
+                    moe.commit(&self.res.dev, &ring, uploads, &cp.faults, &mut cbs);
+                release.extend(r);
+                cp.admitted.fetch_add(ok as u64, Ordering::Relaxed);
+                cp.failed.fetch_add(failed as u64, Ordering::Relaxed);
+            }
             cbs.push(cb);
             let index = ctx.queue.submit(cbs);
             for staged in release {
                 ring.release(staged);
             }
-            cp.admitted.fetch_add(ok as u64, Ordering::Relaxed);
-            cp.failed.fetch_add(failed as u64, Ordering::Relaxed);
             index
         };
         let spans = g.spans();
@@ -290,7 +323,9 @@ impl GpuModel<'_> {
             }
             enc.finish()
         };
-        let mut pending = None;
+        let mut pending: Vec<(usize, Vec<Upload>)> = Vec::new();
+        // The last layer whose routing came back this frame, and that routing.
+        let mut last: Option<(usize, Vec<u32>)> = None;
         let mut i = 0;
         let mut cb = encode(0, &mut taps);
         loop {
@@ -319,23 +354,52 @@ impl GpuModel<'_> {
             let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
             let moe = &self.res.layers[il].moe;
             cp.record(il, &routed);
-            // What to admit is decided beside the cold experts, not before them: they are
-            // the cold winners the device read back whatever the policy says next.
+            // The next layer with experts on the CPU, if it comes right after this one.
+            let after = spans[i + 2..].iter().find_map(|s| match s.end {
+                Some(Break::Read(l)) => Some(l),
+                _ => None,
+            });
+            let after = after.filter(|&l| l == il + 1 && cp.prefetch > 0);
+            // What to admit (and to prefetch for the next layer) is decided beside the cold
+            // experts, not before them: they are the cold winners the device read back
+            // whatever the policy says next.
             let (done, uploads) = rayon::join(
                 || self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]),
                 || {
+                    let mut out = Vec::new();
+                    if cp.prefetch > 0 {
+                        let mut co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
+                        if let Some((pl, pr)) = last.as_ref().filter(|(pl, _)| pl + 1 == il) {
+                            co.observe(*pl, pr, &routed);
+                        }
+                    }
                     let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
-                    if admitted.is_empty() {
-                        return Vec::new();
+                    let ahead = after.map(|nl| {
+                        let co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
+                        let likely = co.likely(il, &routed);
+                        drop(co);
+                        (nl, self.res.layers[nl].moe.prefetch(&likely, cp.prefetch))
+                    });
+                    if admitted.is_empty() && ahead.as_ref().is_none_or(|(_, a)| a.is_empty()) {
+                        return out;
                     }
                     let mut ring = cp.ring.lock().unwrap_or_else(|p| p.into_inner());
-                    moe.stage(&self.model.weights.layers[il].moe, &mut ring, admitted)
+                    if !admitted.is_empty() {
+                        let w = &self.model.weights.layers[il].moe;
+                        out.push((il, moe.stage(w, &mut ring, admitted)));
+                    }
+                    if let Some((nl, ahead)) = ahead.filter(|(_, a)| !a.is_empty()) {
+                        cp.prefetched
+                            .fetch_add(ahead.len() as u64, Ordering::Relaxed);
+                        let w = &self.model.weights.layers[nl].moe;
+                        out.push((nl, self.res.layers[nl].moe.stage(w, &mut ring, ahead)));
+                    }
+                    out
                 },
             );
             done?;
-            if !uploads.is_empty() {
-                pending = Some((il, uploads));
-            }
+            pending.extend(uploads);
+            last = Some((il, routed));
             cb = next;
             i += 2;
         }
@@ -455,6 +519,7 @@ impl GpuModel<'_> {
             cold_seconds: r.cold_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             admitted: r.admitted.load(Ordering::Relaxed),
             failed: r.failed.load(Ordering::Relaxed),
+            prefetched: r.prefetched.load(Ordering::Relaxed),
         }
     }
 

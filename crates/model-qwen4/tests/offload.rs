@@ -189,29 +189,39 @@ fn the_budget_places_what_fits_and_refuses_too_little() {
 }
 
 /// Experts admitted into the banks while running (each policy that admits, up to every cold
-/// expert of a frame): the uploads land in the slots the map names, so the answers stay the
-/// CPU's; the static policy admits nothing.
+/// expert of a frame; the learned one also prefetching the next layer's likeliest experts):
+/// the uploads land in the slots the map names before the layer routes, so the answers stay
+/// the CPU's; the static policy admits nothing.
 #[test]
 fn admissions_while_running_keep_the_answers() {
     h::with_converted("qwen4_exp_c", Profile::F32, |cmf| {
         let c = cpu(cmf);
         let (ne, nl) = (c.config.num_experts, c.config.num_hidden_layers);
-        for policy in [CachePolicy::Lru, CachePolicy::Learned, CachePolicy::Static] {
+        for (policy, prefetch) in [
+            (CachePolicy::Lru, 0),
+            (CachePolicy::Learned, 0),
+            (CachePolicy::Learned, 2),
+            (CachePolicy::Static, 0),
+        ] {
             let offload = Offload {
                 policy,
                 max_admissions: ne,
+                prefetch,
                 ..Offload::with(Residency::PerLayer(vec![ne / 2; nl]))
             };
             let g = GpuModel::with_offload(cpu(cmf), ctx(None), CTX, true, offload)
                 .unwrap_or_else(|u| panic!("upload: {}", u.error));
-            h::assert_none(&compare("qwen4_exp_c", &format!("{policy:?}"), &c, &g));
+            let what = format!("{policy:?}, prefetching {prefetch}");
+            h::assert_none(&compare("qwen4_exp_c", &what, &c, &g));
             let stats = g.offload_stats();
-            eprintln!("{policy:?}: {stats:?}");
+            eprintln!("{what}: {stats:?}");
             assert_eq!(
                 stats.admitted > 0,
                 policy != CachePolicy::Static,
                 "{stats:?}"
             );
+            // Prefetches land before their layer routes: the answers above are the proof.
+            assert_eq!(stats.prefetched > 0, prefetch > 0, "{stats:?}");
             assert_eq!(g.resident_experts(), (ne / 2 * nl, ne * nl));
             let scores = g.expert_scores();
             assert_eq!(scores.len(), nl);
