@@ -43,7 +43,8 @@ impl std::str::FromStr for CachePolicy {
 }
 
 /// Per-frame decay of the slow count: a frame's routing counts half after about 139 frames.
-/// (0.99 forgot too fast, 0.999 gained nothing: docs/perf.md.)
+/// (0.99 forgot too fast; 0.999 gave up a point at small banks for one at mid-size ones:
+/// docs/perf.md.)
 pub const DECAY: f32 = 0.995;
 
 /// Per-frame decay of the fast count: a frame's routing counts half in the next frame.

@@ -367,17 +367,17 @@ impl GpuModel<'_> {
                 || self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]),
                 || {
                     let mut out = Vec::new();
-                    if cp.prefetch > 0 {
+                    // The co-routing counts learn from this layer and the one before it, and
+                    // name the next layer's likeliest experts.
+                    let likely = (cp.prefetch > 0).then(|| {
                         let mut co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
                         if let Some((pl, pr)) = last.as_ref().filter(|(pl, _)| pl + 1 == il) {
                             co.observe(*pl, pr, &routed);
                         }
-                    }
+                        co.likely(il, &routed)
+                    });
                     let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
-                    let ahead = after.map(|nl| {
-                        let co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
-                        let likely = co.likely(il, &routed);
-                        drop(co);
+                    let ahead = after.zip(likely).map(|(nl, likely)| {
                         (nl, self.res.layers[nl].moe.prefetch(&likely, cp.prefetch))
                     });
                     if admitted.is_empty() && ahead.as_ref().is_none_or(|(_, a)| a.is_empty()) {

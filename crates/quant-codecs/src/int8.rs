@@ -116,9 +116,8 @@ impl Acts {
             sums: vec![0; nt * nbp],
         };
         let per = nbp * ACT_BLOCK;
-        let work = |(t, ((q, d), s)): (usize, RowParts)| {
-            quantize_row(&xs[t * cols..][..cols], cs, order, q, d, s)
-        };
+        let work =
+            |(t, out): (usize, RowParts)| quantize_row(&xs[t * cols..][..cols], cs, order, out);
         let it =
             a.q.chunks_mut(per)
                 .zip(a.d.chunks_mut(nbp))
@@ -138,66 +137,38 @@ impl Acts {
 /// One token row's quantised parts: codes, block scales, block sums.
 type RowParts<'a> = ((&'a mut [i8], &'a mut [f32]), &'a mut [i32]);
 
-/// One activation row into its codes `q` (in `order`), block scales `d` and block sums `s`,
-/// compiled for the widest vector unit the CPU has (the same integer and f64 operations
-/// whichever: the codes do not depend on it).
-fn quantize_row(
-    x: &[f32],
-    cs: Option<&[f32]>,
-    order: Order,
-    q: &mut [i8],
-    d: &mut [f32],
-    s: &mut [i32],
-) {
+/// One activation row into its codes (in `order`), block scales and block sums, compiled for
+/// the widest vector unit the CPU has (the same integer and f64 operations whichever: the
+/// codes do not depend on it).
+fn quantize_row(x: &[f32], cs: Option<&[f32]>, order: Order, out: RowParts) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
             // SAFETY: the features were detected.
-            return unsafe { quantize_row_avx512(x, cs, order, q, d, s) };
+            return unsafe { quantize_row_avx512(x, cs, order, out) };
         }
         if is_x86_feature_detected!("avx2") {
             // SAFETY: the feature was detected.
-            return unsafe { quantize_row_avx2(x, cs, order, q, d, s) };
+            return unsafe { quantize_row_avx2(x, cs, order, out) };
         }
     }
-    quantize_row_any(x, cs, order, q, d, s)
+    quantize_row_any(x, cs, order, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn quantize_row_avx512(
-    x: &[f32],
-    cs: Option<&[f32]>,
-    order: Order,
-    q: &mut [i8],
-    d: &mut [f32],
-    s: &mut [i32],
-) {
-    quantize_row_any(x, cs, order, q, d, s)
+fn quantize_row_avx512(x: &[f32], cs: Option<&[f32]>, order: Order, out: RowParts) {
+    quantize_row_any(x, cs, order, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn quantize_row_avx2(
-    x: &[f32],
-    cs: Option<&[f32]>,
-    order: Order,
-    q: &mut [i8],
-    d: &mut [f32],
-    s: &mut [i32],
-) {
-    quantize_row_any(x, cs, order, q, d, s)
+fn quantize_row_avx2(x: &[f32], cs: Option<&[f32]>, order: Order, out: RowParts) {
+    quantize_row_any(x, cs, order, out)
 }
 
 #[inline(always)]
-fn quantize_row_any(
-    x: &[f32],
-    cs: Option<&[f32]>,
-    order: Order,
-    q: &mut [i8],
-    d: &mut [f32],
-    s: &mut [i32],
-) {
+fn quantize_row_any(x: &[f32], cs: Option<&[f32]>, order: Order, ((q, d), s): RowParts) {
     let cols = x.len();
     for b in 0..cols.div_ceil(ACT_BLOCK) {
         let len = (cols - b * ACT_BLOCK).min(ACT_BLOCK);
