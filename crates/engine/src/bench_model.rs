@@ -96,6 +96,16 @@ pub struct OffloadRecord {
     pub admitted: f64,
     /// Of those, prefetched (the next layer's likeliest experts) per token.
     pub prefetched: f64,
+    /// The GPU's busy milliseconds per token (`CORTIQ_OFFLOAD_PROFILE=1`; else 0).
+    pub gpu_ms: f64,
+    /// Of those, the spans that end at a layer's routing (what the cold experts wait for).
+    pub gpu_routing_ms: f64,
+    /// The host's milliseconds per token in submissions (with the admissions' commits).
+    pub submit_ms: f64,
+    /// The host's milliseconds per token waiting for layers' readbacks.
+    pub wait_ms: f64,
+    /// The host's milliseconds per token from each readback to the cold outputs' writes.
+    pub join_ms: f64,
 }
 
 /// One stage's (or one kernel shape's) share of a decoded token.
@@ -206,6 +216,11 @@ pub fn bench(
                 token_ms: 1e3 * t_decode.elapsed().as_secs_f64() / tokens,
                 admitted: (b.admitted - a.admitted) as f64 / tokens,
                 prefetched: (b.prefetched - a.prefetched) as f64 / tokens,
+                gpu_ms: 1e3 * (b.gpu_seconds - a.gpu_seconds) / tokens,
+                gpu_routing_ms: 1e3 * (b.gpu_routing_seconds - a.gpu_routing_seconds) / tokens,
+                submit_ms: 1e3 * (b.submit_seconds - a.submit_seconds) / tokens,
+                wait_ms: 1e3 * (b.wait_seconds - a.wait_seconds) / tokens,
+                join_ms: 1e3 * (b.join_seconds - a.join_seconds) / tokens,
             })
         }
         _ => None,
@@ -402,6 +417,26 @@ impl ModelReport {
                 o.admitted,
                 o.prefetched
             )?;
+            writeln!(
+                w,
+                "host per token: {:.2} ms waiting for readbacks, {:.2} ms in the cold experts \
+                 (from readbacks to their outputs), {:.2} ms submitting, {:.2} ms the rest",
+                o.wait_ms,
+                o.join_ms,
+                o.submit_ms,
+                o.token_ms - o.wait_ms - o.join_ms - o.submit_ms
+            )?;
+            if o.gpu_ms > 0.0 {
+                writeln!(
+                    w,
+                    "GPU busy {:.2} ms per token (timed spans; {:.2} ms of them up to the \
+                     routers of layers with cold experts); the token takes {:.2}x the longer of \
+                     the GPU's and the CPU's time",
+                    o.gpu_ms,
+                    o.gpu_routing_ms,
+                    o.token_ms / o.gpu_ms.max(o.cpu_ms)
+                )?;
+            }
         }
         if !self.stages.is_empty() {
             let total: f64 = self.stages.iter().map(|s| s.ms).sum();

@@ -28,7 +28,9 @@ struct Slot {
 /// A ring of mapped upload buffers.
 pub struct StagingRing {
     slots: Vec<Slot>,
-    next: usize,
+    /// The slot to stage into next (locked only to claim it: the copy into a claimed slot
+    /// runs without the lock, so threads stage side by side and the recorder never waits).
+    next: std::sync::Mutex<usize>,
 }
 
 /// Bytes written into one slot by [`StagingRing::try_stage`], waiting for their copies.
@@ -60,18 +62,16 @@ impl StagingRing {
                 ready: Arc::new(AtomicBool::new(true)),
             })
             .collect();
-        StagingRing { slots, next: 0 }
+        StagingRing {
+            slots,
+            next: std::sync::Mutex::new(0),
+        }
     }
 
     /// Writes `parts` one after another (each at a 256-byte offset, zero-padded to a multiple
     /// of 4) into the next slot, without waiting: `None` when that slot's last copy has not
     /// finished or the parts do not fit one slot.
-    pub fn try_stage(&mut self, parts: &[&[u8]]) -> Option<Staged> {
-        let i = self.next;
-        let slot = &self.slots[i];
-        if !slot.ready.load(Ordering::Acquire) {
-            return None;
-        }
+    pub fn try_stage(&self, parts: &[&[u8]]) -> Option<Staged> {
         let mut at = 0u64;
         let mut placed = Vec::with_capacity(parts.len());
         for p in parts {
@@ -79,11 +79,24 @@ impl StagingRing {
             placed.push((at, len));
             at = (at + len).next_multiple_of(256);
         }
-        if at > slot.size {
-            return None;
-        }
+        let i = {
+            let mut next = self.next.lock().unwrap_or_else(|p| p.into_inner());
+            let i = *next;
+            let slot = &self.slots[i];
+            // Claimed by clearing `ready`: nobody else writes it until its copy has run.
+            if at > slot.size || !slot.ready.swap(false, Ordering::AcqRel) {
+                return None;
+            }
+            *next = (i + 1) % self.slots.len();
+            i
+        };
+        let slot = &self.slots[i];
         {
-            let mut view = slot.buffer.get_mapped_range_mut(..at).ok()?;
+            let Ok(mut view) = slot.buffer.get_mapped_range_mut(..at) else {
+                // Not mapped after all: the slot stays as it was, ready for a later try.
+                slot.ready.store(true, Ordering::Release);
+                return None;
+            };
             for (p, &(off, len)) in parts.iter().zip(&placed) {
                 let (off, len) = (off as usize, len as usize);
                 view.slice(off..off + p.len()).copy_from_slice(p);
@@ -93,8 +106,6 @@ impl StagingRing {
             }
         }
         slot.buffer.unmap();
-        slot.ready.store(false, Ordering::Release);
-        self.next = (i + 1) % self.slots.len();
         Some(Staged {
             slot: i,
             parts: placed,
@@ -135,8 +146,9 @@ impl StagingRing {
     ) -> Result<(), GpuError> {
         let size = self.slots[0].size;
         for (k, piece) in data.chunks(size as usize).enumerate() {
-            let slot = &self.slots[self.next];
-            self.next = (self.next + 1) % self.slots.len();
+            let next = self.next.get_mut().unwrap_or_else(|p| p.into_inner());
+            let slot = &self.slots[*next];
+            *next = (*next + 1) % self.slots.len();
             while !slot.ready.load(Ordering::Acquire) {
                 ctx.device
                     .poll(wgpu::PollType::wait_indefinitely())

@@ -251,7 +251,7 @@ impl MoeGpu {
     pub(crate) fn stage(
         &self,
         w: &MoeWeights<'_>,
-        ring: &mut StagingRing,
+        ring: &StagingRing,
         admitted: Vec<Admission>,
     ) -> Vec<Upload> {
         admitted

@@ -4,8 +4,8 @@
 //! GPU computes the resident ones), the admissions that move experts into a layer's bank
 //! through the staging ring, and the counters ([`OffloadStats`]).
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, mpsc};
 
 use gpu_runtime::ops::graph::{Break, Graph, Tap};
 use gpu_runtime::readback;
@@ -14,7 +14,7 @@ use quant_codecs::MAX_BATCH;
 
 use crate::config::Qwen4ExpTextConfig;
 use crate::device::Device;
-use crate::expert_cache::CachePolicy;
+use crate::expert_cache::{Admission, CachePolicy};
 use crate::forward::ForwardError;
 use crate::gpu::{GpuModel, readback_buffer, unsupported};
 use crate::moe::{NONE_SLOT, Upload};
@@ -88,6 +88,20 @@ pub struct OffloadStats {
     pub failed: u64,
     /// Of the uploads, prefetches (the next layer's likeliest experts).
     pub prefetched: u64,
+    /// The GPU's seconds in the frames' spans (`CORTIQ_OFFLOAD_PROFILE=1` on an adapter with
+    /// timestamp queries; else 0).
+    pub gpu_seconds: f64,
+    /// Of those, the seconds in the spans that end at a layer's routing (everything up to
+    /// the router: what the cold experts wait for), the rest being the resident experts and
+    /// the shared expert that run beside them.
+    pub gpu_routing_seconds: f64,
+    /// The host's seconds in the frames' submissions (with the admissions' commits).
+    pub submit_seconds: f64,
+    /// The host's seconds waiting for layers' readbacks.
+    pub wait_seconds: f64,
+    /// The host's seconds in the cold experts with the admission decision beside them (from
+    /// a layer's readback to its outputs' writes).
+    pub join_seconds: f64,
 }
 
 /// How many of each layer's routed experts live in VRAM (the rest are computed on the CPU).
@@ -107,7 +121,7 @@ pub(crate) struct ColdPath {
     /// (`[8, D]`) are read back (locked for a frame).
     stage: Mutex<wgpu::Buffer>,
     /// Admitted experts' bytes on their way into the banks.
-    ring: Mutex<StagingRing>,
+    ring: StagingRing,
     policy: CachePolicy,
     max_admissions: usize,
     /// Experts of the next layer prefetched per layer and frame, and what predicts them.
@@ -140,6 +154,67 @@ pub(crate) struct ColdPath {
     /// With `CORTIQ_ROUTING_TRACE=FILE`: every layer's routing, one line a frame (`layer:
     /// ids...`), for replaying cache policies offline (`cortiq bench cache`).
     trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
+    /// With `CORTIQ_OFFLOAD_PROFILE=1` on an adapter with timestamp queries: every span of a
+    /// frame timed on the GPU, for the GPU's busy time beside the host's waits.
+    clock: Option<Mutex<SpanClock>>,
+    /// The GPU's time in the frames' spans (with `clock`), the host's time waiting for
+    /// readbacks, and its time in the cold experts and the admission decision side by side.
+    gpu_ns: AtomicU64,
+    gpu_routing_ns: AtomicU64,
+    submit_ns: AtomicU64,
+    wait_ns: AtomicU64,
+    join_ns: AtomicU64,
+}
+
+/// Timestamp queries for the spans of one frame (a pair a span) and the buffers they are
+/// resolved and read back through.
+struct SpanClock {
+    set: wgpu::QuerySet,
+    resolve: wgpu::Buffer,
+    read: wgpu::Buffer,
+    /// Spans that can be timed in a frame; later ones go untimed.
+    spans: u32,
+}
+
+impl SpanClock {
+    fn new(ctx: &gpu_runtime::GpuContext, spans: u32) -> SpanClock {
+        let bytes = u64::from(spans) * 16;
+        let buffer = |label, usage| {
+            ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: bytes,
+                usage,
+                mapped_at_creation: false,
+            })
+        };
+        SpanClock {
+            set: ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("span timestamps"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2 * spans,
+            }),
+            resolve: buffer(
+                "span timestamps",
+                wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            ),
+            read: buffer(
+                "span timestamps read",
+                wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            ),
+            spans,
+        }
+    }
+
+    /// Nanoseconds of GPU time in each of the first `spans` spans of the frame that has run.
+    fn busy_ns(&self, ctx: &gpu_runtime::GpuContext, spans: u32) -> Result<Vec<u64>, ForwardError> {
+        let raw = readback::read_mapped(ctx, &self.read, 4 * spans as usize)?;
+        let ticks: &[u64] = bytemuck::cast_slice(&raw);
+        let period = f64::from(ctx.queue.get_timestamp_period());
+        Ok(ticks
+            .chunks_exact(2)
+            .map(|p| (p[1].saturating_sub(p[0]) as f64 * period) as u64)
+            .collect())
+    }
 }
 
 impl ColdPath {
@@ -172,7 +247,7 @@ impl ColdPath {
         };
         ColdPath {
             stage: Mutex::new(stage),
-            ring: Mutex::new(ring),
+            ring,
             policy: offload.policy,
             max_admissions: offload.max_admissions,
             prefetch,
@@ -201,6 +276,15 @@ impl ColdPath {
                     }
                 },
             ),
+            clock: (partial
+                && dev.ctx.caps.timestamps
+                && std::env::var("CORTIQ_OFFLOAD_PROFILE").is_ok_and(|v| v == "1"))
+            .then(|| Mutex::new(SpanClock::new(&dev.ctx, 2 * c.num_hidden_layers as u32 + 1))),
+            gpu_ns: AtomicU64::new(0),
+            gpu_routing_ns: AtomicU64::new(0),
+            submit_ns: AtomicU64::new(0),
+            wait_ns: AtomicU64::new(0),
+            join_ns: AtomicU64::new(0),
         }
     }
 
@@ -220,16 +304,28 @@ impl ColdPath {
     }
 }
 
-/// Keeps the CPU thread pool awake while the host waits for the GPU: every worker spins on
-/// a flag until the guard drops (or 5 ms pass), so the cold experts that follow start on
-/// threads that are running rather than asleep (waking them measured 50-150 us per layer on
-/// the H200's host, docs/perf.md).
+/// Adds the time since its start to a counter when dropped (on every way out of a scope).
+struct Elapsed<'a>(&'a AtomicU64, std::time::Instant);
+
+impl Drop for Elapsed<'_> {
+    fn drop(&mut self) {
+        let ns = self.1.elapsed().as_nanos() as u64;
+        self.0.fetch_add(ns, Ordering::Relaxed);
+    }
+}
+
+/// Keeps the CPU thread pool awake while the host waits for the GPU: all workers but two
+/// spin on a flag until the guard drops (or 5 ms pass), so the cold experts that follow start
+/// on threads that are running rather than asleep (waking them measured 50-150 us per layer
+/// on the H200's host, docs/perf.md).
 struct WarmPool(std::sync::Arc<std::sync::atomic::AtomicBool>);
 
 impl WarmPool {
     fn hold() -> WarmPool {
         let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
-        for _ in 0..rayon::current_num_threads() {
+        // Two cores stay free: this thread polls the readback and the encoder records the
+        // next spans meanwhile (a pool spinning on every core made both wait).
+        for _ in 0..rayon::current_num_threads().saturating_sub(2).max(1) {
             let f = flag.clone();
             rayon::spawn(move || {
                 let t0 = std::time::Instant::now();
@@ -265,14 +361,14 @@ impl GpuModel<'_> {
         g: &Graph,
         nt: usize,
         mut taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
-        tail: &dyn Fn(&mut wgpu::CommandEncoder),
+        tail: &(dyn Fn(&mut wgpu::CommandEncoder) + Sync),
     ) -> Result<(), ForwardError> {
         let c = &self.model.config;
         let ctx = &self.res.dev.ctx;
         let s = &self.res.scratch;
         let cp = &self.res.cold;
         let (k, d) = (c.num_experts_per_tok, c.hidden_size);
-        let stage = cp.stage.lock().unwrap_or_else(|p| p.into_inner());
+        let stage_buf = cp.stage.lock().unwrap_or_else(|p| p.into_inner());
         let encoder = || {
             ctx.device
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor {
@@ -282,16 +378,17 @@ impl GpuModel<'_> {
         // Submits `cb` behind the copies of the uploads staged at the last layer (its
         // admissions, and the next layer's prefetches, which must land before it routes).
         let submit = |cb: wgpu::CommandBuffer, pending: &mut Vec<(usize, Vec<Upload>)>| {
+            let _timed = Elapsed(&cp.submit_ns, std::time::Instant::now());
             if pending.is_empty() {
                 return ctx.queue.submit([cb]);
             }
-            let ring = cp.ring.lock().unwrap_or_else(|p| p.into_inner());
+            let ring = &cp.ring;
             let mut cbs = Vec::new();
             let mut release = Vec::new();
             for (il, uploads) in pending.drain(..) {
                 let moe = &self.res.layers[il].moe;
                 let (r, ok, failed) =
-                    moe.commit(&self.res.dev, &ring, uploads, &cp.faults, &mut cbs);
+                    moe.commit(&self.res.dev, ring, uploads, &cp.faults, &mut cbs);
                 release.extend(r);
                 cp.admitted.fetch_add(ok as u64, Ordering::Relaxed);
                 cp.failed.fetch_add(failed as u64, Ordering::Relaxed);
@@ -303,106 +400,208 @@ impl GpuModel<'_> {
             }
             index
         };
-        let spans = g.spans();
+        let spans = &g.spans();
+        let clock = cp
+            .clock
+            .as_ref()
+            .map(|c| c.lock().unwrap_or_else(|p| p.into_inner()));
+        let timed = clock
+            .as_ref()
+            .map_or(0, |c| (spans.len() as u32).min(c.spans));
         // Span `i` as a command buffer: its dispatches, then the layer's copies for the host
         // (a read) or what the frame copies out (the last).
         let encode = |i: usize, taps: &mut Option<&mut Vec<(Tap, wgpu::Buffer)>>| {
             let span = &spans[i];
             let mut enc = encoder();
-            g.record_span(ctx, &mut enc, span.items.clone(), taps.as_deref_mut());
+            let stamps = clock
+                .as_ref()
+                .filter(|_| (i as u32) < timed)
+                .map(|c| (&c.set, 2 * i as u32));
+            g.record_span_stamped(
+                ctx,
+                &mut enc,
+                span.items.clone(),
+                taps.as_deref_mut(),
+                stamps,
+            );
             match span.end {
                 Some(Break::Read(_)) => {
                     let slots = (nt * k * 4) as u64;
-                    enc.copy_buffer_to_buffer(&s.cold, 0, &stage, 0, slots);
+                    enc.copy_buffer_to_buffer(&s.cold, 0, &stage_buf, 0, slots);
                     let at = (MAX_BATCH * k * 4) as u64;
-                    enc.copy_buffer_to_buffer(&s.slot_ids, 0, &stage, at, slots);
-                    enc.copy_buffer_to_buffer(&s.u, 0, &stage, 2 * at, (nt * d * 4) as u64);
+                    enc.copy_buffer_to_buffer(&s.slot_ids, 0, &stage_buf, at, slots);
+                    enc.copy_buffer_to_buffer(&s.u, 0, &stage_buf, 2 * at, (nt * d * 4) as u64);
                 }
                 Some(Break::Write(_)) => {}
-                None => tail(&mut enc),
+                None => {
+                    tail(&mut enc);
+                    if let Some(c) = clock.as_ref().filter(|_| timed > 0) {
+                        enc.resolve_query_set(&c.set, 0..2 * timed, &c.resolve, 0);
+                        let bytes = u64::from(timed) * 16;
+                        enc.copy_buffer_to_buffer(&c.resolve, 0, &c.read, 0, bytes);
+                    }
+                }
             }
             enc.finish()
         };
-        let mut pending: Vec<(usize, Vec<Upload>)> = Vec::new();
-        // The last layer whose routing came back this frame, and that routing.
-        let mut last: Option<(usize, Vec<u32>)> = None;
-        let mut i = 0;
-        let mut cb = encode(0, &mut taps);
-        loop {
-            let il = match spans[i].end {
-                None => {
-                    submit(cb, &mut pending);
-                    return Ok(());
+        // The stager copies the admitted and prefetched experts into the staging ring on its
+        // own thread, beside the cold experts and the GPU (a layer's copies took longer than
+        // its cold experts, and every layer waited for them); what it has staged goes up
+        // with the next submission, the rest at the end of the frame, so every admission of
+        // a frame lands before the next frame decides again.
+        let (job_tx, job_rx) = mpsc::channel::<(usize, Vec<Admission>)>();
+        let (done_tx, done_rx) = mpsc::channel::<(usize, Vec<Upload>)>();
+        let stage_now = |il: usize, admitted: Vec<Admission>| {
+            let w = &self.model.weights.layers[il].moe;
+            (il, self.res.layers[il].moe.stage(w, &cp.ring, admitted))
+        };
+        std::thread::scope(|scope| -> Result<(), ForwardError> {
+            let stager = std::thread::Builder::new()
+                .name("cortiq-stager".into())
+                .spawn_scoped(scope, move || {
+                    for (il, admitted) in job_rx {
+                        if done_tx.send(stage_now(il, admitted)).is_err() {
+                            break;
+                        }
+                    }
+                });
+            if let Err(e) = stager {
+                tracing::warn!("no stager thread ({e}): admissions are staged in line");
+            }
+            // Recording a layer's spans costs the host about as long as the GPU takes to run
+            // the span before its routing: the encoder records them on its own thread, in
+            // order, while this one submits, waits and computes (a traced frame, whose taps
+            // are collected in order, records them here). It runs two spans ahead at most,
+            // so it records while this thread waits for the GPU rather than all at once at
+            // the frame's start, where it took a core from the cold experts.
+            let (cb_tx, cb_rx) = mpsc::sync_channel::<wgpu::CommandBuffer>(2);
+            let encoder_thread = taps.is_none()
+                && std::thread::Builder::new()
+                    .name("cortiq-encoder".into())
+                    .spawn_scoped(scope, move || {
+                        let mut none = None;
+                        for i in 0..spans.len() {
+                            if cb_tx.send(encode(i, &mut none)).is_err() {
+                                break;
+                            }
+                        }
+                    })
+                    .map_err(|e| tracing::warn!("no encoder thread ({e}): spans recorded in line"))
+                    .is_ok();
+            let mut span = |i: usize| -> Result<wgpu::CommandBuffer, ForwardError> {
+                if encoder_thread {
+                    cb_rx.recv().map_err(|_| {
+                        unsupported(format!("the span encoder stopped before span {i}")).into()
+                    })
+                } else {
+                    Ok(encode(i, &mut taps))
                 }
-                Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
-                Some(Break::Read(il)) => il,
             };
-            let index = submit(cb, &mut pending);
-            // The resident experts and the shared expert go right behind it (they read only
-            // the device's data); the span after the write is encoded while the GPU runs
-            // these (the cold outputs it reads go up by queued writes, which land before its
-            // submission).
-            debug_assert_eq!(spans[i + 1].end, Some(Break::Write(il)));
-            ctx.queue.submit([encode(i + 1, &mut taps)]);
-            let next = encode(i + 2, &mut taps);
-            let words = 2 * MAX_BATCH * k + nt * d;
-            let warm = cp.warm_pool.then(WarmPool::hold);
-            let back = readback::read_mapped_after(ctx, &stage, words, Some(index))?;
-            drop(warm);
-            let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
-            let cold = bits(&back[..nt * k]);
-            let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
-            let moe = &self.res.layers[il].moe;
-            cp.record(il, &routed);
-            // The next layer with experts on the CPU, if it comes right after this one.
-            let after = spans[i + 2..].iter().find_map(|s| match s.end {
-                Some(Break::Read(l)) => Some(l),
-                _ => None,
-            });
-            let after = after.filter(|&l| l == il + 1 && cp.prefetch > 0);
-            // What to admit (and to prefetch for the next layer) is decided beside the cold
-            // experts, not before them: they are the cold winners the device read back
-            // whatever the policy says next.
-            let (done, uploads) = rayon::join(
-                || self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]),
-                || {
-                    let mut out = Vec::new();
-                    // The co-routing counts learn from this layer and the one before it, and
-                    // name the next layer's likeliest experts.
-                    let likely = (cp.prefetch > 0).then(|| {
+            let mut pending: Vec<(usize, Vec<Upload>)> = Vec::new();
+            // Hands `admitted` to the stager, or stages it here when there is none.
+            let stage = |il: usize, admitted: Vec<Admission>, pending: &mut Vec<_>| {
+                if let Err(mpsc::SendError((il, admitted))) = job_tx.send((il, admitted)) {
+                    pending.push(stage_now(il, admitted));
+                }
+            };
+            // The last layer whose routing came back this frame, and that routing.
+            let mut last: Option<(usize, Vec<u32>)> = None;
+            let mut i = 0;
+            let mut cb = span(0)?;
+            loop {
+                pending.extend(done_rx.try_iter());
+                let il = match spans[i].end {
+                    None => {
+                        submit(cb, &mut pending);
+                        drop(job_tx);
+                        pending.extend(done_rx.iter());
+                        if !pending.is_empty() {
+                            submit(encoder().finish(), &mut pending);
+                        }
+                        if let Some(c) = clock.as_ref().filter(|_| timed > 0) {
+                            let ns = c.busy_ns(ctx, timed)?;
+                            cp.gpu_ns.fetch_add(ns.iter().sum(), Ordering::Relaxed);
+                            let routing = ns
+                                .iter()
+                                .zip(spans.iter())
+                                .filter(|(_, s)| matches!(s.end, Some(Break::Read(_))))
+                                .map(|(ns, _)| ns)
+                                .sum();
+                            cp.gpu_routing_ns.fetch_add(routing, Ordering::Relaxed);
+                        }
+                        return Ok(());
+                    }
+                    Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
+                    Some(Break::Read(il)) => il,
+                };
+                let index = submit(cb, &mut pending);
+                // The resident experts and the shared expert go right behind it (they read
+                // only the device's data); the span after the write is encoded while the GPU
+                // runs these (the cold outputs it reads go up by queued writes, which land
+                // before its submission).
+                debug_assert_eq!(spans[i + 1].end, Some(Break::Write(il)));
+                let resident = span(i + 1)?;
+                {
+                    let _timed = Elapsed(&cp.submit_ns, std::time::Instant::now());
+                    ctx.queue.submit([resident]);
+                }
+                let next = span(i + 2)?;
+                let words = 2 * MAX_BATCH * k + nt * d;
+                let warm = cp.warm_pool.then(WarmPool::hold);
+                let t_wait = std::time::Instant::now();
+                let back = readback::read_mapped_after(ctx, &stage_buf, words, Some(index))?;
+                cp.wait_ns
+                    .fetch_add(t_wait.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                drop(warm);
+                let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+                let cold = bits(&back[..nt * k]);
+                let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
+                let moe = &self.res.layers[il].moe;
+                cp.record(il, &routed);
+                // The next layer's likeliest experts go to the stager before the cold experts
+                // start (they help this frame only if they land before that layer routes).
+                let after = spans[i + 2..].iter().find_map(|s| match s.end {
+                    Some(Break::Read(l)) => Some(l),
+                    _ => None,
+                });
+                if let Some(nl) = after.filter(|&l| l == il + 1 && cp.prefetch > 0) {
+                    let likely = {
                         let mut co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
                         if let Some((pl, pr)) = last.as_ref().filter(|(pl, _)| pl + 1 == il) {
                             co.observe(*pl, pr, &routed);
                         }
                         co.likely(il, &routed)
-                    });
-                    let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
-                    let ahead = after.zip(likely).map(|(nl, likely)| {
-                        (nl, self.res.layers[nl].moe.prefetch(&likely, cp.prefetch))
-                    });
-                    if admitted.is_empty() && ahead.as_ref().is_none_or(|(_, a)| a.is_empty()) {
-                        return out;
-                    }
-                    let mut ring = cp.ring.lock().unwrap_or_else(|p| p.into_inner());
-                    if !admitted.is_empty() {
-                        let w = &self.model.weights.layers[il].moe;
-                        out.push((il, moe.stage(w, &mut ring, admitted)));
-                    }
-                    if let Some((nl, ahead)) = ahead.filter(|(_, a)| !a.is_empty()) {
+                    };
+                    let ahead = self.res.layers[nl].moe.prefetch(&likely, cp.prefetch);
+                    if !ahead.is_empty() {
                         cp.prefetched
                             .fetch_add(ahead.len() as u64, Ordering::Relaxed);
-                        let w = &self.model.weights.layers[nl].moe;
-                        out.push((nl, self.res.layers[nl].moe.stage(w, &mut ring, ahead)));
+                        stage(nl, ahead, &mut pending);
                     }
-                    out
-                },
-            );
-            done?;
-            pending.extend(uploads);
-            last = Some((il, routed));
-            cb = next;
-            i += 2;
-        }
+                } else if cp.prefetch > 0 {
+                    // No next layer to prefetch into: the counts still learn.
+                    let mut co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
+                    if let Some((pl, pr)) = last.as_ref().filter(|(pl, _)| pl + 1 == il) {
+                        co.observe(*pl, pr, &routed);
+                    }
+                }
+                let t_join = std::time::Instant::now();
+                let done = self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]);
+                // The admissions (from the cold winners the device read back, whatever the
+                // policy says next) are copied while the GPU runs the next layer, not beside
+                // the cold experts, whose memory reads the copies slowed.
+                let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
+                if !admitted.is_empty() {
+                    stage(il, admitted, &mut pending);
+                }
+                cp.join_ns
+                    .fetch_add(t_join.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                done?;
+                last = Some((il, routed));
+                cb = next;
+                i += 2;
+            }
+        })
     }
 
     /// Computes layer `il`'s cold slots (`cold[slot]`: the expert, or `NONE_SLOT`) on the CPU
@@ -520,6 +719,11 @@ impl GpuModel<'_> {
             admitted: r.admitted.load(Ordering::Relaxed),
             failed: r.failed.load(Ordering::Relaxed),
             prefetched: r.prefetched.load(Ordering::Relaxed),
+            gpu_seconds: r.gpu_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            gpu_routing_seconds: r.gpu_routing_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            submit_seconds: r.submit_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            wait_seconds: r.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            join_seconds: r.join_ns.load(Ordering::Relaxed) as f64 * 1e-9,
         }
     }
 

@@ -511,11 +511,28 @@ impl Graph {
         range: std::ops::Range<usize>,
         taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
     ) {
+        self.record_span_stamped(ctx, enc, range, taps, None)
+    }
+
+    /// [`Graph::record_span`], writing the pass's beginning and end into queries `at` and
+    /// `at + 1` of `stamps` when given (and the span is not traced).
+    pub fn record_span_stamped(
+        &self,
+        ctx: &GpuContext,
+        enc: &mut wgpu::CommandEncoder,
+        range: std::ops::Range<usize>,
+        taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
+        stamps: Option<(&wgpu::QuerySet, u32)>,
+    ) {
         let items = &self.items[range];
         let Some(taps) = taps else {
             let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
                 label: Some("forward"),
-                timestamp_writes: None,
+                timestamp_writes: stamps.map(|(query_set, at)| wgpu::ComputePassTimestampWrites {
+                    query_set,
+                    beginning_of_pass_write_index: Some(at),
+                    end_of_pass_write_index: Some(at + 1),
+                }),
             });
             for item in items {
                 if let Item::Step(s) = item {
