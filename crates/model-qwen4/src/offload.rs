@@ -471,10 +471,11 @@ impl GpuModel<'_> {
             // Recording a layer's spans costs the host about as long as the GPU takes to run
             // the span before its routing: the encoder records them on its own thread, in
             // order, while this one submits, waits and computes (a traced frame, whose taps
-            // are collected in order, records them here). It runs two spans ahead at most,
-            // so it records while this thread waits for the GPU rather than all at once at
-            // the frame's start, where it took a core from the cold experts.
-            let (cb_tx, cb_rx) = mpsc::sync_channel::<wgpu::CommandBuffer>(2);
+            // are collected in order, records them here). It runs free: held two spans ahead
+            // (to record while this thread waits rather than beside the cold experts), in a
+            // build that also staged admissions after the cold experts, it measured slower on
+            // the H200 (docs/perf.md, fourth pass).
+            let (cb_tx, cb_rx) = mpsc::channel::<wgpu::CommandBuffer>();
             let encoder_thread = taps.is_none()
                 && std::thread::Builder::new()
                     .name("cortiq-encoder".into())
@@ -558,8 +559,11 @@ impl GpuModel<'_> {
                 let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
                 let moe = &self.res.layers[il].moe;
                 cp.record(il, &routed);
-                // The next layer's likeliest experts go to the stager before the cold experts
-                // start (they help this frame only if they land before that layer routes).
+                // The next layer's likeliest experts go to the stager first (they help this
+                // frame only if they land before that layer routes), then what this layer
+                // admits; both before the cold experts start. (A build that handed the
+                // admissions over after them, with the encoder held two spans ahead, measured
+                // slower on the H200: docs/perf.md, fourth pass.)
                 let after = spans[i + 2..].iter().find_map(|s| match s.end {
                     Some(Break::Read(l)) => Some(l),
                     _ => None,
@@ -585,15 +589,14 @@ impl GpuModel<'_> {
                         co.observe(*pl, pr, &routed);
                     }
                 }
-                let t_join = std::time::Instant::now();
-                let done = self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]);
-                // The admissions (from the cold winners the device read back, whatever the
-                // policy says next) are copied while the GPU runs the next layer, not beside
-                // the cold experts, whose memory reads the copies slowed.
+                // The admissions are decided from the cold winners the device read back,
+                // whatever the policy says next, so they need not wait for the cold experts.
                 let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
                 if !admitted.is_empty() {
                     stage(il, admitted, &mut pending);
                 }
+                let t_join = std::time::Instant::now();
+                let done = self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]);
                 cp.join_ns
                     .fetch_add(t_join.elapsed().as_nanos() as u64, Ordering::Relaxed);
                 done?;
