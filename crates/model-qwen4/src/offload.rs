@@ -304,6 +304,61 @@ impl ColdPath {
     }
 }
 
+/// The main thread's side of the stager: the staging jobs handed over (a layer and its
+/// admissions) and the staged uploads coming back, counted per layer so that a layer can wait
+/// for its own before it decides again.
+struct Handoff<'a> {
+    jobs: Option<mpsc::Sender<(usize, Vec<Admission>)>>,
+    done: &'a mpsc::Receiver<(usize, Vec<Upload>)>,
+    /// Jobs handed over and not back yet, per layer.
+    out: Vec<usize>,
+}
+
+impl Handoff<'_> {
+    /// Hands `admitted` to the stager; back when there is none (it is staged in line then).
+    fn send(&mut self, il: usize, admitted: Vec<Admission>) -> Result<(), (usize, Vec<Admission>)> {
+        let Some(jobs) = &self.jobs else {
+            return Err((il, admitted));
+        };
+        jobs.send((il, admitted))
+            .map_err(|mpsc::SendError(job)| job)?;
+        self.out[il] += 1;
+        Ok(())
+    }
+
+    fn take(&mut self, (il, ups): (usize, Vec<Upload>), pending: &mut Vec<(usize, Vec<Upload>)>) {
+        self.out[il] = self.out[il].saturating_sub(1);
+        pending.push((il, ups));
+    }
+
+    /// What the stager has staged so far, without waiting.
+    fn ready(&mut self, pending: &mut Vec<(usize, Vec<Upload>)>) {
+        while let Ok(r) = self.done.try_recv() {
+            self.take(r, pending);
+        }
+    }
+
+    /// Waits for layer `il`'s jobs; whether there were any.
+    fn layer(&mut self, il: usize, pending: &mut Vec<(usize, Vec<Upload>)>) -> bool {
+        let waited = self.out[il] > 0;
+        while self.out[il] > 0 {
+            match self.done.recv() {
+                Ok(r) => self.take(r, pending),
+                Err(_) => break,
+            }
+        }
+        waited
+    }
+
+    /// Closes the hand-over and waits for everything the stager still holds.
+    fn finish(&mut self, pending: &mut Vec<(usize, Vec<Upload>)>) {
+        self.jobs = None;
+        for r in self.done.iter() {
+            self.take(r, pending);
+        }
+    }
+}
+
 /// Adds the time since its start to a counter when dropped (on every way out of a scope).
 struct Elapsed<'a>(&'a AtomicU64, std::time::Instant);
 
@@ -499,111 +554,131 @@ impl GpuModel<'_> {
                 }
             };
             let mut pending: Vec<(usize, Vec<Upload>)> = Vec::new();
+            let mut handoff = Handoff {
+                jobs: Some(job_tx),
+                done: &done_rx,
+                out: vec![0; c.num_hidden_layers],
+            };
             // Hands `admitted` to the stager, or stages it here when there is none.
-            let stage = |il: usize, admitted: Vec<Admission>, pending: &mut Vec<_>| {
-                if let Err(mpsc::SendError((il, admitted))) = job_tx.send((il, admitted)) {
+            let stage = |il: usize,
+                         admitted: Vec<Admission>,
+                         handoff: &mut Handoff<'_>,
+                         pending: &mut Vec<_>| {
+                if let Err((il, admitted)) = handoff.send(il, admitted) {
                     pending.push(stage_now(il, admitted));
                 }
             };
-            // The last layer whose routing came back this frame, and that routing.
-            let mut last: Option<(usize, Vec<u32>)> = None;
-            let mut i = 0;
-            let mut cb = span(0)?;
-            loop {
-                pending.extend(done_rx.try_iter());
-                let il = match spans[i].end {
-                    None => {
-                        submit(cb, &mut pending);
-                        drop(job_tx);
-                        pending.extend(done_rx.iter());
-                        if !pending.is_empty() {
-                            submit(encoder().finish(), &mut pending);
+            let mut frame = || -> Result<(), ForwardError> {
+                // The last layer whose routing came back this frame, and that routing.
+                let mut last: Option<(usize, Vec<u32>)> = None;
+                let mut i = 0;
+                let mut cb = span(0)?;
+                loop {
+                    handoff.ready(&mut pending);
+                    let il = match spans[i].end {
+                        None => {
+                            submit(cb, &mut pending);
+                            return Ok(());
                         }
-                        if let Some(c) = clock.as_ref().filter(|_| timed > 0) {
-                            let ns = c.busy_ns(ctx, timed)?;
-                            cp.gpu_ns.fetch_add(ns.iter().sum(), Ordering::Relaxed);
-                            let routing = ns
-                                .iter()
-                                .zip(spans.iter())
-                                .filter(|(_, s)| matches!(s.end, Some(Break::Read(_))))
-                                .map(|(ns, _)| ns)
-                                .sum();
-                            cp.gpu_routing_ns.fetch_add(routing, Ordering::Relaxed);
-                        }
-                        return Ok(());
+                        Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
+                        Some(Break::Read(il)) => il,
+                    };
+                    let index = submit(cb, &mut pending);
+                    // The resident experts and the shared expert go right behind it (they read
+                    // only the device's data); the span after the write is encoded while the GPU
+                    // runs these (the cold outputs it reads go up by queued writes, which land
+                    // before its submission).
+                    debug_assert_eq!(spans[i + 1].end, Some(Break::Write(il)));
+                    let resident = span(i + 1)?;
+                    {
+                        let _timed = Elapsed(&cp.submit_ns, std::time::Instant::now());
+                        ctx.queue.submit([resident]);
                     }
-                    Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
-                    Some(Break::Read(il)) => il,
-                };
-                let index = submit(cb, &mut pending);
-                // The resident experts and the shared expert go right behind it (they read
-                // only the device's data); the span after the write is encoded while the GPU
-                // runs these (the cold outputs it reads go up by queued writes, which land
-                // before its submission).
-                debug_assert_eq!(spans[i + 1].end, Some(Break::Write(il)));
-                let resident = span(i + 1)?;
-                {
-                    let _timed = Elapsed(&cp.submit_ns, std::time::Instant::now());
-                    ctx.queue.submit([resident]);
-                }
-                let next = span(i + 2)?;
-                let words = 2 * MAX_BATCH * k + nt * d;
-                let warm = cp.warm_pool.then(WarmPool::hold);
-                let t_wait = std::time::Instant::now();
-                let back = readback::read_mapped_after(ctx, &stage_buf, words, Some(index))?;
-                cp.wait_ns
-                    .fetch_add(t_wait.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                drop(warm);
-                let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
-                let cold = bits(&back[..nt * k]);
-                let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
-                let moe = &self.res.layers[il].moe;
-                cp.record(il, &routed);
-                // The next layer's likeliest experts go to the stager first (they help this
-                // frame only if they land before that layer routes), then what this layer
-                // admits; both before the cold experts start. (A build that handed the
-                // admissions over after them, with the encoder held two spans ahead, measured
-                // slower on the H200: docs/perf.md, fourth pass.)
-                let after = spans[i + 2..].iter().find_map(|s| match s.end {
-                    Some(Break::Read(l)) => Some(l),
-                    _ => None,
-                });
-                if let Some(nl) = after.filter(|&l| l == il + 1 && cp.prefetch > 0) {
-                    let likely = {
+                    let next = span(i + 2)?;
+                    let words = 2 * MAX_BATCH * k + nt * d;
+                    let warm = cp.warm_pool.then(WarmPool::hold);
+                    let t_wait = std::time::Instant::now();
+                    let back = readback::read_mapped_after(ctx, &stage_buf, words, Some(index))?;
+                    cp.wait_ns
+                        .fetch_add(t_wait.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    drop(warm);
+                    let bits = |v: &[f32]| -> Vec<u32> { v.iter().map(|v| v.to_bits()).collect() };
+                    let cold = bits(&back[..nt * k]);
+                    let routed = bits(&back[MAX_BATCH * k..MAX_BATCH * k + nt * k]);
+                    let moe = &self.res.layers[il].moe;
+                    cp.record(il, &routed);
+                    // The next layer's likeliest experts go to the stager first (they help this
+                    // frame only if they land before that layer routes), then what this layer
+                    // admits; both before the cold experts start. (A build that handed the
+                    // admissions over after them, with the encoder held two spans ahead, measured
+                    // slower on the H200: docs/perf.md, fourth pass.)
+                    let after = spans[i + 2..].iter().find_map(|s| match s.end {
+                        Some(Break::Read(l)) => Some(l),
+                        _ => None,
+                    });
+                    if let Some(nl) = after.filter(|&l| l == il + 1 && cp.prefetch > 0) {
+                        let likely = {
+                            let mut co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
+                            if let Some((pl, pr)) = last.as_ref().filter(|(pl, _)| pl + 1 == il) {
+                                co.observe(*pl, pr, &routed);
+                            }
+                            co.likely(il, &routed)
+                        };
+                        let ahead = self.res.layers[nl].moe.prefetch(&likely, cp.prefetch);
+                        if !ahead.is_empty() {
+                            cp.prefetched
+                                .fetch_add(ahead.len() as u64, Ordering::Relaxed);
+                            stage(nl, ahead, &mut handoff, &mut pending);
+                        }
+                    } else if cp.prefetch > 0 {
+                        // No next layer to prefetch into: the counts still learn.
                         let mut co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
                         if let Some((pl, pr)) = last.as_ref().filter(|(pl, _)| pl + 1 == il) {
                             co.observe(*pl, pr, &routed);
                         }
-                        co.likely(il, &routed)
-                    };
-                    let ahead = self.res.layers[nl].moe.prefetch(&likely, cp.prefetch);
-                    if !ahead.is_empty() {
-                        cp.prefetched
-                            .fetch_add(ahead.len() as u64, Ordering::Relaxed);
-                        stage(nl, ahead, &mut pending);
                     }
-                } else if cp.prefetch > 0 {
-                    // No next layer to prefetch into: the counts still learn.
-                    let mut co = cp.corouting.lock().unwrap_or_else(|p| p.into_inner());
-                    if let Some((pl, pr)) = last.as_ref().filter(|(pl, _)| pl + 1 == il) {
-                        co.observe(*pl, pr, &routed);
+                    // The admissions are decided from the cold winners the device read back,
+                    // whatever the policy says next, so they need not wait for the cold experts.
+                    // A prefetch into this layer still with the stager is committed first: its
+                    // slot must not be chosen again while it might yet be taken back.
+                    if handoff.layer(il, &mut pending) {
+                        submit(encoder().finish(), &mut pending);
                     }
+                    let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
+                    if !admitted.is_empty() {
+                        stage(il, admitted, &mut handoff, &mut pending);
+                    }
+                    let t_join = std::time::Instant::now();
+                    let done = self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]);
+                    cp.join_ns
+                        .fetch_add(t_join.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    done?;
+                    last = Some((il, routed));
+                    cb = next;
+                    i += 2;
                 }
-                // The admissions are decided from the cold winners the device read back,
-                // whatever the policy says next, so they need not wait for the cold experts.
-                let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
-                if !admitted.is_empty() {
-                    stage(il, admitted, &mut pending);
-                }
-                let t_join = std::time::Instant::now();
-                let done = self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]);
-                cp.join_ns
-                    .fetch_add(t_join.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                done?;
-                last = Some((il, routed));
-                cb = next;
-                i += 2;
+            };
+            let ran = frame();
+            // What the stager still holds is committed (or taken back) whether the frame ran
+            // to its end or not: an admission in the host's map must reach the device's, and
+            // its staging slot must come back.
+            handoff.finish(&mut pending);
+            if !pending.is_empty() {
+                submit(encoder().finish(), &mut pending);
             }
+            ran?;
+            if let Some(c) = clock.as_ref().filter(|_| timed > 0) {
+                let ns = c.busy_ns(ctx, timed)?;
+                cp.gpu_ns.fetch_add(ns.iter().sum(), Ordering::Relaxed);
+                let routing = ns
+                    .iter()
+                    .zip(spans.iter())
+                    .filter(|(_, s)| matches!(s.end, Some(Break::Read(_))))
+                    .map(|(ns, _)| ns)
+                    .sum();
+                cp.gpu_routing_ns.fetch_add(routing, Ordering::Relaxed);
+            }
+            Ok(())
         })
     }
 
