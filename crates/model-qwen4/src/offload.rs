@@ -837,3 +837,74 @@ impl GpuModel<'_> {
         self.res.cold.faults.store(n, Ordering::Relaxed);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn admission(expert: u32) -> Admission {
+        Admission {
+            expert,
+            slot: 0,
+            evicted: 1,
+        }
+    }
+
+    /// A stager that hands each job back after a pause, so that the main thread's side
+    /// sees jobs in flight.
+    fn slow_stager(
+        jobs: mpsc::Receiver<(usize, Vec<Admission>)>,
+        done: mpsc::Sender<(usize, Vec<Upload>)>,
+    ) {
+        for (il, admitted) in jobs {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            let ups = admitted.into_iter().map(|a| (a, None)).collect();
+            if done.send((il, ups)).is_err() {
+                break;
+            }
+        }
+    }
+
+    #[test]
+    fn a_layer_waits_for_its_own_jobs_and_the_frame_for_all() {
+        let (job_tx, job_rx) = mpsc::channel();
+        let (done_tx, done_rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(move || slow_stager(job_rx, done_tx));
+            let mut h = Handoff {
+                jobs: Some(job_tx),
+                done: &done_rx,
+                out: vec![0; 4],
+            };
+            let mut pending = Vec::new();
+            // Layer 1's prefetch, then layer 0's admissions, then layer 2's.
+            assert!(h.send(1, vec![admission(7)]).is_ok());
+            assert!(h.send(0, vec![admission(8), admission(9)]).is_ok());
+            assert!(h.send(2, vec![admission(10)]).is_ok());
+            assert_eq!(h.out, [1, 1, 1, 0]);
+            // Nothing in flight for layer 3: no wait.
+            assert!(!h.layer(3, &mut pending));
+            // Layer 1 waits for its job (the first sent) and no further.
+            assert!(h.layer(1, &mut pending));
+            assert_eq!(h.out[1], 0);
+            assert!(
+                pending
+                    .iter()
+                    .any(|(il, ups)| *il == 1 && ups[0].0.expert == 7)
+            );
+            assert!(!h.layer(1, &mut pending));
+            // The end of the frame collects the rest, in the order handed over.
+            h.finish(&mut pending);
+            assert_eq!(h.out, [0, 0, 0, 0]);
+            let layers: Vec<usize> = pending.iter().map(|(il, _)| *il).collect();
+            assert_eq!(layers, [1, 0, 2]);
+            assert_eq!(pending[1].1.len(), 2);
+            // With the hand-over closed, a job comes back to be staged in line.
+            assert_eq!(
+                h.send(3, vec![admission(11)]),
+                Err((3, vec![admission(11)]))
+            );
+            assert_eq!(h.out[3], 0);
+        });
+    }
+}
