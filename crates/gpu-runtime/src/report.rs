@@ -44,7 +44,10 @@ pub fn kernel_report(ctx: &GpuContext) -> KernelReport {
             let status = crate::ops::matvec::codec_pipeline(ctx, codec, nt, plan, Epilogue::None)
                 .map(|_| ())
                 .map_err(|e| e.to_string());
-            kernels.push((plan.kernel(codec, nt).name(), status));
+            let p = plan.for_codec(ctx, codec, nt, false);
+            let mut k = p.kernel(codec, nt);
+            k.lut_copies = p.lut_copies(ctx, &k);
+            kernels.push((k.name(), status));
         }
     }
     for entry in ["read_bw", "tiny"] {

@@ -174,6 +174,29 @@ pub(crate) fn body_f32(k: &Matvec) -> String {
 
 const XYZW: [&str; 4] = ["x", "y", "z", "w"];
 
+/// mxfp4's table: byte -> its two E2M1 nibbles as int8 `2 * e2m1` (low nibble in byte 0), in
+/// `copies` interleaved copies (entry `byte * copies + copy`, lane `l` reading copy `l %
+/// copies`): with one copy the lanes of a subgroup hit random banks, and on the H200 the
+/// table's conflicts held tall mxfp4 matrices at half the read ceiling (docs/perf.md). Copy 0
+/// is computed, the others copied from it (a subgroup's lanes then read one entry).
+fn lut_fill(b: &mut String, k: &Matvec) {
+    let copies = k.lut_copies.clamp(1, 32).next_power_of_two();
+    let _ = writeln!(b, "    let cp = li % {copies}u;");
+    let _ = writeln!(
+        b,
+        "    for (var i = li; i < 256u; i = i + WG) {{ lut[i * {copies}u] = mx_pair(i); }}"
+    );
+    let _ = writeln!(b, "    workgroupBarrier();");
+    if copies > 1 {
+        let _ = writeln!(
+            b,
+            "    for (var i = li; i < {}u; i = i + WG) {{ let o = i % {copies}u; if (o != 0u) {{ lut[i] = lut[i - o]; }} }}",
+            256 * copies
+        );
+        let _ = writeln!(b, "    workgroupBarrier();");
+    }
+}
+
 /// The int8 path: per chunk (one 32-element block; two for q2tp) each row's weight words are
 /// unpacked once into int8 words `u{r}_{j}` in the order the activation layout expects, and
 /// per token row and block one `dot8` (8 `dot4I8Packed`) gives the exact integer dot product,
@@ -198,15 +221,18 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
             32 * nr
         );
     }
-    prelude(&mut b, pair, nr, nt, k.grouped);
-    let _ = writeln!(b, "    let nb = P.cols / 32u;");
     if codec == Codec::Mxfp4 {
         let _ = writeln!(
             b,
-            "    for (var i = li; i < 256u; i = i + WG) {{ lut[i] = mx_pair(i); }}"
+            "var<workgroup> lut: array<u32, {}u>;",
+            256 * k.lut_copies.clamp(1, 32).next_power_of_two()
         );
-        let _ = writeln!(b, "    workgroupBarrier();");
     }
+    prelude(&mut b, pair, nr, nt, k.grouped);
+    if codec == Codec::Mxfp4 {
+        lut_fill(&mut b, k);
+    }
+    let _ = writeln!(b, "    let nb = P.cols / 32u;");
     let tiered = matches!(codec, Codec::Q4tp | Codec::Q2tp);
     if tiered {
         for r in 0..nr {
@@ -231,6 +257,15 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
         }
         let _ = writeln!(b, "    workgroupBarrier();");
     }
+    // The table entry of byte expression `e` in this lane's copy.
+    let copies = k.lut_copies.clamp(1, 32).next_power_of_two();
+    let entry = |e: &str| {
+        if copies == 1 {
+            format!("lut[{e}]")
+        } else {
+            format!("lut[(({e}) << {}u) | cp]", copies.trailing_zeros())
+        }
+    };
     let (chunks, blocks) = match codec {
         Codec::Q2tp => ("P.cols / 64u", 2),
         _ => ("nb", 1),
@@ -312,13 +347,17 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
                 for (kk, comp) in XYZW.iter().enumerate() {
                     let _ = writeln!(
                         b,
-                        "        let u{r}_{} = lut[v{r}.{comp} & 0xffu] | (lut[(v{r}.{comp} >> 8u) & 0xffu] << 16u);",
-                        2 * kk
+                        "        let u{r}_{} = {} | ({} << 16u);",
+                        2 * kk,
+                        entry(&format!("v{r}.{comp} & 0xffu")),
+                        entry(&format!("(v{r}.{comp} >> 8u) & 0xffu")),
                     );
                     let _ = writeln!(
                         b,
-                        "        let u{r}_{} = lut[(v{r}.{comp} >> 16u) & 0xffu] | (lut[v{r}.{comp} >> 24u] << 16u);",
-                        2 * kk + 1
+                        "        let u{r}_{} = {} | ({} << 16u);",
+                        2 * kk + 1,
+                        entry(&format!("(v{r}.{comp} >> 16u) & 0xffu")),
+                        entry(&format!("v{r}.{comp} >> 24u")),
                     );
                 }
                 let _ = writeln!(

@@ -8,7 +8,7 @@
 //! ```
 //! use kernels_wgsl::{Caps, Codec, Epilogue, Matvec, Path, Reduce, Specialization, validate};
 //!
-//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None, path: Path::Int8, grouped: false };
+//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None, path: Path::Int8, grouped: false, lut_copies: 1 };
 //! assert_eq!(k.name(), "matvec_q4tp_i8_smem_t8_r4");
 //! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64)).unwrap();
 //! ```
@@ -245,6 +245,11 @@ pub struct Matvec {
     /// the expert `ids[s]` of an expert bank (binding 6; every expert's payload at
     /// `ids[s] * slot_bytes`), activation row `s / x_div`, output row `s`. `nt` must be 1.
     pub grouped: bool,
+    /// mxfp4 on the int8 path: copies of the byte -> int8-pair table in workgroup memory
+    /// (a power of two, 1..=32), lane `l` reading copy `l % lut_copies` (entry `byte *
+    /// lut_copies + copy`, so with 32 copies the 32 lanes of a subgroup read 32 different banks
+    /// whatever their bytes). Every other kernel ignores it.
+    pub lut_copies: u32,
 }
 
 /// The grouped variant's declarations: the slots' expert ids, and the chosen expert's byte
@@ -321,14 +326,19 @@ impl Matvec {
     /// Systematic name, e.g. `matvec_q4tp_sg_t8_r4`.
     pub fn name(&self) -> String {
         format!(
-            "matvec_{}{}_{}_t{}_r{}{}{}",
+            "matvec_{}{}_{}_t{}_r{}{}{}{}",
             self.codec.name(),
             self.path.suffix(),
             self.reduce.suffix(),
             self.nt,
             self.rows,
             self.epilogue.suffix(),
-            if self.grouped { "_grouped" } else { "" }
+            if self.grouped { "_grouped" } else { "" },
+            if self.has_lut() {
+                format!("_lut{}", self.lut_copies)
+            } else {
+                String::new()
+            }
         )
     }
 
@@ -394,6 +404,27 @@ impl Matvec {
             Path::F32 | Path::HwF16 => generate::body_f32(self),
             Path::Int8 => generate::body_i8(self),
         }
+    }
+
+    /// Whether the kernel reads a byte table in workgroup memory (mxfp4 on the int8 path).
+    pub fn has_lut(&self) -> bool {
+        self.codec == Codec::Mxfp4 && self.path == Path::Int8
+    }
+
+    /// Bytes of workgroup memory the kernel declares for `wg` lanes per workgroup: the byte
+    /// table's copies and, in the shared-memory reduction, one f32 per lane.
+    pub fn workgroup_bytes(&self, wg: u32) -> u32 {
+        let lut = if self.has_lut() {
+            256 * 4 * self.lut_copies.clamp(1, 32).next_power_of_two()
+        } else {
+            0
+        };
+        let red = if self.reduce == Reduce::SharedMemory {
+            4 * wg
+        } else {
+            0
+        };
+        lut + red
     }
 
     /// Whether the module needs the SUBGROUP capability.
@@ -471,7 +502,16 @@ pub fn registry() -> Vec<ModuleSpec> {
                 // 1..=8 token rows, and the grouped-experts variant (one row per slot).
                 let variants = (1..=8).map(|nt| (nt, false)).chain([(1, true)]);
                 for (nt, grouped) in variants {
-                    for (rows, epilogue) in shapes {
+                    // mxfp4's int8 table: one copy, and the interleaved copies.
+                    let copies: &[u32] = if codec == Codec::Mxfp4 && path == Path::Int8 {
+                        &[1, 16, 32]
+                    } else {
+                        &[1]
+                    };
+                    for ((rows, epilogue), &lut_copies) in shapes
+                        .into_iter()
+                        .flat_map(|s| copies.iter().map(move |c| (s, c)))
+                    {
                         let k = Matvec {
                             codec,
                             reduce,
@@ -480,6 +520,7 @@ pub fn registry() -> Vec<ModuleSpec> {
                             epilogue,
                             path,
                             grouped,
+                            lut_copies,
                         };
                         let specializations = match reduce {
                             // One subgroup per row group: LANES is the device's subgroup size.

@@ -48,6 +48,7 @@ fn subgroup_variants_are_refused_without_subgroups() {
         epilogue: Epilogue::None,
         path: Path::F32,
         grouped: false,
+        lut_copies: 1,
     };
     assert!(
         validate(
@@ -69,12 +70,15 @@ fn registry_names_are_systematic_and_unique() {
     assert_eq!(sorted.len(), names.len());
     assert!(names.contains(&"matvec_mxfp4_sg_t1_r1".to_string()));
     assert!(names.contains(&"matvec_q2tp_smem_t8_r4".to_string()));
-    // f32 for every codec, the hardware f16 variant, int8 for the four quantised codecs; then
-    // the activation quantiser, the op kernels and the bandwidth probes.
+    // f32 for every codec, the hardware f16 variant, int8 for the four quantised codecs (mxfp4's
+    // with its table in 1, 16 and 32 copies); then the activation quantiser, the op kernels
+    // and the bandwidth probes.
     assert_eq!(
         registry().len(),
-        2 * (Codec::ALL.len() + 1 + 4) * (8 + 1) * 6 + 2 + kernels_wgsl::Op::ALL.len()
+        2 * (Codec::ALL.len() + 1 + 3 + 3) * (8 + 1) * 6 + 2 + kernels_wgsl::Op::ALL.len()
     );
+    assert!(names.contains(&"matvec_mxfp4_i8_sg_t1_r4_lut32".to_string()));
+    assert!(names.contains(&"matvec_mxfp4_i8_smem_t1_r2_gateup_grouped_lut16".to_string()));
     assert!(names.contains(&"op_gdn_recur".to_string()));
     assert!(names.contains(&"matvec_q4tp_i8_sg_t1_r2_gateup_grouped".to_string()));
     assert!(names.contains(&"matvec_q2tp_i8_sg_t8_r4".to_string()));
@@ -107,6 +111,7 @@ fn chunk_sizes_agree_between_rust_and_wgsl() {
             epilogue: Epilogue::None,
             path: Path::F32,
             grouped: false,
+            lut_copies: 1,
         };
         let want = format!("const CHUNK_VEC4: u32 = {}u;", codec.chunk_vec4());
         assert!(k.source().contains(&want), "{codec:?}: {want}");
@@ -123,6 +128,7 @@ fn the_generated_body_names_every_accumulator_once() {
         epilogue: Epilogue::None,
         path: Path::F32,
         grouped: false,
+        lut_copies: 1,
     };
     let body = k.body();
     for r in 0..2 {
@@ -161,6 +167,7 @@ fn the_int8_path_needs_no_optional_capability_and_hw_f16_needs_its_own() {
         epilogue: Epilogue::None,
         path,
         grouped: false,
+        lut_copies: 1,
     };
     let i8 = k(Codec::Q2tp, Path::Int8);
     validate(

@@ -44,4 +44,3 @@ fn silu(v: f32) -> f32 {
 override WG: u32 = 256u;
 // Lanes per row group: a power of two; the subgroup variant needs it equal to the subgroup size.
 override LANES: u32 = 64u;
-var<workgroup> red: array<f32, WG>;

@@ -10,10 +10,6 @@
 @group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
 @group(0) @binding(5) var<storage, read> xd: array<vec2<u32>>;
 
-// mxfp4: byte -> its two E2M1 nibbles as int8 `2 * e2m1` (low nibble in byte 0), filled per
-// workgroup.
-var<workgroup> lut: array<u32, 256>;
-
 fn e2m1x2(n: u32) -> u32 {
     let m = n & 7u;
     var v = m;
@@ -26,6 +22,8 @@ fn e2m1x2(n: u32) -> u32 {
     return v & 0xffu;
 }
 
+// mxfp4: byte -> its two E2M1 nibbles as int8 `2 * e2m1` (low nibble in byte 0); the table
+// in workgroup memory is generated with the body (its copies vary).
 fn mx_pair(b: u32) -> u32 {
     return e2m1x2(b & 15u) | (e2m1x2(b >> 4u) << 8u);
 }

@@ -1,4 +1,6 @@
 // Row reduction through workgroup memory: a fixed pairwise tree over the row's LANES lanes.
+var<workgroup> red: array<f32, WG>;
+
 fn reduce(v: f32, li: u32, lane: u32, sg_size: u32, sg_lane: u32) -> f32 {
     red[li] = v;
     workgroupBarrier();

@@ -191,8 +191,10 @@ pub fn prepare_grouped(
         });
     }
     let int8 = path == Path::Int8;
+    let plan = plan.for_codec(ctx, codec, 1, true);
     let mut k: Matvec = plan.fused_kernel(codec, 1, epilogue);
     k.grouped = true;
+    k.lut_copies = plan.lut_copies(ctx, &k);
     let (bgl, pl) = if int8 {
         ctx.grouped_i8_layout()
     } else {

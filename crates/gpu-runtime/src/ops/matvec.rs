@@ -129,6 +129,67 @@ impl Plan {
         if ok { self.path } else { Path::F32 }
     }
 
+    /// The plan a kernel of `codec` and `nt` token rows runs under. mxfp4 on the int8 path
+    /// reads its byte table from workgroup memory; where the table is copied per lane
+    /// ([`Plan::lut_copies`]) it takes 16-32 KB of it, so the workgroup grows to keep warps
+    /// resident per KB (H200, docs/perf.md: the 246724x8192 matvec at 32 copies ran at 34%,
+    /// 56% and 68% of the read ceiling with 256, 512 and 1024 lanes; a grid that walks row
+    /// groups so each workgroup fills the table once ran no faster, so the fill is not what
+    /// costs). Other kernels: unchanged.
+    pub fn for_codec(self, ctx: &GpuContext, codec: Codec, nt: usize, grouped: bool) -> Plan {
+        if codec != Codec::Mxfp4 || self.path != Path::Int8 {
+            return self;
+        }
+        let want = match (grouped, self.rows >= 4 && nt == 1) {
+            (true, _) => 512,
+            (false, true) => 1024,
+            (false, false) => return self,
+        };
+        // The largest power of two the device allows per workgroup, up to 1024.
+        let cap = ctx
+            .limits
+            .max_compute_invocations_per_workgroup
+            .clamp(1, 1024);
+        let cap = 1 << (31 - cap.leading_zeros());
+        Plan {
+            wg: self.wg.max(want.min(cap)),
+            ..self
+        }
+    }
+
+    /// Copies of mxfp4's int8 byte table for kernel `k` under this plan (see
+    /// [`Plan::for_codec`]). Measured on the H200 against one copy (docs/perf.md, % of the
+    /// read ceiling): tall matrices (4 rows per row group) at one token row 32 copies
+    /// (246724x8192 51.7% -> 67.6%, 248320x2560 45.3% -> 56%); the grouped experts 16 (T=1
+    /// 16.9% -> 19.5%, T=8 34.4% -> 36.8%); 8 token rows (at most 3% faster with copies, 10%
+    /// only with a grid that walks row groups) and shorter matrices (10240x2560 29.2% ->
+    /// 23.2%) keep one. Fewer where the device's workgroup memory is smaller.
+    pub fn lut_copies(&self, ctx: &GpuContext, k: &Matvec) -> u32 {
+        if !k.has_lut() {
+            return 1;
+        }
+        let want = if k.grouped {
+            16
+        } else if self.rows >= 4 && k.nt == 1 {
+            32
+        } else {
+            1
+        };
+        let limit = ctx.limits.max_compute_workgroup_storage_size;
+        let mut copies = want;
+        while copies > 1
+            && (Matvec {
+                lut_copies: copies,
+                ..*k
+            })
+            .workgroup_bytes(self.wg)
+                > limit
+        {
+            copies /= 2;
+        }
+        copies
+    }
+
     /// The same plan with the shared-memory reduction (tests run both variants).
     pub fn shared_memory(self) -> Plan {
         Plan {
@@ -165,6 +226,7 @@ impl Plan {
             epilogue,
             path: self.path,
             grouped: false,
+            lut_copies: 1,
         }
     }
 
@@ -291,7 +353,9 @@ pub fn codec_pipeline(
     plan: Plan,
     epilogue: Epilogue,
 ) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
-    let k = plan.fused_kernel(codec, nt, epilogue);
+    let plan = plan.for_codec(ctx, codec, nt, false);
+    let mut k = plan.fused_kernel(codec, nt, epilogue);
+    k.lut_copies = plan.lut_copies(ctx, &k);
     let (_, pl) = if plan.path == Path::Int8 {
         ctx.i8_layout()
     } else {
@@ -498,7 +562,9 @@ fn prepare_inner(
         });
     }
     let codec = kernel_codec(m.dtype).ok_or(GpuError::UnsupportedDtype { dtype: m.dtype })?;
-    let plan = plan.with_path(plan.effective_path(ctx, codec, m.cols));
+    let plan = plan
+        .with_path(plan.effective_path(ctx, codec, m.cols))
+        .for_codec(ctx, codec, nt, false);
     let pipe = codec_pipeline(ctx, codec, nt, plan, epilogue)?;
     let mut steps = Vec::new();
     let acts = match (plan.path, codec.act_layout()) {
