@@ -165,8 +165,13 @@ pub fn prepare_grouped(
         // measured best of the splits tried on the H200 (docs/perf.md, grouped experts: T=8
         // q4tp 36.7% -> 52.8% of the read ceiling); the float paths, whose rows are 2-4x
         // more bytes, keep the caller's plan (f16 T=8 72% either way, T=1 71% -> 48%).
-        plan = plan.split(8);
-        plan.rows = if pair { plan.rows } else { 4 };
+        // A decode step's ten slots fill the device less: 16 lanes per gate/up row and two
+        // rows per down row group measured best there (H200, 2026-12-03: T=1 q4tp 20.9% ->
+        // 25.4% of the read ceiling, q2tp 12.6% -> 13.9%, mxfp4 19.3% -> 20.7%; 32 lanes or
+        // one row were slower for all three).
+        let (gl, dl, dr) = if slots <= 16 { (16, 8, 2) } else { (8, 8, 4) };
+        plan = plan.split(if pair { gl } else { dl });
+        plan.rows = if pair { plan.rows } else { dr };
     }
     let out_rows = if pair { bank.rows / 2 } else { bank.rows };
     let need = [
