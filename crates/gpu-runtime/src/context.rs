@@ -239,6 +239,8 @@ pub struct GpuContext {
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) act_quant_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pub(crate) act_quant_grouped_layout:
+        std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) op_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) grouped_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) grouped_i8_layout:
@@ -384,6 +386,7 @@ impl GpuContext {
             matvec_layout: std::sync::OnceLock::new(),
             i8_layout: std::sync::OnceLock::new(),
             act_quant_layout: std::sync::OnceLock::new(),
+            act_quant_grouped_layout: std::sync::OnceLock::new(),
             op_layout: std::sync::OnceLock::new(),
             grouped_layout: std::sync::OnceLock::new(),
             grouped_i8_layout: std::sync::OnceLock::new(),

@@ -67,4 +67,11 @@ impl GpuContext {
         self.act_quant_layout
             .get_or_init(|| ops::act8::layout(self))
     }
+
+    pub(crate) fn act_quant_grouped_layout(
+        &self,
+    ) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.act_quant_grouped_layout
+            .get_or_init(|| ops::act8::grouped_layout(self))
+    }
 }

@@ -103,9 +103,12 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
     let _ = writeln!(b, "}}");
 }
 
-/// The activation row of token row `t` (the slot's row in the grouped variant).
+/// The activation row of token row `t` (the slot's row in the grouped variant; on the int8
+/// path q8_2f's activations are quantised per slot, with its expert's column scales).
 fn xtok(k: &Matvec, t: u32) -> String {
-    if k.grouped {
+    if k.grouped && k.codec == Codec::Q8_2f && k.path == crate::Path::Int8 {
+        "slot".into()
+    } else if k.grouped {
         "xrow".into()
     } else {
         format!("{t}u")

@@ -451,6 +451,10 @@ impl Matvec {
 /// cols / 32]` blocks).
 pub const ACT_QUANT_ENTRY: &str = "act_quant";
 
+/// The grouped experts' quantiser in the same module (binding 5 the slots' expert ids; each
+/// slot's activation row scaled by its expert's q8_2f column scales).
+pub const ACT_QUANT_GROUPED_ENTRY: &str = "act_quant_grouped";
+
 /// The activation quantiser module.
 pub fn act_quant_source() -> String {
     [src::DECODE, src::ACT_QUANT].join("\n")
@@ -547,7 +551,7 @@ pub fn registry() -> Vec<ModuleSpec> {
     out.push(ModuleSpec {
         name: "act_quant".into(),
         source: Cow::Owned(act_quant_source()),
-        entries: &[ACT_QUANT_ENTRY],
+        entries: &[ACT_QUANT_ENTRY, ACT_QUANT_GROUPED_ENTRY],
         needs: Caps::MINIMAL,
         specializations: vec![Specialization(vec![])],
     });

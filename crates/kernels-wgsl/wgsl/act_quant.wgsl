@@ -25,8 +25,9 @@ struct QParams {
     q_stride: u32,
     d_stride: u32,
     members: u32,
-    _pad0: u32,
-    _pad1: u32,
+    // The grouped entry: slots per activation row, and bytes per expert in the bank.
+    x_div: u32,
+    slot_bytes: u32,
     _pad2: u32,
 }
 
@@ -35,6 +36,8 @@ struct QParams {
 @group(0) @binding(2) var<uniform> Q: QParams;
 @group(0) @binding(3) var<storage, read_write> xq_out: array<u32>;
 @group(0) @binding(4) var<storage, read_write> xd_out: array<vec2<u32>>;
+// The grouped entry only: the slots' expert ids.
+@group(0) @binding(5) var<storage, read> ids: array<u32>;
 
 var<workgroup> w_amax: atomic<u32>;
 var<workgroup> w_sum: atomic<i32>;
@@ -44,8 +47,8 @@ fn byte_at(off: u32) -> u32 {
     return (ww[off >> 2u] >> ((off & 3u) * 8u)) & 0xffu;
 }
 
-fn col_scale(member: u32, i: u32) -> f32 {
-    let off = Q.col_scales + member * Q.cs_stride + 2u * i;
+fn col_scale(base: u32, i: u32) -> f32 {
+    let off = base + 2u * i;
     return f16_bits(byte_at(off) | (byte_at(off + 1u) << 8u));
 }
 
@@ -108,6 +111,43 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     // Uniform per workgroup, so every barrier below is reached by all lanes or none (the
     // grid's last row may run past the members).
     let valid = member < max(Q.members, 1u);
+    let t = id / max(blocks, 1u);
+    let b = id - t * blocks;
+    var base = 0xffffffffu;
+    if (Q.col_scales != 0xffffffffu) {
+        base = Q.col_scales + member * Q.cs_stride;
+    }
+    quantise(e, valid, t, b, base, member * Q.q_stride + id * 8u, member * Q.d_stride + id);
+}
+
+// The grouped experts' q8_2f activations: slot s (`Q.members` of them) quantises activation
+// row s / x_div with the column scales of its expert `ids[s]` (at `ids[s] * slot_bytes +
+// col_scales` bytes of binding 1, the expert bank) into code row s.
+@compute @workgroup_size(32)
+fn act_quant_grouped(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) e: u32,
+) {
+    let blocks = Q.cols / 32u;
+    let flat = wid.x + wid.y * Q.wg_x;
+    let s = flat / max(blocks, 1u);
+    let b = flat - s * blocks;
+    let valid = s < max(Q.members, 1u);
+    let expert = ids[min(s, max(Q.members, 1u) - 1u)];
+    quantise(
+        e,
+        valid,
+        s / max(Q.x_div, 1u),
+        b,
+        expert * Q.slot_bytes + Q.col_scales,
+        flat * 8u,
+        flat,
+    );
+}
+
+// Block b of activation row t (scaled by the column scales at byte `base` unless it is
+// 0xffffffff) into 8 code words at word `oq` of xq_out and its (d, sum) at pair `od` of xd_out.
+fn quantise(e: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od: u32) {
     if (e == 0u) {
         atomicStore(&w_amax, 0u);
         atomicStore(&w_sum, 0i);
@@ -116,13 +156,11 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         atomicStore(&w_words[e], 0u);
     }
     workgroupBarrier();
-    let t = id / max(blocks, 1u);
-    let b = id - t * blocks;
     var bits = 0u;
     if (valid) {
         var v = xin[t * Q.cols + b * 32u + e];
-        if (Q.col_scales != 0xffffffffu) {
-            v = v * col_scale(member, b * 32u + e);
+        if (base != 0xffffffffu) {
+            v = v * col_scale(base, b * 32u + e);
         }
         bits = bitcast<u32>(v);
         atomicMax(&w_amax, bits & 0x7fffffffu);
@@ -138,7 +176,7 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     atomicAdd(&w_sum, bitcast<i32>(c << 24u) >> 24u);
     workgroupBarrier();
     if (valid && e < 8u) {
-        xq_out[member * Q.q_stride + id * 8u + e] = atomicLoad(&w_words[e]);
+        xq_out[oq + e] = atomicLoad(&w_words[e]);
     }
     if (valid && e == 0u) {
         var d = 0.0;
@@ -147,7 +185,6 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
         } else if (amax != 0u) {
             d = bitcast<f32>(amax) / 127.0;
         }
-        xd_out[member * Q.d_stride + id] =
-            vec2<u32>(bitcast<u32>(d), bitcast<u32>(atomicLoad(&w_sum)));
+        xd_out[od] = vec2<u32>(bitcast<u32>(d), bitcast<u32>(atomicLoad(&w_sum)));
     }
 }

@@ -95,6 +95,105 @@ pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::Pipeline
     )
 }
 
+/// The grouped quantiser's layout: [`layout`]'s, and 5 the slots' expert ids.
+pub(crate) fn grouped_layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    bind_layout(
+        ctx,
+        "act_quant_grouped",
+        &[
+            storage_entry(0, true),
+            storage_entry(1, true),
+            uniform_entry(2),
+            storage_entry(3, false),
+            storage_entry(4, false),
+            storage_entry(5, true),
+        ],
+    )
+}
+
+/// The grouped experts' q8_2f quantiser: slot `s` of `slots` quantises row `s / x_div` of `x`
+/// (`[x_rows, cols]` f32), scaled by the column scales of its expert `ids[s]` (at
+/// `ids[s] * slot_bytes + col_offset` bytes of `bank`), into code row `s` of `acts` (which
+/// holds `slots` rows).
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_grouped(
+    ctx: &GpuContext,
+    x: &wgpu::Buffer,
+    acts: &ActBuffers,
+    bank: &wgpu::Buffer,
+    col_offset: u64,
+    slot_bytes: u64,
+    ids: &wgpu::Buffer,
+    x_div: usize,
+) -> Result<Step, GpuError> {
+    let slots = acts.nt;
+    let x_rows = slots.div_ceil(x_div.max(1));
+    let need = (x_rows * acts.cols * 4) as u64;
+    if x.size() < need {
+        return Err(GpuError::BadLength {
+            what: "x buffer bytes",
+            expected: need as usize,
+            found: x.size() as usize,
+        });
+    }
+    let (bgl, pl) = ctx.act_quant_grouped_layout();
+    let pipe = ctx.pipelines.get(
+        &ctx.device,
+        "act_quant",
+        &kernels_wgsl::act_quant_source,
+        kernels_wgsl::ACT_QUANT_GROUPED_ENTRY,
+        &[],
+        Some(pl),
+    )?;
+    let n = slots * acts.cols / 32;
+    let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let wg_x = n.min(max_dim);
+    let wg_y = n.div_ceil(wg_x);
+    let params: [u32; 12] = [
+        acts.cols as u32,
+        1,
+        acts.layout as u32,
+        col_offset as u32,
+        wg_x as u32,
+        0,
+        0,
+        0,
+        slots as u32,
+        x_div.max(1) as u32,
+        slot_bytes as u32,
+        0,
+    ];
+    let ubuf = ctx
+        .device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some("act_quant_grouped params"),
+            contents: bytemuck::cast_slice(&params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        });
+    let slice = |binding, buffer, offset, size| wgpu::BindGroupEntry {
+        binding,
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer,
+            offset,
+            size: std::num::NonZeroU64::new(size),
+        }),
+    };
+    let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("act_quant_grouped"),
+        layout: bgl,
+        entries: &[
+            entry(0, x),
+            entry(1, bank),
+            entry(2, &ubuf),
+            slice(3, &acts.xq, acts.xq_offset, acts.xq_bytes()),
+            slice(4, &acts.xd, acts.xd_offset, acts.xd_bytes()),
+            entry(5, ids),
+        ],
+    });
+    let label = format!("act_quant grouped {} slots {slots}", acts.cols);
+    Ok(Step::new(pipe, vec![(bg, wg_x as u32, wg_y as u32)], label))
+}
+
 fn pipeline(ctx: &GpuContext) -> Result<Arc<wgpu::ComputePipeline>, GpuError> {
     let (_, pl) = ctx.act_quant_layout();
     ctx.pipelines.get(

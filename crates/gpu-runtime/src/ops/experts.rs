@@ -131,7 +131,8 @@ pub(crate) fn layout(
 /// Builds `y[s] = W_{ids[s]} x[s / x_div]` (with `epilogue`) for `slots` slots: `x` holds
 /// `x_rows` rows of `cols` f32, `ids` `slots` expert ids, `y` receives `[slots, out_rows]`.
 /// On the int8 path the `x_rows` rows are quantised once by a step of their own; q8_2f, whose
-/// column scales are folded into the activations per matrix, takes the f32 path.
+/// column scales are folded into the activations per matrix, quantises each slot's row with
+/// its expert's scales (`slots` rows).
 #[allow(clippy::too_many_arguments)]
 pub fn prepare_grouped(
     ctx: &GpuContext,
@@ -153,10 +154,7 @@ pub fn prepare_grouped(
         });
     }
     let codec = kernel_codec(bank.dtype).ok_or(GpuError::UnsupportedDtype { dtype: bank.dtype })?;
-    let mut path = plan.effective_path(ctx, codec, bank.cols);
-    if path == Path::Int8 && codec == Codec::Q8_2f {
-        path = Path::F32;
-    }
+    let path = plan.effective_path(ctx, codec, bank.cols);
     let mut plan = plan.with_path(path);
     if path == Path::Int8 {
         // An expert row at decode shapes is only 20-80 int8 blocks: with a subgroup per row
@@ -215,6 +213,22 @@ pub fn prepare_grouped(
     )?;
     let mut steps = Vec::new();
     let acts = match (int8, codec.act_layout()) {
+        // q8_2f's column scales enter before quantising and differ per expert: each slot's
+        // activations are quantised with its own expert's.
+        (true, Some(layout)) if codec == Codec::Q8_2f => {
+            let acts = crate::ops::act8::ActBuffers::new(ctx, slots, bank.cols, layout)?;
+            steps.push(crate::ops::act8::prepare_grouped(
+                ctx,
+                x,
+                &acts,
+                &bank.buffer,
+                bank.layout.third as u64,
+                bank.slot_bytes as u64,
+                ids,
+                x_div,
+            )?);
+            Some(acts)
+        }
         (true, Some(layout)) => {
             let acts = crate::ops::act8::ActBuffers::new(ctx, x_rows, bank.cols, layout)?;
             steps.push(crate::ops::act8::prepare(ctx, x, &acts, None)?);
