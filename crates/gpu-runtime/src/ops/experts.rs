@@ -223,7 +223,7 @@ pub fn prepare_grouped(
                 &acts,
                 &bank.buffer,
                 bank.layout.third as u64,
-                bank.slot_bytes as u64,
+                bank.slot_bytes,
                 ids,
                 x_div,
             )?);
