@@ -166,9 +166,14 @@ pub fn prepare_grouped(
         // A decode step's ten slots fill the device less: 16 lanes per gate/up row and two
         // rows per down row group measured best there (H200, 2026-12-03: T=1 q4tp 20.9% ->
         // 25.4% of the read ceiling, q2tp 12.6% -> 13.9%, mxfp4 19.3% -> 20.7%; 32 lanes or
-        // one row were slower for all three).
-        let (gl, dl, dr) = if slots <= 16 { (16, 8, 2) } else { (8, 8, 4) };
-        plan = plan.split(if pair { gl } else { dl });
+        // one row were slower for all three). Lanes per row set the order a row's sum is
+        // reduced in, so they must not depend on the slot count (a decode step and the same
+        // token in a verify frame give the same bits: MTP's exactness); only rows per row
+        // group, which changes no sum, does. q2tp keeps 8 gate/up lanes (16 cost its T=8
+        // 32.3% -> 28.9% on 2026-12-02).
+        let gl = if codec == Codec::Q2tp { 8 } else { 16 };
+        let dr = if slots <= 16 { 2 } else { 4 };
+        plan = plan.split(if pair { gl } else { 8 });
         plan.rows = if pair { plan.rows } else { dr };
     }
     let out_rows = if pair { bank.rows / 2 } else { bank.rows };

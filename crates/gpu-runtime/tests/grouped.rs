@@ -1,0 +1,122 @@
+//! The grouped expert kernels: a token's routed experts computed in a frame of several token
+//! rows give, bit for bit, what the same token gives alone (a decode step and the same token
+//! in a speculative verify frame must agree exactly), on every int8 codec, through the gate/up
+//! + SiLU kernel and the down kernel.
+
+mod common;
+
+use common::{ctx, rng, weights};
+use gpu_runtime::ops::experts::{ExpertBank, prepare_grouped};
+use gpu_runtime::ops::matvec::Plan;
+use gpu_runtime::{Epilogue, Path};
+use quant_codecs::{DType, MatRef, quantize};
+use wgpu::util::DeviceExt;
+
+/// `y` of the grouped kernel for `xs` (`[x_rows, cols]`) over `ids` (`k` per row).
+fn run(
+    ctx: &gpu_runtime::GpuContext,
+    bank: &ExpertBank,
+    xs: &[f32],
+    ids: &[u32],
+    k: usize,
+    epilogue: Epilogue,
+) -> Vec<f32> {
+    let slots = ids.len();
+    let init = |label, contents: &[u8], extra| {
+        ctx.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents,
+                usage: wgpu::BufferUsages::STORAGE | extra,
+            })
+    };
+    let x = init("x", bytemuck::cast_slice(xs), wgpu::BufferUsages::empty());
+    let idb = init(
+        "ids",
+        bytemuck::cast_slice(ids),
+        wgpu::BufferUsages::empty(),
+    );
+    let out_rows = if epilogue == Epilogue::SiluGateUp {
+        bank.rows / 2
+    } else {
+        bank.rows
+    };
+    let y = init(
+        "y",
+        bytemuck::cast_slice(&vec![0.0f32; slots * out_rows]),
+        wgpu::BufferUsages::COPY_SRC,
+    );
+    let plan = Plan::for_matrix(ctx, bank.rows).with_path(Path::Int8);
+    let p = prepare_grouped(
+        ctx,
+        bank,
+        &x,
+        xs.len() / bank.cols,
+        &idb,
+        &y,
+        slots,
+        k,
+        plan,
+        epilogue,
+    )
+    .unwrap();
+    let mut enc = ctx
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+    {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        p.record(&mut pass);
+    }
+    ctx.queue.submit([enc.finish()]);
+    gpu_runtime::readback::read_f32(ctx, &y, 0, slots * out_rows).unwrap()
+}
+
+#[test]
+fn a_token_alone_and_in_a_frame_give_the_same_bits() {
+    let Some(ctx) = ctx() else { return };
+    let (experts, k) = (12, 10);
+    for dtype in [DType::Q8_2f, DType::Q4tp, DType::Q2tp, DType::Mxfp4] {
+        for (rows, cols, epilogue) in [
+            (2 * 128, 1024, Epilogue::SiluGateUp),
+            (256, 128, Epilogue::None),
+        ] {
+            let payloads: Vec<Vec<u8>> = (0..experts)
+                .map(|e| quantize(dtype, rows, cols, &weights(rows, cols, 40 + e as u64)).unwrap())
+                .collect();
+            let mats: Vec<MatRef<'_>> = payloads
+                .iter()
+                .map(|p| MatRef::new(dtype, rows, cols, p).unwrap())
+                .collect();
+            let bank = ExpertBank::upload(ctx, &mats).unwrap();
+            let mut r = rng(7);
+            // A frame of 8 token rows (80 slots), and its row 3 alone (10 slots).
+            let xs: Vec<f32> = (0..8 * cols).map(|_| r()).collect();
+            let ids: Vec<u32> = (0..8 * k)
+                .map(|i| ((i * 7 + i / k) % experts) as u32)
+                .collect();
+            let frame = run(ctx, &bank, &xs, &ids, k, epilogue);
+            let alone = run(
+                ctx,
+                &bank,
+                &xs[3 * cols..4 * cols],
+                &ids[3 * k..4 * k],
+                k,
+                epilogue,
+            );
+            let out = frame.len() / (8 * k);
+            let want = &frame[3 * k * out..4 * k * out];
+            let same = want
+                .iter()
+                .zip(&alone)
+                .all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(
+                same,
+                "{dtype} {epilogue:?}: the token alone differs from its frame row"
+            );
+            assert!(
+                alone.iter().all(|v| v.is_finite()),
+                "{dtype}: finite outputs"
+            );
+        }
+    }
+}
