@@ -7,7 +7,9 @@ use std::sync::Arc;
 use kernels_wgsl::ActLayout;
 use wgpu::util::DeviceExt;
 
-use crate::ops::matvec::{Step, bind_layout, entry, storage_entry, uniform_entry};
+use crate::ops::matvec::{
+    Step, bind_layout, entry, params_buffer, slice_entry, storage_entry, uniform_entry,
+};
 use crate::{GpuContext, GpuError, GpuMatrix};
 
 /// The device buffers of `nt` quantised activation rows of `cols` values: 8 code words per
@@ -163,21 +165,7 @@ pub fn prepare_grouped(
         slot_bytes as u32,
         0,
     ];
-    let ubuf = ctx
-        .device
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("act_quant_grouped params"),
-            contents: bytemuck::cast_slice(&params),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
-    let slice = |binding, buffer, offset, size| wgpu::BindGroupEntry {
-        binding,
-        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-            buffer,
-            offset,
-            size: std::num::NonZeroU64::new(size),
-        }),
-    };
+    let ubuf = params_buffer(ctx, "act_quant_grouped params", &params);
     let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: Some("act_quant_grouped"),
         layout: bgl,
@@ -185,8 +173,8 @@ pub fn prepare_grouped(
             entry(0, x),
             entry(1, bank),
             entry(2, &ubuf),
-            slice(3, &acts.xq, acts.xq_offset, acts.xq_bytes()),
-            slice(4, &acts.xd, acts.xd_offset, acts.xd_bytes()),
+            slice_entry(3, &acts.xq, acts.xq_offset, acts.xq_bytes()),
+            slice_entry(4, &acts.xd, acts.xd_offset, acts.xd_bytes()),
             entry(5, ids),
         ],
     });
@@ -314,13 +302,7 @@ fn quantiser_step(
         0,
         0,
     ];
-    let ubuf = ctx
-        .device
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("act_quant params"),
-            contents: bytemuck::cast_slice(&params),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
+    let ubuf = params_buffer(ctx, "act_quant params", &params);
     let (bgl, _) = ctx.act_quant_layout();
     let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: Some("act_quant"),

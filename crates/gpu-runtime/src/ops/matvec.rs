@@ -274,6 +274,33 @@ pub(crate) fn entry(binding: u32, buffer: &wgpu::Buffer) -> wgpu::BindGroupEntry
     }
 }
 
+/// `size` bytes of `buffer` from byte `offset` at `binding`.
+pub(crate) fn slice_entry(
+    binding: u32,
+    buffer: &wgpu::Buffer,
+    offset: u64,
+    size: u64,
+) -> wgpu::BindGroupEntry<'_> {
+    wgpu::BindGroupEntry {
+        binding,
+        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+            buffer,
+            offset,
+            size: std::num::NonZeroU64::new(size),
+        }),
+    }
+}
+
+/// A kernel's 12-word parameter uniform.
+pub(crate) fn params_buffer(ctx: &GpuContext, label: &str, params: &[u32; 12]) -> wgpu::Buffer {
+    ctx.device
+        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+            label: Some(label),
+            contents: bytemuck::cast_slice(params),
+            usage: wgpu::BufferUsages::UNIFORM,
+        })
+}
+
 /// An explicit bind group layout and its pipeline layout: explicit, because an automatic
 /// layout drops bindings an entry point does not touch (the f16 kernel never reads binding 1),
 /// and pipelines sharing a name and constants must share a layout.
@@ -636,33 +663,19 @@ pub(crate) fn bind_matvec(
     acts: Option<&crate::ops::act8::ActBuffers>,
     ids: Option<&wgpu::Buffer>,
 ) -> wgpu::BindGroup {
-    let ubuf = ctx
-        .device
-        .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-            label: Some("matvec params"),
-            contents: bytemuck::cast_slice(params),
-            usage: wgpu::BufferUsages::UNIFORM,
-        });
-    let slice = |binding, buffer, offset, size| wgpu::BindGroupEntry {
-        binding,
-        resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
-            buffer,
-            offset,
-            size: std::num::NonZeroU64::new(size),
-        }),
-    };
+    let ubuf = params_buffer(ctx, "matvec params", params);
     let mut entries = vec![
         entry(0, weights),
         entry(1, weights),
         entry(2, &ubuf),
         match acts {
-            Some(a) => slice(3, &a.xq, a.xq_offset, a.xq_bytes()),
+            Some(a) => slice_entry(3, &a.xq, a.xq_offset, a.xq_bytes()),
             None => entry(3, x),
         },
         entry(4, y),
     ];
     if let Some(a) = acts {
-        entries.push(slice(5, &a.xd, a.xd_offset, a.xd_bytes()));
+        entries.push(slice_entry(5, &a.xd, a.xd_offset, a.xd_bytes()));
     }
     if let Some(ids) = ids {
         entries.push(entry(6, ids));
