@@ -160,7 +160,7 @@ impl Plan {
     /// Copies of mxfp4's int8 byte table for kernel `k` under this plan (see
     /// [`Plan::for_codec`]). Measured on the H200 against one copy (docs/perf.md, % of the
     /// read ceiling): tall matrices (4 rows per row group) at one token row 32 copies
-    /// (246724x8192 51.7% -> 67.6%, 248320x2560 45.3% -> 56%); the grouped experts 16 (T=1
+    /// (246724x8192 51.7% -> 67.6%, 248320x2560 45.3% -> 49.0%); the grouped experts 16 (T=1
     /// 16.9% -> 19.5%, T=8 34.4% -> 36.8%); 8 token rows (at most 3% faster with copies, 10%
     /// only with a grid that walks row groups) and shorter matrices (10240x2560 29.2% ->
     /// 23.2%) keep one. Fewer where the device's workgroup memory is smaller.
