@@ -39,36 +39,60 @@ pub(crate) const LANES8: usize = 16;
 
 /// Where element `e` of block `b` lies in a token row's quantised activations: each format
 /// reads its packed codes straight into the byte lanes of its dot-product instructions, and
-/// the activations are permuted to match once per call.
+/// the activations are permuted to match once per call. Per 16 blocks (a chunk: 512 codes,
+/// eight 64-byte vectors), every order puts block `k` in one 4-byte lane, [`Order::lane`]`(k)`,
+/// of each of the eight vectors, so one dot-product lane collects one block and a token row
+/// costs no shuffles; the lanes hold the blocks in a permuted order that the weight decoding
+/// makes cheap, and the block scales and sums are stored in that order too ([`Acts::slot`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Order {
-    /// Element order (q8_2f: 64 code bytes are two blocks).
-    Natural,
-    /// Per 16 blocks (256 code bytes of q4tp/mxfp4), eight 64-byte vectors `2p + h`: in 4-byte
-    /// lane `4 (k % 4) + k / 4` of vector `2p + h`, block `k`'s elements `8p + 2i + h`,
-    /// `i` = 0..3 (code bytes `4p .. 4p + 4` of the block, low nibbles for `h = 0`): the
-    /// layout of the code bytes after an in-lane 4x4 transpose of 32-bit words, so one
-    /// dot-product lane collects one block.
+    /// q8_2f: vector `u` holds code bytes `4u .. 4u + 4` (elements `4u + i`) of every block:
+    /// the weights' 16x8 transpose of 32-bit words (three 2-vector shuffle stages) lands
+    /// block `k` in lane `8 (k % 2) + k / 2`.
+    Words,
+    /// q4tp/mxfp4: vector `2p + h` holds elements `8p + 2i + h`, `i` = 0..3 (code bytes
+    /// `4p .. 4p + 4`, low nibbles for `h = 0`), in lane `4 (k % 4) + k / 4`: the code bytes'
+    /// in-lane 4x4 transpose of 32-bit words.
     Pairs4,
-    /// Per 8 blocks (64 code bytes of q2tp): bit pair `j` of every byte: element `4k + j` of
-    /// block `g` at `64 j + 8 g + k`.
-    Quads8,
+    /// q2tp: vector `4h + j` holds bit pair `j` of code bytes `4h + i`, `i` = 0..3 (elements
+    /// `4 (4h + i) + j`), in lane `2 (k % 8) + k / 8`: one shuffle of the chunk's two 64-byte
+    /// halves.
+    Quads16,
 }
 
 impl Order {
+    /// The 4-byte lane of a chunk's vectors that collects block `k` (`k < 16`).
+    #[inline(always)]
+    pub(crate) const fn lane(self, k: usize) -> usize {
+        match self {
+            Order::Words => 8 * (k % 2) + k / 2,
+            Order::Pairs4 => 4 * (k % 4) + k / 4,
+            Order::Quads16 => 2 * (k % 8) + k / 8,
+        }
+    }
+
+    /// The block whose lane is `lane` (the inverse of [`Order::lane`]).
+    pub(crate) const fn block_of(self, lane: usize) -> usize {
+        let mut k = 0;
+        while self.lane(k) != lane {
+            k += 1;
+        }
+        k
+    }
+
     #[inline(always)]
     pub(crate) const fn pos(self, b: usize, e: usize) -> usize {
-        match self {
-            Order::Natural => b * ACT_BLOCK + e,
-            Order::Pairs4 => {
-                let k = b % 16;
-                (b / 16) * 512
-                    + (2 * (e / 8) + e % 2) * 64
-                    + 4 * (4 * (k % 4) + k / 4)
-                    + (e % 8) / 2
+        let lane = 4 * self.lane(b % 16);
+        (b / 16) * 512
+            + lane
+            + match self {
+                Order::Words => (e / 4) * 64 + e % 4,
+                Order::Pairs4 => (2 * (e / 8) + e % 2) * 64 + (e % 8) / 2,
+                Order::Quads16 => {
+                    let byte = e / 4;
+                    (4 * (byte / 4) + e % 4) * 64 + byte % 4
+                }
             }
-            Order::Quads8 => (b / 8) * 256 + (e % 4) * 64 + (b % 8) * 8 + e / 4,
-        }
     }
 
     /// `pos(b, e) - pos(b, 0)` for the 32 elements of block `b`.
@@ -81,11 +105,30 @@ impl Order {
     fn of(dtype: DType) -> Order {
         match dtype {
             DType::Q4tp | DType::Mxfp4 => Order::Pairs4,
-            DType::Q2tp => Order::Quads8,
-            _ => Order::Natural,
+            DType::Q2tp => Order::Quads16,
+            _ => Order::Words,
         }
     }
 }
+
+/// The offset `off` of a format's unsigned codes `u` (what the dot-product instructions
+/// multiply): the signed code is `c = u - off` (q2tp's `u` is twice its bit pair), so
+/// `sum c q = sum u q - off * sum q`.
+pub(crate) const fn code_offset(dtype: DType) -> i32 {
+    match dtype {
+        DType::Q4tp => 8,
+        DType::Q2tp => 3,
+        DType::Mxfp4 => 12,
+        _ => 128,
+    }
+}
+
+/// One cache line of activation codes: the codes live in these so that every 64-byte vector
+/// load of them is aligned (a load split across two lines costs the load ports twice, and the
+/// T=8 kernels are bound by those ports).
+#[derive(Clone, Copy, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C, align(64))]
+pub(crate) struct Line([i8; 64]);
 
 /// `nt` activation rows quantised, each padded to `nbp` blocks (a multiple of 16) with zero
 /// codes, zero scales and zero sums.
@@ -94,34 +137,46 @@ pub(crate) struct Acts {
     pub nb: usize,
     /// Padded blocks per row.
     pub nbp: usize,
-    /// Codes, `nbp * 32` per row, in the format's [`Order`].
-    pub q: Vec<i8>,
-    /// Block scales `d`, `nbp` per row.
+    /// Codes, `nbp * 32` per row, in the format's [`Order`] (see [`Acts::q`]).
+    lines: Vec<Line>,
+    /// Block scales `d`, `nbp` per row, block `b` at [`Acts::slot`]`(b)`.
     pub d: Vec<f32>,
-    /// Block code sums, `nbp` per row.
-    pub sums: Vec<i32>,
+    /// Block code sums times the format's code offset (`off * sum_b q`, see [`code_offset`]),
+    /// `nbp` per row, block `b` at [`Acts::slot`]`(b)`.
+    pub osums: Vec<i32>,
+    /// The layout of the codes.
+    pub order: Order,
 }
 
 impl Acts {
-    /// Quantises `xs` (`nt` rows of `cols`), multiplied element-wise by `cs` first if given.
-    pub(crate) fn new(xs: &[f32], cols: usize, order: Order, cs: Option<&[f32]>) -> Acts {
+    /// Quantises `xs` (`nt` rows of `cols`), multiplied element-wise by `cs` first if given,
+    /// for a format whose codes are laid out in `order` and offset by `off`.
+    pub(crate) fn new(
+        xs: &[f32],
+        cols: usize,
+        (order, off): (Order, i32),
+        cs: Option<&[f32]>,
+    ) -> Acts {
         let nt = xs.len() / cols;
         let nb = cols.div_ceil(ACT_BLOCK);
         let nbp = nb.div_ceil(LANES8) * LANES8;
         let mut a = Acts {
             nb,
             nbp,
-            q: vec![0; nt * nbp * ACT_BLOCK],
+            lines: vec![Line([0; 64]); nt * nbp * ACT_BLOCK / 64],
             d: vec![0.0; nt * nbp],
-            sums: vec![0; nt * nbp],
+            osums: vec![0; nt * nbp],
+            order,
         };
         let per = nbp * ACT_BLOCK;
-        let work =
-            |(t, out): (usize, RowParts)| quantize_row(&xs[t * cols..][..cols], cs, order, out);
-        let it =
-            a.q.chunks_mut(per)
-                .zip(a.d.chunks_mut(nbp))
-                .zip(a.sums.chunks_mut(nbp));
+        let work = |(t, out): (usize, RowParts)| {
+            quantize_row(&xs[t * cols..][..cols], cs, (order, off), out)
+        };
+        let q: &mut [i8] = bytemuck::cast_slice_mut(&mut a.lines);
+        let it = q
+            .chunks_mut(per)
+            .zip(a.d.chunks_mut(nbp))
+            .zip(a.osums.chunks_mut(nbp));
         if nt > 1 && cols >= 2048 {
             it.collect::<Vec<_>>()
                 .into_par_iter()
@@ -132,15 +187,27 @@ impl Acts {
         }
         a
     }
+
+    /// Where block `b`'s scale and sum lie within a token row's `nbp`.
+    #[inline(always)]
+    pub(crate) fn slot(&self, b: usize) -> usize {
+        (b / 16) * 16 + self.order.lane(b % 16)
+    }
+
+    /// The codes, `nbp * 32` per row (64-byte aligned: `nbp` is a multiple of 16).
+    #[inline(always)]
+    pub(crate) fn q(&self) -> &[i8] {
+        bytemuck::cast_slice(&self.lines)
+    }
 }
 
-/// One token row's quantised parts: codes, block scales, block sums.
+/// One token row's quantised parts: codes, block scales, offset block sums.
 type RowParts<'a> = ((&'a mut [i8], &'a mut [f32]), &'a mut [i32]);
 
 /// One activation row into its codes (in `order`), block scales and block sums, compiled for
 /// the widest vector unit the CPU has (the same integer and f64 operations whichever: the
 /// codes do not depend on it).
-fn quantize_row(x: &[f32], cs: Option<&[f32]>, order: Order, out: RowParts) {
+fn quantize_row(x: &[f32], cs: Option<&[f32]>, order: (Order, i32), out: RowParts) {
     #[cfg(target_arch = "x86_64")]
     {
         if is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") {
@@ -157,18 +224,23 @@ fn quantize_row(x: &[f32], cs: Option<&[f32]>, order: Order, out: RowParts) {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2")]
-fn quantize_row_avx512(x: &[f32], cs: Option<&[f32]>, order: Order, out: RowParts) {
+fn quantize_row_avx512(x: &[f32], cs: Option<&[f32]>, order: (Order, i32), out: RowParts) {
     quantize_row_any(x, cs, order, out)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn quantize_row_avx2(x: &[f32], cs: Option<&[f32]>, order: Order, out: RowParts) {
+fn quantize_row_avx2(x: &[f32], cs: Option<&[f32]>, order: (Order, i32), out: RowParts) {
     quantize_row_any(x, cs, order, out)
 }
 
 #[inline(always)]
-fn quantize_row_any(x: &[f32], cs: Option<&[f32]>, order: Order, ((q, d), s): RowParts) {
+fn quantize_row_any(
+    x: &[f32],
+    cs: Option<&[f32]>,
+    (order, off): (Order, i32),
+    ((q, d), s): RowParts,
+) {
     let cols = x.len();
     for b in 0..cols.div_ceil(ACT_BLOCK) {
         let len = (cols - b * ACT_BLOCK).min(ACT_BLOCK);
@@ -183,8 +255,9 @@ fn quantize_row_any(x: &[f32], cs: Option<&[f32]>, order: Order, ((q, d), s): Ro
             None => buf[..len].copy_from_slice(xb),
         }
         let mut qb = [0i8; ACT_BLOCK];
-        d[b] = quantize_block(&buf[..len], &mut qb[..len]);
-        s[b] = qb.iter().map(|&v| i32::from(v)).sum();
+        let slot = (b / 16) * 16 + order.lane(b % 16);
+        d[slot] = quantize_block(&buf[..len], &mut qb[..len]);
+        s[slot] = off * qb.iter().map(|&v| i32::from(v)).sum::<i32>();
         let base = order.pos(b, 0);
         let at = order.offsets(b);
         for e in 0..len {
@@ -307,12 +380,12 @@ impl<'a> Mat<'a> {
         for b in 0..a.nb {
             let (s, c) = self.block(&row, b);
             for t in 0..NT {
-                let q = &a.q[t * per..][..per];
+                let q = &a.q()[t * per..][..per];
                 let mut i = 0i32;
                 for e in 0..ACT_BLOCK {
                     i += c[e] * i32::from(q[order.pos(b, e)]);
                 }
-                let f = a.d[t * a.nbp + b] * s;
+                let f = a.d[t * a.nbp + a.slot(b)] * s;
                 let lane = &mut acc[t][b % LANES8];
                 *lane = f.mul_add(i as f32, *lane);
             }
@@ -448,7 +521,8 @@ fn path_of(isa: Isa) -> Path {
 fn acts_of(m: &Mat, xs: &[f32]) -> Acts {
     let l = &m.l;
     let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(l, m.bytes));
-    Acts::new(xs, l.cols, Order::of(l.dtype), cs.as_deref())
+    let off = code_offset(l.dtype);
+    Acts::new(xs, l.cols, (Order::of(l.dtype), off), cs.as_deref())
 }
 
 /// `ys[t * rows + r] = dot(row r, xs[t])` for a quantised dtype, `nt` rows. Callers have

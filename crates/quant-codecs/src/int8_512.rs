@@ -1,12 +1,14 @@
 //! AVX-512 VNNI int8-activation kernels: the portable `int8` arithmetic, 16 blocks per vector.
 //!
 //! A chunk of 16 blocks of one weight row is decoded once into eight 64-byte vectors of
-//! unsigned codes `u` (q8_2f: `code + 128`, q4tp: the nibble, q2tp: the bit pair, mxfp4:
+//! unsigned codes `u` (q8_2f: `code + 128`, q4tp: the nibble, q2tp: twice the bit pair, mxfp4:
 //! `2 * e2m1 + 12` by a byte shuffle) and, for every token row, multiplied with the signed
-//! activation codes by `vpdpbusd` (u8 x i8, exact i32 sums of 4), whose lanes are added
-//! pairwise into one vector of 16 block sums `N_b`; `I_b = mul * N_b - off * sum_b(q)` is then
-//! exactly the portable code's `sum c_i q_i`. The f32 part is the portable code's, lane for lane:
-//! block `b` in lane `b % 16`, `fma(d_b * S_b, I_b, acc)`, padding lanes masked off.
+//! activation codes by `vpdpbusd` (u8 x i8, exact i32 sums of 4). The decoding puts block `k`
+//! of the chunk in one 32-bit lane of all eight vectors (`Order::lane`), and the activations
+//! are laid out to match, so eight `vpdpbusd` and one add give the 16 block sums `N_b` with no
+//! shuffle per token row; `I_b = N_b - off * sum_b(q)` is then exactly the portable
+//! code's `sum c_i q_i`. The f32 part is the portable code's, lane for lane: block `b`'s
+//! `fma(d_b * S_b, I_b, acc)` in the lane that holds `b % 16`, padding lanes masked off.
 
 // Register arrays are indexed by token row and vector on purpose: the indices are the algorithm.
 #![allow(clippy::needless_range_loop)]
@@ -15,25 +17,13 @@ use core::arch::x86_64::*;
 
 use crate::DType;
 use crate::act8::ACT_BLOCK;
-use crate::int8::{Acts, LANES8, MX_INT, Mat, Row};
+use crate::int8::{Acts, LANES8, MX_INT, Mat, Order, Row};
 
 /// How far ahead of the bytes being decoded the weight stream is prefetched.
 const PREFETCH: usize = 4096;
 
 /// Bytes of activation codes per 16-block chunk.
 const CHUNK_Q: usize = LANES8 * ACT_BLOCK;
-
-/// `[a0 + a1, a2 + a3, .., a14 + a15, b0 + b1, .., b14 + b15]`: pairwise sums, order kept.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-#[inline]
-fn hadd(a: __m512i, b: __m512i) -> __m512i {
-    let even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    let odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    _mm512_add_epi32(
-        _mm512_permutex2var_epi32(a, even, b),
-        _mm512_permutex2var_epi32(a, odd, b),
-    )
-}
 
 /// Up to 64 bytes of `s` from `at` (zero past its end), with a prefetch ahead.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
@@ -78,9 +68,32 @@ unsafe fn q64(q: *const i8, at: usize) -> __m512i {
     unsafe { _mm512_loadu_si512(q.add(at).cast()) }
 }
 
+/// The 16 block sums `N` of one chunk: lane [`Order::lane`]`(k)` of each of the eight code
+/// vectors `w` meets block `k`'s activation codes at `q` (512 bytes), in two chains.
+///
+/// # Safety
+/// `q` holds 512 bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn dot8(w: &[__m512i; 8], q: *const i8) -> __m512i {
+    let mut acc = [_mm512_setzero_si512(); 2];
+    for v in 0..8 {
+        // SAFETY: the caller's contract; this load reads 64v .. 64v + 64.
+        acc[v % 2] = _mm512_dpbusd_epi32(acc[v % 2], w[v], unsafe { q64(q, 64 * v) });
+    }
+    _mm512_add_epi32(acc[0], acc[1])
+}
+
+/// A 16-bit mask of the lanes whose blocks are below `nbl`.
+fn lane_mask(order: Order, nbl: usize) -> __mmask16 {
+    (0..nbl.min(LANES8)).fold(0, |m, k| m | (1 << order.lane(k)))
+}
+
 /// The per-row loop shared by the formats: `decode(row, c)` gives chunk `c`'s eight code
-/// vectors and its 16 factors `S_b`, `dot(w, q)` the 16 block sums `N_b` against the
-/// activation codes `q` (one chunk, 512 bytes); `I = mul * N - off * sums`.
+/// vectors and its 16 factors `S_b`, both in the order's lanes; `I = N - off * sums` (the
+/// offset sums come with the activations). Each lane accumulates its block's terms in
+/// block order, as the portable code's lane `k % 16` does; a row's lanes go back to block
+/// order once, before the fold.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
 fn drive<const NT: usize>(
@@ -88,14 +101,15 @@ fn drive<const NT: usize>(
     a: &Acts,
     r0: usize,
     outs: &mut [&mut [f32]],
-    (mul, off): (i32, i32),
     mut decode: impl FnMut(&Row, usize) -> ([__m512i; 8], __m512),
-    dot: impl Fn(&[__m512i; 8], *const i8) -> __m512i,
 ) {
     let n = outs.first().map_or(0, |o| o.len());
     let per = a.nbp * ACT_BLOCK;
     let chunks = a.nb.div_ceil(LANES8);
-    let offv = _mm512_set1_epi32(off);
+    let tail = lane_mask(a.order, a.nb - (chunks - 1) * LANES8);
+    let back: [u32; LANES8] = core::array::from_fn(|k| a.order.lane(k) as u32);
+    // SAFETY: `back` holds 16 u32.
+    let back = unsafe { _mm512_loadu_si512(back.as_ptr().cast()) };
     // Each row's 16 lanes wait here until 16 rows are done, to be folded together.
     let mut held = [[[0.0f32; LANES8]; LANES8]; NT];
     let mut rs = [1.0f32; LANES8];
@@ -103,30 +117,20 @@ fn drive<const NT: usize>(
         let row = m.row(r0 + i);
         let mut acc = [_mm512_setzero_ps(); NT];
         for c in 0..chunks {
-            let nbl = (a.nb - c * LANES8).min(LANES8);
-            let mask: __mmask16 = if nbl == LANES8 {
-                0xFFFF
-            } else {
-                (1u16 << nbl) - 1
-            };
+            let mask = if c + 1 == chunks { tail } else { 0xFFFF };
             let (w, s) = decode(&row, c);
             for t in 0..NT {
                 let at = t * a.nbp + c * LANES8;
                 // SAFETY: token row `t` holds `nbp * 32` codes, and chunk `c < nbp / 16`.
-                let nsum = dot(&w, unsafe { a.q.as_ptr().add(t * per + c * CHUNK_Q) });
-                // SAFETY: `d` and `sums` hold `nbp` values per token row; 16 from `at` fit.
-                let (sums, d) = unsafe {
+                let nsum = unsafe { dot8(&w, a.q().as_ptr().add(t * per + c * CHUNK_Q)) };
+                // SAFETY: `d` and `osums` hold `nbp` values per token row; 16 from `at` fit.
+                let (osums, d) = unsafe {
                     (
-                        _mm512_loadu_si512(a.sums.as_ptr().add(at).cast()),
+                        _mm512_loadu_si512(a.osums.as_ptr().add(at).cast()),
                         _mm512_loadu_ps(a.d.as_ptr().add(at)),
                     )
                 };
-                let nsum = if mul == 2 {
-                    _mm512_slli_epi32::<1>(nsum)
-                } else {
-                    nsum
-                };
-                let int = _mm512_sub_epi32(nsum, _mm512_mullo_epi32(sums, offv));
+                let int = _mm512_sub_epi32(nsum, osums);
                 let f = _mm512_mul_ps(d, s);
                 acc[t] = _mm512_mask3_fmadd_ps(f, _mm512_cvtepi32_ps(int), acc[t], mask);
             }
@@ -134,8 +138,9 @@ fn drive<const NT: usize>(
         let slot = i % LANES8;
         rs[slot] = row.rs;
         for t in 0..NT {
+            let v = _mm512_permutexvar_ps(back, acc[t]);
             // SAFETY: a row of `held` holds 16 f32.
-            unsafe { _mm512_storeu_ps(held[t][slot].as_mut_ptr(), acc[t]) };
+            unsafe { _mm512_storeu_ps(held[t][slot].as_mut_ptr(), v) };
         }
         if slot == LANES8 - 1 || i + 1 == n {
             let first = i - slot;
@@ -193,41 +198,36 @@ fn fold16x16(rows: &[[f32; LANES8]; LANES8]) -> [f32; LANES8] {
     out
 }
 
-/// Per lane `k` of [`ladder_scales`]: bytes `5k / 8` and `5k / 8 + 1` of a chunk's codes as a
-/// u16 (`0x80`: zero bytes above).
-const PICK: [u32; 16] = {
-    let mut a = [0u32; 16];
-    let mut k = 0;
-    while k < 16 {
+/// Per lane `l` of [`ladder_scales`], for the block `k` of that lane: bytes `5k / 8` and
+/// `5k / 8 + 1` of a chunk's packed scale codes as a u16 (`0x80`: zero bytes above), and the
+/// bit offset `5k % 8` of code `k` in its first byte.
+const fn ladder_tables(order: Order) -> ([u32; 16], [u32; 16]) {
+    let (mut pick, mut shift) = ([0u32; 16], [0u32; 16]);
+    let mut l = 0;
+    while l < 16 {
+        let k = order.block_of(l);
         let b = (5 * k / 8) as u32;
-        a[k] = 0x8080_0000 | ((b + 1) << 8) | b;
-        k += 1;
+        pick[l] = 0x8080_0000 | ((b + 1) << 8) | b;
+        shift[l] = (5 * k % 8) as u32;
+        l += 1;
     }
-    a
-};
+    (pick, shift)
+}
 
-/// Per lane `k`: the bit offset `5k % 8` of code `k` in its first byte.
-const SHIFT: [u32; 16] = {
-    let mut a = [0u32; 16];
-    let mut k = 0;
-    while k < 16 {
-        a[k] = (5 * k % 8) as u32;
-        k += 1;
-    }
-    a
-};
+const PAIRS4_LADDER: ([u32; 16], [u32; 16]) = ladder_tables(Order::Pairs4);
+const QUADS16_LADDER: ([u32; 16], [u32; 16]) = ladder_tables(Order::Quads16);
 
-/// q4tp/q2tp: chunk `c`'s 16 factors from the row's packed 5-bit scale codes (10 bytes per
-/// chunk) through its 32-rung ladder.
+/// q4tp/q2tp: chunk `c`'s 16 factors, in the order's lanes, from the row's packed 5-bit scale
+/// codes (10 bytes per chunk) through its 32-rung ladder.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-fn ladder_scales(row: &Row, c: usize) -> __m512 {
+fn ladder_scales(row: &Row, c: usize, (pick, shift): &([u32; 16], [u32; 16])) -> __m512 {
     let bytes = _mm512_broadcast_i32x4(load16(row.scales, 10 * c));
     // SAFETY: both tables hold 16 i32.
     let (pick, shift) = unsafe {
         (
-            _mm512_loadu_si512(PICK.as_ptr().cast()),
-            _mm512_loadu_si512(SHIFT.as_ptr().cast()),
+            _mm512_loadu_si512(pick.as_ptr().cast()),
+            _mm512_loadu_si512(shift.as_ptr().cast()),
         )
     };
     let idx = _mm512_and_si512(
@@ -244,26 +244,57 @@ fn ladder_scales(row: &Row, c: usize) -> __m512 {
     _mm512_permutex2var_ps(lo, idx, hi)
 }
 
+/// Index tables of one stage of a 2-vector shuffle that swaps vector-index bit `s` with
+/// lane-index bit `s` (for `vpermt2d`: lanes 16.. name the second vector): the outputs with
+/// that vector bit 0 and 1.
+const fn swap_stage(s: u32) -> ([u32; 16], [u32; 16]) {
+    let (mut lo, mut hi) = ([0u32; 16], [0u32; 16]);
+    let mut i = 0;
+    while i < 16 {
+        let from = ((i >> s) & 1) << 4;
+        lo[i as usize] = (i & !(1 << s)) | from;
+        hi[i as usize] = (i | (1 << s)) | from;
+        i += 1;
+    }
+    (lo, hi)
+}
+
+const SWAPS: [([u32; 16], [u32; 16]); 3] = [swap_stage(0), swap_stage(1), swap_stage(2)];
+
+/// `v[a]` and `v[b]` through stage `s` of [`swap_stage`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+fn swap(v: &mut [__m512i], a: usize, b: usize, s: usize) {
+    // SAFETY: both tables hold 16 u32.
+    let (lo, hi) = unsafe {
+        (
+            _mm512_loadu_si512(SWAPS[s].0.as_ptr().cast()),
+            _mm512_loadu_si512(SWAPS[s].1.as_ptr().cast()),
+        )
+    };
+    let (x, y) = (v[a], v[b]);
+    v[a] = _mm512_permutex2var_epi32(x, lo, y);
+    v[b] = _mm512_permutex2var_epi32(x, hi, y);
+}
+
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 fn q8_2f_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f32]]) {
     let flip = _mm512_set1_epi8(-128);
     let one = _mm512_set1_ps(1.0);
     let decode = |row: &Row, c: usize| {
-        let w: [__m512i; 8] =
+        // Vector `v` holds blocks 2v and 2v + 1 (32-bit word `8 (k % 2) + u` of vector `k / 2`
+        // is word `u` of block `k`); swapping the three vector-index bits with the three low
+        // lane-index bits makes vector `u` hold word `u` of block `k` in lane `8 (k % 2) + k / 2`.
+        let mut w: [__m512i; 8] =
             core::array::from_fn(|j| _mm512_xor_si512(load64(row.plane, c * 512 + 64 * j), flip));
+        for s in 0..3 {
+            for v in (0..8).filter(|v| v & (1 << s) == 0) {
+                swap(&mut w, v, v | (1 << s), s);
+            }
+        }
         (w, one)
     };
-    let dot = |w: &[__m512i; 8], q: *const i8| {
-        let z = _mm512_setzero_si512();
-        // SAFETY: `q` holds one chunk, 512 bytes.
-        let n: [__m512i; 8] =
-            core::array::from_fn(|j| _mm512_dpbusd_epi32(z, w[j], unsafe { q64(q, 64 * j) }));
-        hadd(
-            hadd(hadd(n[0], n[1]), hadd(n[2], n[3])),
-            hadd(hadd(n[4], n[5]), hadd(n[6], n[7])),
-        )
-    };
-    drive::<NT>(m, a, r0, outs, (1, 128), decode, dot);
+    drive::<NT>(m, a, r0, outs, decode);
 }
 
 /// Chunk `c`'s 256 q4tp/mxfp4 code bytes as four vectors `o_p`: lane `4 (k % 4) + k / 4` of
@@ -285,20 +316,6 @@ fn pairs_words(plane: &[u8], c: usize) -> [__m512i; 4] {
     ]
 }
 
-/// The dot product of q4tp/mxfp4 codes (`Order::Pairs4`): every lane collects one block, in
-/// two chains, then the lanes return to block order.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
-#[inline]
-fn dot_pairs(w: &[__m512i; 8], q: *const i8) -> __m512i {
-    let mut acc = [_mm512_setzero_si512(); 2];
-    for v in 0..8 {
-        // SAFETY: `q` holds one chunk, 512 bytes; this load reads 64v .. 64v + 64.
-        acc[v % 2] = _mm512_dpbusd_epi32(acc[v % 2], w[v], unsafe { q64(q, 64 * v) });
-    }
-    let back = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    _mm512_permutexvar_epi32(back, _mm512_add_epi32(acc[0], acc[1]))
-}
-
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 fn q4tp_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f32]]) {
     let low = _mm512_set1_epi8(15);
@@ -309,9 +326,9 @@ fn q4tp_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f3
             w[2 * p] = _mm512_and_si512(o[p], low);
             w[2 * p + 1] = _mm512_and_si512(_mm512_srli_epi16::<4>(o[p]), low);
         }
-        (w, ladder_scales(row, c))
+        (w, ladder_scales(row, c, &PAIRS4_LADDER))
     };
-    drive::<NT>(m, a, r0, outs, (1, 8), decode, |w, q| dot_pairs(w, q));
+    drive::<NT>(m, a, r0, outs, decode);
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
@@ -320,6 +337,10 @@ fn mxfp4_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f
     let lut: [u8; 16] = core::array::from_fn(|n| (MX_INT[n] + 12) as u8);
     // SAFETY: `lut` holds 16 bytes.
     let lut = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(lut.as_ptr().cast()) });
+    // The E8M0 bytes of a chunk in the lanes' block order.
+    let to_lanes: [u8; 16] = core::array::from_fn(|l| Order::Pairs4.block_of(l) as u8);
+    // SAFETY: `to_lanes` holds 16 bytes.
+    let to_lanes = unsafe { _mm_loadu_si128(to_lanes.as_ptr().cast()) };
     let decode = |row: &Row, c: usize| {
         let o = pairs_words(row.plane, c);
         let mut w = [_mm512_setzero_si512(); 8];
@@ -329,7 +350,7 @@ fn mxfp4_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f
                 _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16::<4>(o[p]), low));
         }
         // S = e8m0(k) / 2: k << 23, with 0 -> 2^-127 and 255 -> NaN, halved.
-        let k = _mm512_cvtepu8_epi32(load16(row.scales, 16 * c));
+        let k = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(load16(row.scales, 16 * c), to_lanes));
         let mut bits = _mm512_slli_epi32::<23>(k);
         bits = _mm512_mask_mov_epi32(
             bits,
@@ -344,35 +365,29 @@ fn mxfp4_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f
         let s = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0.5));
         (w, s)
     };
-    drive::<NT>(m, a, r0, outs, (1, 12), decode, |w, q| dot_pairs(w, q));
+    drive::<NT>(m, a, r0, outs, decode);
 }
 
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 fn q2tp_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f32]]) {
-    let three = _mm512_set1_epi8(3);
+    // Each bit pair `u` as `2u` (the signed code is `2u - 3`), so the sums need no doubling.
+    let six = _mm512_set1_epi8(6);
     let decode = |row: &Row, c: usize| {
+        // Half `v` holds blocks 8v .. 8v + 8, two 32-bit words each (word `h` of block `k` in
+        // lane `2 (k % 8) + h`); swapping vector-index bit 0 with lane-index bit 0 makes
+        // vector `h` hold word `h` of block `k` in lane `2 (k % 8) + k / 8`.
+        let mut z: [__m512i; 2] = core::array::from_fn(|j| load64(row.plane, c * 128 + 64 * j));
+        swap(&mut z, 0, 1, 0);
         let mut w = [_mm512_setzero_si512(); 8];
-        for j in 0..2 {
-            let v = load64(row.plane, c * 128 + 64 * j);
-            w[4 * j] = _mm512_and_si512(v, three);
-            w[4 * j + 1] = _mm512_and_si512(_mm512_srli_epi16::<2>(v), three);
-            w[4 * j + 2] = _mm512_and_si512(_mm512_srli_epi16::<4>(v), three);
-            w[4 * j + 3] = _mm512_and_si512(_mm512_srli_epi16::<6>(v), three);
+        for h in 0..2 {
+            w[4 * h] = _mm512_and_si512(_mm512_slli_epi16::<1>(z[h]), six);
+            w[4 * h + 1] = _mm512_and_si512(_mm512_srli_epi16::<1>(z[h]), six);
+            w[4 * h + 2] = _mm512_and_si512(_mm512_srli_epi16::<3>(z[h]), six);
+            w[4 * h + 3] = _mm512_and_si512(_mm512_srli_epi16::<5>(z[h]), six);
         }
-        (w, ladder_scales(row, c))
+        (w, ladder_scales(row, c, &QUADS16_LADDER))
     };
-    let dot = |w: &[__m512i; 8], q: *const i8| {
-        let n: [__m512i; 2] = core::array::from_fn(|j| {
-            let mut s = _mm512_setzero_si512();
-            for b in 0..4 {
-                // SAFETY: `q` holds one chunk, 512 bytes; this load reads 256j + 64b .. + 64.
-                s = _mm512_dpbusd_epi32(s, w[4 * j + b], unsafe { q64(q, 256 * j + 64 * b) });
-            }
-            s
-        });
-        hadd(n[0], n[1])
-    };
-    drive::<NT>(m, a, r0, outs, (2, 3), decode, dot);
+    drive::<NT>(m, a, r0, outs, decode);
 }
 
 /// Rows `r0 .. r0 + outs[0].len()` of a quantised matrix; `outs[t]` are token `t`'s outputs.
