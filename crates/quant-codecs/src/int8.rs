@@ -559,13 +559,38 @@ pub(crate) type ManyProduct<'a> = (Layout, &'a [u8], usize, &'a [f32], &'a mut [
 /// is computed exactly as [`run`] computes it.
 pub(crate) fn run_many(isa: Isa, products: Vec<ManyProduct<'_>>) {
     let p = path_of(isa);
-    let prepared: Vec<(Mat, Acts, usize)> = products
+    // Products that read the same activations with the same code layout share one
+    // quantisation (a layer's cold experts all read the MoE input); q8_2f's activations are
+    // scaled by each matrix's own column scales first, so they never share.
+    let key = |&(l, _, _, xs, _): &ManyProduct<'_>| {
+        (l.dtype != DType::Q8_2f).then(|| {
+            let order = Order::of(l.dtype);
+            (xs.as_ptr(), xs.len(), l.cols, order, code_offset(l.dtype))
+        })
+    };
+    let mut which = Vec::with_capacity(products.len());
+    let mut firsts: Vec<usize> = Vec::new();
+    for (j, prod) in products.iter().enumerate() {
+        let k = key(prod);
+        let same = k.and_then(|k| firsts.iter().position(|&f| key(&products[f]) == Some(k)));
+        which.push(same.unwrap_or_else(|| {
+            firsts.push(j);
+            firsts.len() - 1
+        }));
+    }
+    let acts: Vec<Acts> = firsts
+        .par_iter()
+        .map(|&j| {
+            let (l, bytes, _, xs, _) = products[j];
+            acts_of(&Mat { l, bytes }, xs)
+        })
+        .collect();
+    let prepared: Vec<(Mat, &Acts, usize)> = products
         .iter()
-        .map(|&(l, bytes, nt, xs, _)| {
+        .zip(&which)
+        .map(|(&(l, bytes, nt, _, _), &a)| {
             debug_assert!(l.dtype.has_int8_kernel());
-            let m = Mat { l, bytes };
-            let a = acts_of(&m, xs);
-            (m, a, nt)
+            (Mat { l, bytes }, &acts[a], nt)
         })
         .collect();
     // (product, first row, the rows' outputs per token row)

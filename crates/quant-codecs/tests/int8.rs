@@ -407,3 +407,60 @@ fn matmat_many_equals_each_product_alone() {
         "{err}"
     );
 }
+
+/// Products that read one activation buffer (a layer's cold experts all read the MoE input)
+/// may share its quantisation, but only with the same code layout and offset: q4tp and mxfp4
+/// share a layout with different offsets, q8_2f scales by its own column scales, and a
+/// shorter slice from the same start is other activations. Each still equals its own call.
+#[test]
+fn matmat_many_shares_activations_only_where_they_match() {
+    use quant_codecs::Product;
+    let cols = 512;
+    let xs = activations(3 * cols, cols, 77);
+    let shapes = [
+        (DType::Q4tp, 64, 3),
+        (DType::Mxfp4, 48, 3),
+        (DType::Q4tp, 80, 3),
+        (DType::Q2tp, 40, 3),
+        (DType::Q8_2f, 24, 3),
+        (DType::Q8_2f, 16, 3),
+        (DType::Q4tp, 32, 1),
+    ];
+    let mats: Vec<(DType, usize, usize, Vec<u8>)> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(d, rows, nt))| {
+            let p = quantize(d, rows, cols, &weights(rows, cols, i as u64 + 40)).unwrap();
+            (d, rows, nt, p)
+        })
+        .collect();
+    let want: Vec<Vec<f32>> = mats
+        .iter()
+        .map(|(d, rows, nt, p)| {
+            let m = MatRef::new(*d, *rows, cols, p).unwrap();
+            let mut y = vec![0.0f32; nt * rows];
+            m.matmat_path(ActPath::Int8, &xs[..nt * cols], &mut y)
+                .unwrap();
+            y
+        })
+        .collect();
+    let mut got: Vec<Vec<f32>> = mats.iter().map(|m| vec![f32::NAN; m.2 * m.1]).collect();
+    let mut products: Vec<Product<'_, '_>> = mats
+        .iter()
+        .zip(got.iter_mut())
+        .map(|((d, rows, nt, p), ys)| Product {
+            w: MatRef::new(*d, *rows, cols, p).unwrap(),
+            xs: &xs[..nt * cols],
+            ys,
+        })
+        .collect();
+    MatRef::matmat_many(ActPath::Int8, &mut products).unwrap();
+    drop(products);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!(
+            g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "product {i} ({:?})",
+            shapes[i]
+        );
+    }
+}
