@@ -141,8 +141,8 @@ pub(crate) struct Acts {
     lines: Vec<Line>,
     /// Block scales `d`, `nbp` per row, block `b` at [`Acts::slot`]`(b)`.
     pub d: Vec<f32>,
-    /// Block code sums times the format's code offset (`off * sum_b q`, see [`code_offset`]),
-    /// `nbp` per row, block `b` at [`Acts::slot`]`(b)`.
+    /// Block code sums times the format's code offset, negated (`-off * sum_b q`, see
+    /// [`code_offset`]), `nbp` per row, block `b` at [`Acts::slot`]`(b)`.
     pub osums: Vec<i32>,
     /// The layout of the codes.
     pub order: Order,
@@ -257,7 +257,7 @@ fn quantize_row_any(
         let mut qb = [0i8; ACT_BLOCK];
         let slot = (b / 16) * 16 + order.lane(b % 16);
         d[slot] = quantize_block(&buf[..len], &mut qb[..len]);
-        s[slot] = off * qb.iter().map(|&v| i32::from(v)).sum::<i32>();
+        s[slot] = -off * qb.iter().map(|&v| i32::from(v)).sum::<i32>();
         let base = order.pos(b, 0);
         let at = order.offsets(b);
         for e in 0..len {

@@ -68,15 +68,15 @@ unsafe fn q64(q: *const i8, at: usize) -> __m512i {
     unsafe { _mm512_loadu_si512(q.add(at).cast()) }
 }
 
-/// The 16 block sums `N` of one chunk: lane [`Order::lane`]`(k)` of each of the eight code
-/// vectors `w` meets block `k`'s activation codes at `q` (512 bytes), in two chains.
+/// The 16 block sums `init + N` of one chunk: lane [`Order::lane`]`(k)` of each of the eight
+/// code vectors `w` meets block `k`'s activation codes at `q` (512 bytes), in two chains.
 ///
 /// # Safety
 /// `q` holds 512 bytes.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-unsafe fn dot8(w: &[__m512i; 8], q: *const i8) -> __m512i {
-    let mut acc = [_mm512_setzero_si512(); 2];
+unsafe fn dot8(w: &[__m512i; 8], q: *const i8, init: __m512i) -> __m512i {
+    let mut acc = [init, _mm512_setzero_si512()];
     for v in 0..8 {
         // SAFETY: the caller's contract; this load reads 64v .. 64v + 64.
         acc[v % 2] = _mm512_dpbusd_epi32(acc[v % 2], w[v], unsafe { q64(q, 64 * v) });
@@ -90,10 +90,10 @@ fn lane_mask(order: Order, nbl: usize) -> __mmask16 {
 }
 
 /// The per-row loop shared by the formats: `decode(row, c)` gives chunk `c`'s eight code
-/// vectors and its 16 factors `S_b`, both in the order's lanes; `I = N - off * sums` (the
-/// offset sums come with the activations). Each lane accumulates its block's terms in
-/// block order, as the portable code's lane `k % 16` does; a row's lanes go back to block
-/// order once, before the fold.
+/// vectors and its 16 factors `S_b`, both in the order's lanes; `I = N - off * sums`, the
+/// dot products' chains starting from the negated offset sums that come with the
+/// activations. Each lane accumulates its block's terms in block order, as the portable
+/// code's lane `k % 16` does; a row's lanes go back to block order once, before the fold.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 #[inline]
 fn drive<const NT: usize>(
@@ -121,8 +121,6 @@ fn drive<const NT: usize>(
             let (w, s) = decode(&row, c);
             for t in 0..NT {
                 let at = t * a.nbp + c * LANES8;
-                // SAFETY: token row `t` holds `nbp * 32` codes, and chunk `c < nbp / 16`.
-                let nsum = unsafe { dot8(&w, a.q().as_ptr().add(t * per + c * CHUNK_Q)) };
                 // SAFETY: `d` and `osums` hold `nbp` values per token row; 16 from `at` fit.
                 let (osums, d) = unsafe {
                     (
@@ -130,7 +128,8 @@ fn drive<const NT: usize>(
                         _mm512_loadu_ps(a.d.as_ptr().add(at)),
                     )
                 };
-                let int = _mm512_sub_epi32(nsum, osums);
+                // SAFETY: token row `t` holds `nbp * 32` codes, and chunk `c < nbp / 16`.
+                let int = unsafe { dot8(&w, a.q().as_ptr().add(t * per + c * CHUNK_Q), osums) };
                 let f = _mm512_mul_ps(d, s);
                 acc[t] = _mm512_mask3_fmadd_ps(f, _mm512_cvtepi32_ps(int), acc[t], mask);
             }
