@@ -25,6 +25,9 @@ var<workgroup> sp: array<f32, MAX_E>;
 var<workgroup> cand: array<u32, MAX_E>;
 var<workgroup> ncand: atomic<u32>;
 var<workgroup> tau: f32;
+// The maxima of groups of lanes.
+var<workgroup> gm: array<f32, WG>;
+var<workgroup> gm_i: array<u32, WG>;
 
 // Whether expert i (probability u) comes before expert j (probability v) in the CPU's stable
 // descending order.
@@ -70,18 +73,45 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             lj = j;
         }
     }
-    // tau = the k-th largest of the lanes' maxima: k distinct experts are >= tau, so every
-    // expert of the top k is. Only those >= tau (about k of them) need an exact rank.
+    // tau = the k-th largest of the maxima of groups of `gs` lanes: k distinct experts are
+    // >= tau, so every expert of the top k is, and only those >= tau (a few dozen at most)
+    // need an exact rank. Groups of up to 8 lanes (16 maxima to rank for 512 experts), as
+    // long as at least k groups hold experts (lane l holds some iff l < e), so the k-th
+    // largest is a real one.
     red[li] = lm;
     red_i[li] = lj;
+    let live = min(P.e, WG);
+    var gs = 1u;
+    while (gs < 8u && 2u * gs <= WG && (live + 2u * gs - 1u) / (2u * gs) >= P.k) {
+        gs = 2u * gs;
+    }
+    let ng = WG / gs;
+    // (The storage barrier orders the dense row's zeros before lane 0's weights.)
     storageBarrier();
     workgroupBarrier();
-    var lr = 0u;
-    for (var l = 0u; l < WG; l++) {
-        lr += u32(before(red[l], red_i[l], lm, lj));
+    if (li < ng) {
+        var bm = NEG;
+        var bj = 0xffffffffu;
+        for (var l = li * gs; l < li * gs + gs; l++) {
+            if (before(red[l], red_i[l], bm, bj)) {
+                bm = red[l];
+                bj = red_i[l];
+            }
+        }
+        gm[li] = bm;
+        gm_i[li] = bj;
     }
-    if (lr == P.k - 1u) {
-        tau = lm;
+    workgroupBarrier();
+    if (li < ng) {
+        let bm = gm[li];
+        let bj = gm_i[li];
+        var lr = 0u;
+        for (var g = 0u; g < ng; g++) {
+            lr += u32(before(gm[g], gm_i[g], bm, bj));
+        }
+        if (lr == P.k - 1u) {
+            tau = bm;
+        }
     }
     workgroupBarrier();
     let t = tau;
@@ -92,19 +122,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     workgroupBarrier();
     // The candidates' ranks in the CPU's order over all experts: ranks below k are the chosen,
-    // in top-k order (k rounds of a workgroup argmax took 29 us on the H200).
+    // in top-k order (k rounds of a workgroup argmax took 29 us on the H200). An expert ranked
+    // before a candidate is >= it, so >= tau, so itself a candidate: ranking among the
+    // candidates gives the rank among all experts.
     let n = atomicLoad(&ncand);
     for (var c = li; c < n; c += WG) {
         let j = cand[c];
         let v = sp[j];
         var rank = 0u;
-        for (var i = 0u; i < e4; i += 4u) {
-            let u0 = sp[i];
-            let u1 = sp[i + 1u];
-            let u2 = sp[i + 2u];
-            let u3 = sp[i + 3u];
-            rank += u32(before(u0, i, v, j)) + u32(before(u1, i + 1u, v, j));
-            rank += u32(before(u2, i + 2u, v, j)) + u32(before(u3, i + 3u, v, j));
+        for (var i = 0u; i < n; i++) {
+            let u = cand[i];
+            rank += u32(before(sp[u], u, v, j));
         }
         if (rank < P.k) {
             chosen[rank] = v;
