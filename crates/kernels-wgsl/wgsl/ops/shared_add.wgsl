@@ -26,10 +26,10 @@ fn prod(o: u32, j: u32) -> f32 {
     return 0.0;
 }
 
-// The new y of column j of row t (offset o), or 0 past the row. The slots are added one at a
-// time in slot order (the CPU executor's order), their loads issued four at a time so a
-// column waits for ceil(k / 4) memory latencies, not k.
-fn value(t: u32, o: u32, j: u32, s: f32) -> f32 {
+// The routed part of column j of row t (offset o), or 0 past the row. The slots are added
+// one at a time in slot order (the CPU executor's order), their loads issued four at a time
+// so a column waits for ceil(k / 4) memory latencies, not k.
+fn routed(t: u32, o: u32, j: u32) -> f32 {
     if (j >= P.d) {
         return 0.0;
     }
@@ -57,13 +57,22 @@ fn value(t: u32, o: u32, j: u32, s: f32) -> f32 {
             acc = acc + sw[s0 + i] * eo[(s0 + i) * P.d + j];
         }
     }
-    return acc + s * sh[o + j];
+    return acc;
 }
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let t = wid.y;
     let o = t * P.d;
+    // The column's routed sum and shared-expert value do not depend on the gate: loaded
+    // before the gate's reduction (whose barriers no load moves across), so their memory
+    // latencies overlap it.
+    let col = wid.x * WG + li;
+    let acc = routed(t, o, col);
+    var shv = 0.0;
+    if (col < P.d) {
+        shv = sh[o + col];
+    }
     var p0 = 0.0;
     var p1 = 0.0;
     var p2 = 0.0;
@@ -83,8 +92,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         p7 += prod(o, j + 7u * WG);
     }
     let s = sigmoid(sum_wg(((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), li));
-    let j = wid.x * WG + li;
-    if (j < P.d) {
-        y[o + j] = value(t, o, j, s);
+    if (col < P.d) {
+        y[o + col] = acc + s * shv;
     }
 }
