@@ -52,7 +52,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         return;
     }
     let base = g * P.group;
+    var s0 = 0.0;
+    var s1 = 0.0;
+    var s2 = 0.0;
+    var s3 = 0.0;
+    var s4 = 0.0;
+    var s5 = 0.0;
+    var s6 = 0.0;
+    var s7 = 0.0;
     if (P.inject == 1u) {
+        // The squares are summed as the injected values are stored, in the order the other
+        // branch sums them (same lanes, same partial sums), saving its loads.
         for (var i = li; i < P.group; i += 8u * WG) {
             let v0 = injected(g, base, i + 0u * WG);
             let v1 = injected(g, base, i + 1u * WG);
@@ -70,33 +80,34 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             store_x(base, i + 5u * WG, v5);
             store_x(base, i + 6u * WG, v6);
             store_x(base, i + 7u * WG, v7);
+            s0 += v0 * v0;
+            s1 += v1 * v1;
+            s2 += v2 * v2;
+            s3 += v3 * v3;
+            s4 += v4 * v4;
+            s5 += v5 * v5;
+            s6 += v6 * v6;
+            s7 += v7 * v7;
         }
-    }
-    var s0 = 0.0;
-    var s1 = 0.0;
-    var s2 = 0.0;
-    var s3 = 0.0;
-    var s4 = 0.0;
-    var s5 = 0.0;
-    var s6 = 0.0;
-    var s7 = 0.0;
-    for (var i = li; i < P.group; i += 8u * WG) {
-        let v0 = at(base, i + 0u * WG);
-        let v1 = at(base, i + WG);
-        let v2 = at(base, i + 2u * WG);
-        let v3 = at(base, i + 3u * WG);
-        let v4 = at(base, i + 4u * WG);
-        let v5 = at(base, i + 5u * WG);
-        let v6 = at(base, i + 6u * WG);
-        let v7 = at(base, i + 7u * WG);
-        s0 += v0 * v0;
-        s1 += v1 * v1;
-        s2 += v2 * v2;
-        s3 += v3 * v3;
-        s4 += v4 * v4;
-        s5 += v5 * v5;
-        s6 += v6 * v6;
-        s7 += v7 * v7;
+    } else {
+        for (var i = li; i < P.group; i += 8u * WG) {
+            let v0 = at(base, i + 0u * WG);
+            let v1 = at(base, i + WG);
+            let v2 = at(base, i + 2u * WG);
+            let v3 = at(base, i + 3u * WG);
+            let v4 = at(base, i + 4u * WG);
+            let v5 = at(base, i + 5u * WG);
+            let v6 = at(base, i + 6u * WG);
+            let v7 = at(base, i + 7u * WG);
+            s0 += v0 * v0;
+            s1 += v1 * v1;
+            s2 += v2 * v2;
+            s3 += v3 * v3;
+            s4 += v4 * v4;
+            s5 += v5 * v5;
+            s6 += v6 * v6;
+            s7 += v7 * v7;
+        }
     }
     let total = sum_wg(((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), li);
     let r = 1.0 / sqrt(total / f32(P.group) + bitcast<f32>(P.eps));
