@@ -92,8 +92,37 @@ impl Op {
     /// Words of the parameter uniform.
     pub const PARAM_WORDS: usize = 16;
 
+    /// Lanes per workgroup: [`OP_WG`], but 512 for `rms_norm`, whose few workgroups (4 for a
+    /// hyper-connection site's 2560-wide streams) each walk a whole group: with 128 lanes a
+    /// group took three rounds of loads per pass, each a memory latency.
+    pub const fn wg(self) -> u32 {
+        match self {
+            Op::RmsNorm => 512,
+            _ => OP_WG,
+        }
+    }
+
     /// The full WGSL source.
     pub fn source(self) -> String {
-        format!("{PRELUDE}\n{}", self.body())
+        let prelude = PRELUDE.replace(
+            &format!("const WG: u32 = {OP_WG}u;"),
+            &format!("const WG: u32 = {}u;", self.wg()),
+        );
+        format!("{prelude}\n{}", self.body())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each op's source declares the lanes its dispatches are sized for.
+    #[test]
+    fn every_op_declares_its_workgroup_size() {
+        for &op in Op::ALL {
+            let want = format!("const WG: u32 = {}u;", op.wg());
+            assert!(op.source().contains(&want), "{op:?} lacks `{want}`");
+        }
+        assert_eq!(Op::RmsNorm.wg(), 512);
     }
 }
