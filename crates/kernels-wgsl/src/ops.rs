@@ -92,13 +92,12 @@ impl Op {
     /// Words of the parameter uniform.
     pub const PARAM_WORDS: usize = 16;
 
-    /// Lanes per workgroup: [`OP_WG`], but 512 for the ops whose few workgroups each walk a
-    /// whole row (`rms_norm`: 4 for a hyper-connection site's 2560-wide streams; `route`: one
-    /// per token row of 512 experts; `shared_add`: each recomputes the gate's 2560-wide dot
-    /// product): with 128 lanes a row took several rounds of loads, each a memory latency.
+    /// Lanes per workgroup: [`OP_WG`], but 512 for `rms_norm`, whose few workgroups (4 for a
+    /// hyper-connection site's 2560-wide streams) each walk a whole group: with 128 lanes a
+    /// group took three rounds of loads per pass, each a memory latency.
     pub const fn wg(self) -> u32 {
         match self {
-            Op::RmsNorm | Op::Route | Op::SharedAdd => 512,
+            Op::RmsNorm => 512,
             _ => OP_WG,
         }
     }
@@ -125,6 +124,5 @@ mod tests {
             assert!(op.source().contains(&want), "{op:?} lacks `{want}`");
         }
         assert_eq!(Op::RmsNorm.wg(), 512);
-        assert_eq!(Op::Map.wg(), OP_WG);
     }
 }

@@ -432,7 +432,7 @@ pub fn encode(
         }
         Routed::Each(_) => 0,
     };
-    let grid = (d.div_ceil(Op::SharedAdd.wg() as usize) as u32, nt as u32);
+    let grid = (d.div_ceil(kernels_wgsl::OP_WG as usize) as u32, nt as u32);
     e.op(
         Op::SharedAdd,
         &[d as u32, slots_k as u32],

@@ -75,14 +75,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     // tau = the k-th largest of the maxima of groups of `gs` lanes: k distinct experts are
     // >= tau, so every expert of the top k is, and only those >= tau (a few dozen at most)
-    // need an exact rank. Groups of up to WG / 16 lanes (16 maxima to rank), as long as at
-    // least k groups hold experts (lane l holds some iff l < e), so the k-th largest is a
-    // real one.
+    // need an exact rank. Groups of up to 8 lanes (16 maxima to rank for 512 experts), as
+    // long as at least k groups hold experts (lane l holds some iff l < e), so the k-th
+    // largest is a real one.
     red[li] = lm;
     red_i[li] = lj;
     let live = min(P.e, WG);
     var gs = 1u;
-    while (gs < WG / 16u && (live + 2u * gs - 1u) / (2u * gs) >= P.k) {
+    while (gs < 8u && 2u * gs <= WG && (live + 2u * gs - 1u) / (2u * gs) >= P.k) {
         gs = 2u * gs;
     }
     let ng = WG / gs;
