@@ -39,14 +39,6 @@ fn injected(g: u32, base: u32, i: u32) -> f32 {
     return 0.0;
 }
 
-// Element i as the first pass sees it: injected when `inject` = 1.
-fn first(g: u32, base: u32, i: u32) -> f32 {
-    if (P.inject == 1u) {
-        return injected(g, base, i);
-    }
-    return at(base, i);
-}
-
 fn store_x(base: u32, i: u32, v: f32) {
     if (i < P.group) {
         x[base + i] = v;
@@ -68,18 +60,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var s5 = 0.0;
     var s6 = 0.0;
     var s7 = 0.0;
-    // With the injection, the squares are summed as the injected values are stored (the
-    // same lanes and partial sums as without), so the pass costs one round of loads.
-    for (var i = li; i < P.group; i += 8u * WG) {
-        let v0 = first(g, base, i + 0u * WG);
-        let v1 = first(g, base, i + 1u * WG);
-        let v2 = first(g, base, i + 2u * WG);
-        let v3 = first(g, base, i + 3u * WG);
-        let v4 = first(g, base, i + 4u * WG);
-        let v5 = first(g, base, i + 5u * WG);
-        let v6 = first(g, base, i + 6u * WG);
-        let v7 = first(g, base, i + 7u * WG);
-        if (P.inject == 1u) {
+    if (P.inject == 1u) {
+        // The squares are summed as the injected values are stored, in the order the other
+        // branch sums them (same lanes, same partial sums), saving its loads.
+        for (var i = li; i < P.group; i += 8u * WG) {
+            let v0 = injected(g, base, i + 0u * WG);
+            let v1 = injected(g, base, i + 1u * WG);
+            let v2 = injected(g, base, i + 2u * WG);
+            let v3 = injected(g, base, i + 3u * WG);
+            let v4 = injected(g, base, i + 4u * WG);
+            let v5 = injected(g, base, i + 5u * WG);
+            let v6 = injected(g, base, i + 6u * WG);
+            let v7 = injected(g, base, i + 7u * WG);
             store_x(base, i + 0u * WG, v0);
             store_x(base, i + 1u * WG, v1);
             store_x(base, i + 2u * WG, v2);
@@ -88,15 +80,34 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             store_x(base, i + 5u * WG, v5);
             store_x(base, i + 6u * WG, v6);
             store_x(base, i + 7u * WG, v7);
+            s0 += v0 * v0;
+            s1 += v1 * v1;
+            s2 += v2 * v2;
+            s3 += v3 * v3;
+            s4 += v4 * v4;
+            s5 += v5 * v5;
+            s6 += v6 * v6;
+            s7 += v7 * v7;
         }
-        s0 += v0 * v0;
-        s1 += v1 * v1;
-        s2 += v2 * v2;
-        s3 += v3 * v3;
-        s4 += v4 * v4;
-        s5 += v5 * v5;
-        s6 += v6 * v6;
-        s7 += v7 * v7;
+    } else {
+        for (var i = li; i < P.group; i += 8u * WG) {
+            let v0 = at(base, i + 0u * WG);
+            let v1 = at(base, i + WG);
+            let v2 = at(base, i + 2u * WG);
+            let v3 = at(base, i + 3u * WG);
+            let v4 = at(base, i + 4u * WG);
+            let v5 = at(base, i + 5u * WG);
+            let v6 = at(base, i + 6u * WG);
+            let v7 = at(base, i + 7u * WG);
+            s0 += v0 * v0;
+            s1 += v1 * v1;
+            s2 += v2 * v2;
+            s3 += v3 * v3;
+            s4 += v4 * v4;
+            s5 += v5 * v5;
+            s6 += v6 * v6;
+            s7 += v7 * v7;
+        }
     }
     let total = sum_wg(((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), li);
     let r = 1.0 / sqrt(total / f32(P.group) + bitcast<f32>(P.eps));
