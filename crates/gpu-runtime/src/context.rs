@@ -238,6 +238,7 @@ pub struct GpuContext {
     pub(crate) pipelines: Pipelines,
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
+    pub(crate) aux_layouts: std::sync::OnceLock<[(wgpu::BindGroupLayout, wgpu::PipelineLayout); 2]>,
     pub(crate) act_quant_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) act_quant_grouped_layout:
         std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
@@ -385,6 +386,7 @@ impl GpuContext {
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),
             i8_layout: std::sync::OnceLock::new(),
+            aux_layouts: std::sync::OnceLock::new(),
             act_quant_layout: std::sync::OnceLock::new(),
             act_quant_grouped_layout: std::sync::OnceLock::new(),
             op_layout: std::sync::OnceLock::new(),

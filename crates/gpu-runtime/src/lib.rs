@@ -45,6 +45,14 @@ impl GpuContext {
         self.i8_layout.get_or_init(|| ops::matvec::i8_layout(self))
     }
 
+    /// The layouts of the epilogues with an auxiliary buffer (binding 7): f32 paths, int8.
+    pub(crate) fn aux_layout(&self, int8: bool) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        &self
+            .aux_layouts
+            .get_or_init(|| [false, true].map(|i8| ops::matvec::aux_layout(self, i8)))
+            [usize::from(int8)]
+    }
+
     pub(crate) fn grouped_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         self.grouped_layout
             .get_or_init(|| ops::experts::layout(self, false))

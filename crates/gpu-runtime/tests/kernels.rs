@@ -429,3 +429,144 @@ fn the_kernel_report_builds_every_kernel() {
     assert!(r.plan_text().contains("lanes per workgroup"));
     eprintln!("software adapter: {}", ctx.is_software());
 }
+
+fn sigmoid(v: f64) -> f64 {
+    1.0 / (1.0 + (-v).exp())
+}
+
+/// The hyper-connection epilogues against f64 math on the decoded matrix: the front's
+/// activations (`silu(v / H)` for the low-rank rows, `2 sigmoid(v / H)` for the injection
+/// rows, into two buffers) and the read-out over an up matrix whose rows are interleaved by
+/// stream (`sum_k sigmoid(g_k) xn_k / H`), for every codec, 1 and 3 token rows, 2-4 streams and
+/// every row-group shape the plans give.
+#[test]
+fn hyper_connection_epilogues_match_f64() {
+    use gpu_runtime::Epilogue;
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let decoded = |dtype: DType, rows: usize, cols: usize, w: &[f32]| {
+        let p = quantize(dtype, rows, cols, w).unwrap();
+        let mut dq = vec![0.0f32; rows * cols];
+        MatRef::new(dtype, rows, cols, &p)
+            .unwrap()
+            .dequantize(&mut dq)
+            .unwrap();
+        (p, dq)
+    };
+    for (i, dtype) in [DType::F32].into_iter().chain(GPU_DTYPES).enumerate() {
+        let seed = 40 + i as u64;
+        // The front: 20 low-rank rows and 4 injection rows.
+        let (low, h, cols) = (20, 4, 256);
+        let rows = low + h;
+        let (p, dq) = decoded(dtype, rows, cols, &weights(rows, cols, seed));
+        let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+        let g = arena
+            .get_or_upload(ctx, seed, &format!("front {dtype}"), &m)
+            .unwrap();
+        let base = Plan::for_shape(ctx, rows, cols);
+        for (plan, nt) in [
+            (base, 1),
+            (base, 3),
+            (Plan { rows: 2, ..base }, 3),
+            (Plan { rows: 4, ..base }.shared_memory(), 1),
+            (base.split(128), 3),
+        ] {
+            let mut r = rng(seed ^ 0x55);
+            let xs: Vec<f32> = (0..nt * cols).map(|_| r() * 0.2).collect();
+            let (y, inj) = matvec::matmat_aux(
+                ctx,
+                &g,
+                &xs,
+                &vec![POISON; nt * h],
+                h,
+                plan,
+                Epilogue::HcFront,
+            )
+            .unwrap();
+            for t in 0..nt {
+                for row in 0..rows {
+                    let (dot, mag) = (0..cols).fold((0.0f64, 0.0f64), |(s, a), c| {
+                        let p = dq[row * cols + c] as f64 * xs[t * cols + c] as f64;
+                        (s + p, a + p.abs())
+                    });
+                    let v = dot / h as f64;
+                    // The dot within 4e-6 of its magnitude sum; silu' <= 1.1, sigmoid' <= 1/4.
+                    let err = 4e-6 * mag / h as f64;
+                    let (got, want, tol) = if row < low {
+                        (y[t * low + row], silu(v), 1.1 * err)
+                    } else {
+                        (inj[t * h + row - low], 2.0 * sigmoid(v), 0.5 * err)
+                    };
+                    assert_ne!(got, POISON, "{dtype} front row {row} t {t} never written");
+                    assert!(
+                        (got as f64 - want).abs() <= tol + 1e-6 * want.abs() + 1e-12,
+                        "{dtype} {plan:?} front row {row} t {t}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+        // The read-out: H streams of D columns, low rank 64.
+        for h in [2, 3, 4] {
+            let (d, cols) = (24, 64);
+            let rows = h * d;
+            let w = weights(rows, cols, seed + 100);
+            let (p, dq) = decoded(dtype, rows, cols, &w);
+            let order: Vec<usize> = (0..rows).map(|i| (i % h) * d + i / h).collect();
+            let by_stream = quant_codecs::gather_rows(dtype, rows, cols, &p, &order).unwrap();
+            let m = MatRef::new(dtype, rows, cols, &by_stream).unwrap();
+            let g = arena
+                .get_or_upload(ctx, seed + 100 + h as u64, &format!("up {dtype} {h}"), &m)
+                .unwrap();
+            for nt in [1, 3] {
+                let mut r = rng(seed ^ 0x77);
+                let xs: Vec<f32> = (0..nt * cols).map(|_| r() * 0.2).collect();
+                let xn: Vec<f32> = (0..nt * rows).map(|_| r() * 3.0).collect();
+                let plan = Plan::for_shape(ctx, rows, cols);
+                let (u, back) =
+                    matvec::matmat_aux(ctx, &g, &xs, &xn, h, plan, Epilogue::HcReadout).unwrap();
+                assert_eq!(back, xn, "the read-out wrote into the streams");
+                for t in 0..nt {
+                    for j in 0..d {
+                        let (mut want, mut tol) = (0.0f64, 0.0f64);
+                        for k in 0..h {
+                            let row = k * d + j;
+                            let (dot, mag) = (0..cols).fold((0.0f64, 0.0f64), |(s, a), c| {
+                                let p = dq[row * cols + c] as f64 * xs[t * cols + c] as f64;
+                                (s + p, a + p.abs())
+                            });
+                            let x = xn[t * rows + row] as f64;
+                            want += sigmoid(dot) * x;
+                            tol += (0.25 * 4e-6 * mag + 1e-6) * x.abs();
+                        }
+                        want /= h as f64;
+                        let got = u[t * d + j] as f64;
+                        assert!(
+                            (got - want).abs() <= tol / h as f64 + 1e-12,
+                            "{dtype} read-out h {h} column {j} t {t}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    // What the epilogues cannot take is refused, not run.
+    let p = quantize(DType::F16, 10, 64, &weights(10, 64, 3)).unwrap();
+    let g = arena
+        .get_or_upload(ctx, 3, "ten", &MatRef::new(DType::F16, 10, 64, &p).unwrap())
+        .unwrap();
+    let plan = Plan::for_matrix(ctx, 10);
+    let e = matvec::matmat_aux(
+        ctx,
+        &g,
+        &[0.5; 64],
+        &[0.0; 10],
+        5,
+        plan,
+        Epilogue::HcReadout,
+    )
+    .unwrap_err();
+    assert!(matches!(e, GpuError::UnsupportedFusion { .. }), "{e}");
+    let e =
+        matvec::matmat_aux(ctx, &g, &[0.5; 64], &[0.0; 1], 2, plan, Epilogue::HcFront).unwrap_err();
+    assert!(matches!(e, GpuError::BadLength { .. }), "{e}");
+}

@@ -75,6 +75,63 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
             let _ = writeln!(b, "        }}");
             let _ = writeln!(b, "    }}");
         }
+    } else if k.epilogue == Epilogue::HcReadout {
+        // Row group `j` holds stream k's row of column j at row `first + k`; the streams'
+        // read-out is added in stream order, as the separate op adds it.
+        for t in 0..nt {
+            let _ = writeln!(b, "    {{");
+            for r in 0..nr {
+                let g = finish(
+                    &format!("reduce(a{r}_{t}, li, lane, sg_size, sg_lane)"),
+                    &format!("(first + {r}u)"),
+                );
+                let _ = writeln!(b, "        let g{r} = {g};");
+            }
+            let _ = writeln!(b, "        if (lane == 0u && first < P.rows) {{");
+            let _ = writeln!(b, "            let j = first / {nr}u;");
+            let _ = writeln!(b, "            let xb = {t}u * P.rows + j;");
+            let _ = writeln!(b, "            var acc = 0.0;");
+            for r in 0..nr {
+                let _ = writeln!(
+                    b,
+                    "            acc += hc_sigmoid(g{r}) * aux[xb + {r}u * (P.rows / {nr}u)];"
+                );
+            }
+            let yt = ytok(k, t);
+            let _ = writeln!(
+                b,
+                "            y[{yt} * P.y_stride + j] = acc / f32({nr}u);"
+            );
+            let _ = writeln!(b, "        }}");
+            let _ = writeln!(b, "    }}");
+        }
+    } else if k.epilogue == Epilogue::HcFront {
+        for r in 0..nr {
+            for t in 0..nt {
+                let total = finish("total", &format!("(first + {r}u)"));
+                let _ = writeln!(b, "    {{");
+                let _ = writeln!(
+                    b,
+                    "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
+                );
+                let _ = writeln!(b, "        let row = first + {r}u;");
+                let _ = writeln!(b, "        if (lane == 0u && row < P.rows) {{");
+                let _ = writeln!(b, "            let v = {total} / bitcast<f32>(P.a);");
+                let _ = writeln!(b, "            if (row < P.half) {{");
+                let _ = writeln!(
+                    b,
+                    "                y[{t}u * P.half + row] = v * hc_sigmoid(v);"
+                );
+                let _ = writeln!(b, "            }} else {{");
+                let _ = writeln!(
+                    b,
+                    "                aux[{t}u * (P.rows - P.half) + row - P.half] = 2.0 * hc_sigmoid(v);"
+                );
+                let _ = writeln!(b, "            }}");
+                let _ = writeln!(b, "        }}");
+                let _ = writeln!(b, "    }}");
+            }
+        }
     } else {
         let act = if k.epilogue == Epilogue::Silu {
             "silu"

@@ -306,6 +306,16 @@ pub enum Epilogue {
     /// checkpoints' fused `gate_up_proj` stores it) and `y[r] = silu(gate[r] . x) * (up[r] . x)`
     /// for `r < half`. A row group holds rows `r` and `r + half` (`rows` must be 2).
     SiluGateUp,
+    /// A hyper-connection site's front (its low-rank down rows, then its H injection rows, one
+    /// matrix): with `v = (W x)[r] / a` (`a` = H), `y[t, r] = silu(v)` for `r < half` and
+    /// `aux[t, r - half] = 2 sigmoid(v)` for the rest: the activations the up matrix and the
+    /// injection read, without a dispatch of their own. One part only.
+    HcFront,
+    /// A hyper-connection site's read-out fused into its up matrix, whose rows are interleaved
+    /// so that row group `j` holds column `j` of all `rows` streams (row `j * H + k` is stream
+    /// `k`'s): `y[t, j] = (sum_k sigmoid(g_k) aux[t, k * D + j]) / H` with `aux` the normalised
+    /// streams `[nt, H * D]`, streams added in order. One part only.
+    HcReadout,
 }
 
 impl Epilogue {
@@ -315,9 +325,24 @@ impl Epilogue {
             Epilogue::None => "",
             Epilogue::Silu => "_silu",
             Epilogue::SiluGateUp => "_gateup",
+            Epilogue::HcFront => "_hcfront",
+            Epilogue::HcReadout => "_hcread",
         }
     }
+
+    /// Whether the epilogue reads or writes the auxiliary buffer at binding 7.
+    pub const fn has_aux(self) -> bool {
+        matches!(self, Epilogue::HcFront | Epilogue::HcReadout)
+    }
 }
+
+/// The auxiliary buffer of the hyper-connection epilogues (the injection weights the front
+/// writes, the normalised streams the read-out reads), and their sigmoid (the op kernels' own
+/// expression, so the fused values are the separate ops' values).
+const AUX_DECL: &str = "@group(0) @binding(7) var<storage, read_write> aux: array<f32>;
+fn hc_sigmoid(v: f32) -> f32 {
+    return 1.0 / (1.0 + exp(-v));
+}";
 
 impl Matvec {
     /// The entry point.
@@ -346,7 +371,10 @@ impl Matvec {
     /// reduction, the skeleton, and the body generated for `nt`, `rows` and the path. (WGSL has
     /// no includes or generics; concatenation plus [`Matvec::body`] is the whole template step.)
     pub fn source(&self) -> String {
-        let src = self.plain_source();
+        let mut src = self.plain_source();
+        if self.epilogue.has_aux() {
+            src = format!("{AUX_DECL}\n{src}");
+        }
         if !self.grouped {
             return src;
         }
@@ -502,6 +530,12 @@ pub fn registry() -> Vec<ModuleSpec> {
                     (1, Epilogue::Silu),
                     (4, Epilogue::Silu),
                     (2, Epilogue::SiluGateUp),
+                    (1, Epilogue::HcFront),
+                    (2, Epilogue::HcFront),
+                    (4, Epilogue::HcFront),
+                    (2, Epilogue::HcReadout),
+                    (3, Epilogue::HcReadout),
+                    (4, Epilogue::HcReadout),
                 ];
                 // 1..=8 token rows, and the grouped-experts variant (one row per slot).
                 let variants = (1..=8).map(|nt| (nt, false)).chain([(1, true)]);
@@ -514,6 +548,8 @@ pub fn registry() -> Vec<ModuleSpec> {
                     };
                     for ((rows, epilogue), &lut_copies) in shapes
                         .into_iter()
+                        // The hyper-connection epilogues are plain matvecs only.
+                        .filter(|(_, e)| !(grouped && e.has_aux()))
                         .flat_map(|s| copies.iter().map(move |c| (s, c)))
                     {
                         let k = Matvec {

@@ -51,8 +51,6 @@ ops! {
     RmsNorm => "rms_norm",
     /// Elementwise activations.
     Map => "map",
-    /// The hyper-connection front's activations (fused down + injection rows).
-    HcAct => "hc_act",
     /// The hyper-connection read-out.
     HcCombine => "hc_combine",
     /// The hyper-connection injection.

@@ -30,7 +30,8 @@ struct Params {
     // The grouped variant: bytes per expert slot, and slots per activation row.
     slot_bytes: u32,
     x_div: u32,
-    _pad2: u32,
+    // The hyper-connection front's divisor (f32 bits: H).
+    a: u32,
 }
 
 fn silu(v: f32) -> f32 {

@@ -336,6 +336,28 @@ impl<'a> Enc<'a> {
         self.g.matvec(&self.dev.ctx, m, x, y, nt, path, epilogue)
     }
 
+    /// [`Enc::matvec`] with a hyper-connection epilogue over `h` streams and its auxiliary
+    /// buffer `aux` (see `gpu_runtime::ops::matvec::prepare_aux`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_aux(
+        &mut self,
+        m: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        aux: &wgpu::Buffer,
+        h: usize,
+        nt: usize,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let path = self.dev.path(m.dtype);
+        let aux = gpu_runtime::ops::matvec::Aux {
+            buffer: aux,
+            streams: h,
+        };
+        self.g
+            .matvec_aux(&self.dev.ctx, m, x, y, aux, nt, path, epilogue)
+    }
+
     /// The grouped-experts matvec over `slots` slots of `bank` (activation row `s / x_div`).
     #[allow(clippy::too_many_arguments)]
     pub fn grouped(

@@ -242,12 +242,12 @@ impl<'a> GpuModel<'a> {
                     .as_ref()
                     .map(|p| PleGpu::upload(&dev, p))
                     .transpose()?;
-                let attn_hc = HcGpu::upload(&dev, &lw.attn_hc)?;
+                let attn_hc = HcGpu::upload(&dev, &lw.attn_hc, c.hc_count)?;
                 let mixer = match &lw.mixer {
                     MixerWeights::Gdn(g) => MixerGpu::Gdn(GdnGpu::upload(&dev, g)?),
                     MixerWeights::Attn(a) => MixerGpu::Attn(AttnGpu::upload(&dev, a)?),
                 };
-                let mlp_hc = HcGpu::upload(&dev, &lw.mlp_hc)?;
+                let mlp_hc = HcGpu::upload(&dev, &lw.mlp_hc, c.hc_count)?;
                 for m in [
                     &lw.moe.router,
                     &lw.moe.sh_gate,
@@ -261,7 +261,7 @@ impl<'a> GpuModel<'a> {
             .map_err(over)?;
             fronts.push(front);
         }
-        let final_mixer = HcGpu::upload(&dev, &w.final_mixer).map_err(over)?;
+        let final_mixer = HcGpu::upload(&dev, &w.final_mixer, c.hc_count).map_err(over)?;
         let lm_head = dev.mat(&w.lm_head).map_err(over)?;
         let resident: Vec<usize> = match residency {
             Residency::PerLayer(v) => v.iter().map(|&x| x.min(ne)).collect(),

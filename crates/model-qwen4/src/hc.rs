@@ -72,13 +72,13 @@ pub fn inject(x: &mut [f32], y: &[f32], inj: &[f32], t: usize, h: usize, d: usiz
 pub struct HcGpu {
     norm: (wgpu::Buffer, usize),
     front: Front,
-    up: Arc<GpuMatrix>,
+    up: Up,
 }
 
 /// The matrices that read the normalised streams.
 enum Front {
-    /// The low-rank down rows then the H injection rows, one matrix (one dispatch instead of
-    /// two, and one activation op instead of two): float codecs, whose rows concatenate.
+    /// The low-rank down rows then the H injection rows, one matrix whose epilogue applies
+    /// both activations (one dispatch instead of three): float codecs, whose rows concatenate.
     Fused(Arc<GpuMatrix>),
     /// Apart: quantised codecs (q8_2f's column scales are per matrix), or no injection (the
     /// final mixer).
@@ -88,9 +88,22 @@ enum Front {
     },
 }
 
+/// The up matrix.
+enum Up {
+    /// Rows interleaved by stream (row `j * H + k` is stream `k`'s row `j`), so one row group
+    /// holds a column's H gates and the read-out is the matvec's epilogue (one dispatch fewer).
+    Readout(Arc<GpuMatrix>),
+    /// In checkpoint order, the read-out an op of its own (more than 4 streams, or a matrix
+    /// past one binding).
+    Plain(Arc<GpuMatrix>),
+}
+
+/// Most streams the read-out epilogue takes (one row group's rows).
+const READOUT_STREAMS: usize = 4;
+
 impl HcGpu {
-    /// Uploads the site's weights.
-    pub fn upload(dev: &Device, w: &HcWeights<'_>) -> Result<HcGpu, GpuError> {
+    /// Uploads the site's weights (`h` streams).
+    pub fn upload(dev: &Device, w: &HcWeights<'_>, h: usize) -> Result<HcGpu, GpuError> {
         let float = |d: DType| matches!(d, DType::F32 | DType::F16 | DType::BF16);
         let front = match &w.inject {
             Some(inj) if inj.dtype() == w.down.dtype() && float(inj.dtype()) => {
@@ -99,17 +112,42 @@ impl HcGpu {
                 let rows = w.down.rows() + inj.rows();
                 let m = MatRef::new(w.down.dtype(), rows, w.down.cols(), &bytes)?;
                 let name = format!("{}+{}", w.down.name(), inj.name());
-                Front::Fused(dev.mat(&Mat::new(name, usize::MAX, m))?)
+                let m = dev.mat(&Mat::new(name, usize::MAX, m))?;
+                if m.parts.len() == 1 {
+                    Front::Fused(m)
+                } else {
+                    Front::Split {
+                        down: dev.mat(&w.down)?,
+                        inject: Some(dev.mat(inj)?),
+                    }
+                }
             }
             inj => Front::Split {
                 down: dev.mat(&w.down)?,
                 inject: inj.as_ref().map(|m| dev.mat(m)).transpose()?,
             },
         };
+        let rows = w.up.rows();
+        let up = if (2..=READOUT_STREAMS).contains(&h) && rows.is_multiple_of(h) {
+            let d = rows / h;
+            let order: Vec<usize> = (0..rows).map(|i| (i % h) * d + i / h).collect();
+            let m = w.up.mat();
+            let bytes = quant_codecs::gather_rows(m.dtype(), rows, m.cols(), m.bytes(), &order)?;
+            let m = MatRef::new(m.dtype(), rows, m.cols(), &bytes)?;
+            let name = format!("{} (rows by stream)", w.up.name());
+            let m = dev.mat(&Mat::new(name, usize::MAX, m))?;
+            if m.parts.len() == 1 {
+                Up::Readout(m)
+            } else {
+                Up::Plain(dev.mat(&w.up)?)
+            }
+        } else {
+            Up::Plain(dev.mat(&w.up)?)
+        };
         Ok(HcGpu {
             norm: (dev.vec(w.norm.name(), &w.norm), w.norm.len()),
             front,
-            up: dev.mat(&w.up)?,
+            up,
         })
     }
 }
@@ -135,25 +173,25 @@ pub fn encode(
         None => e.rms_norm(x, &w.norm, &s.xn, nt * h, d, eps)?,
     }
     let hf = (h as f32).to_bits();
-    let r = w.up.cols;
     match &w.front {
-        Front::Fused(m) => {
-            e.matvec(m, &s.xn, &s.low, nt, Epilogue::None)?;
-            let p = [(nt * m.rows) as u32, r as u32, h as u32, hf];
-            e.op_lanes(Op::HcAct, &p, &[&s.low, &s.low_act, &s.inj], nt * m.rows)?;
-        }
+        Front::Fused(m) => e.matvec_aux(m, &s.xn, &s.low_act, &s.inj, h, nt, Epilogue::HcFront)?,
         Front::Split { down, inject } => {
             e.matvec(down, &s.xn, &s.low, nt, Epilogue::None)?;
-            e.map(0, hf, &s.low, &s.g, &s.low_act, nt * r)?;
+            e.map(0, hf, &s.low, &s.g, &s.low_act, nt * down.rows)?;
             if let Some(inj) = inject {
                 e.matvec(inj, &s.xn, &s.inj_raw, nt, Epilogue::None)?;
                 e.map(1, hf, &s.inj_raw, &s.g, &s.inj, nt * h)?;
             }
         }
     }
-    e.matvec(&w.up, &s.low_act, &s.g, nt, Epilogue::None)?;
-    let p = [(nt * d) as u32, h as u32, d as u32];
-    e.op_lanes(Op::HcCombine, &p, &[&s.g, &s.xn, &s.u], nt * d)
+    match &w.up {
+        Up::Readout(m) => e.matvec_aux(m, &s.low_act, &s.u, &s.xn, h, nt, Epilogue::HcReadout),
+        Up::Plain(m) => {
+            e.matvec(m, &s.low_act, &s.g, nt, Epilogue::None)?;
+            let p = [(nt * d) as u32, h as u32, d as u32];
+            e.op_lanes(Op::HcCombine, &p, &[&s.g, &s.xn, &s.u], nt * d)
+        }
+    }
 }
 
 /// `X_k += inj_k * y` on the device for `nt` rows (the injection weights in `e.s.inj`).

@@ -367,8 +367,6 @@ pub fn slice_rows(
     start: usize,
     end: usize,
 ) -> Result<Vec<u8>, CodecError> {
-    let l = Layout::new(dtype, rows, cols)?;
-    l.check_len(bytes)?;
     if start >= end || end > rows {
         return Err(CodecError::BufferLength {
             what: "row range end",
@@ -376,25 +374,48 @@ pub fn slice_rows(
             found: end,
         });
     }
-    let n = end - start;
-    let part = Layout::new(dtype, n, cols)?;
+    gather_rows(dtype, rows, cols, bytes, &(start..end).collect::<Vec<_>>())
+}
+
+/// The payload of rows `order[0], order[1], ...` of a `[rows, cols]` matrix, as an
+/// `[order.len(), cols]` matrix of the same dtype: every per-row section gathered in that
+/// order (q8_2f's column scales, shared by every row, copied whole), so row `i` of the result
+/// decodes to exactly row `order[i]` of the input.
+pub fn gather_rows(
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    bytes: &[u8],
+    order: &[usize],
+) -> Result<Vec<u8>, CodecError> {
+    let l = Layout::new(dtype, rows, cols)?;
+    l.check_len(bytes)?;
+    if let Some(&bad) = order.iter().find(|&&r| r >= rows) {
+        return Err(CodecError::BufferLength {
+            what: "gathered row index (below rows)",
+            expected: rows,
+            found: bad,
+        });
+    }
+    let part = Layout::new(dtype, order.len(), cols)?;
     let mut out = Vec::with_capacity(part.nbytes);
-    let cut = |out: &mut Vec<u8>, base: usize, per_row: usize| {
-        out.extend_from_slice(&bytes[base + start * per_row..base + end * per_row]);
+    let gather = |out: &mut Vec<u8>, base: usize, per_row: usize| {
+        for &r in order {
+            out.extend_from_slice(&bytes[base + r * per_row..base + (r + 1) * per_row]);
+        }
     };
-    let code_row = l.codes_len / rows;
-    cut(&mut out, 0, code_row);
+    gather(&mut out, 0, l.codes_len / rows);
     match dtype {
         DType::F32 | DType::F16 | DType::BF16 => {}
         DType::Q8_2f => {
-            cut(&mut out, l.second, 2);
+            gather(&mut out, l.second, 2);
             out.extend_from_slice(&bytes[l.third..]);
         }
         DType::Q4tp | DType::Q2tp => {
-            cut(&mut out, l.second, 4);
-            cut(&mut out, l.third, l.code_stride);
+            gather(&mut out, l.second, 4);
+            gather(&mut out, l.third, l.code_stride);
         }
-        DType::Mxfp4 | DType::Mxfp8 => cut(&mut out, l.second, l.groups_per_row()),
+        DType::Mxfp4 | DType::Mxfp8 => gather(&mut out, l.second, l.groups_per_row()),
     }
     debug_assert_eq!(out.len(), part.nbytes);
     Ok(out)

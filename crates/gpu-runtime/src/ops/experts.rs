@@ -10,7 +10,7 @@ use quant_codecs::{DType, Layout, MatRef};
 
 use crate::arena::kernel_codec;
 use crate::ops::matvec::{
-    Plan, Prepared, Step, bind_layout, bind_matvec, storage_entry, uniform_entry,
+    Bufs, Plan, Prepared, Step, bind_layout, bind_matvec, storage_entry, uniform_entry,
 };
 use crate::staging::StagingRing;
 use crate::{GpuContext, GpuError};
@@ -267,16 +267,14 @@ pub fn prepare_grouped(
         x_div as u32,
         0,
     ];
-    let bg = bind_matvec(
-        ctx,
-        bgl,
-        &bank.buffer,
-        &params,
+    let bufs = Bufs {
         x,
         y,
-        acts.as_ref(),
-        Some(ids),
-    );
+        acts: acts.as_ref(),
+        ids: Some(ids),
+        aux: None,
+    };
+    let bg = bind_matvec(ctx, bgl, &bank.buffer, &params, bufs);
     let label = format!(
         "grouped {codec:?} {}x{} slots {slots} {path:?} {epilogue:?}",
         bank.rows, bank.cols

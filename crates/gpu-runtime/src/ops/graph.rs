@@ -215,6 +215,29 @@ impl Graph {
         Ok(())
     }
 
+    /// [`Graph::matvec`] with a hyper-connection epilogue and its auxiliary buffer (see
+    /// [`matvec::prepare_aux`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_aux(
+        &mut self,
+        ctx: &GpuContext,
+        m: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        aux: matvec::Aux<'_>,
+        nt: usize,
+        path: Path,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let plan = Plan::for_shape(ctx, m.rows, m.cols).with_path(path);
+        let p = matvec::prepare_aux(ctx, m, x, y, aux, nt, plan, epilogue)?;
+        self.dispatches += p.dispatches();
+        for s in p.into_steps() {
+            self.items.push(Item::Step(s));
+        }
+        Ok(())
+    }
+
     /// `y_i = W_i x` for q8_2f matrices `mats` that read the same `x`, on the int8 path with
     /// one quantiser dispatch for all of them (their column scales from `table`, built by
     /// [`crate::ops::act8::col_scale_table`]) instead of one each.

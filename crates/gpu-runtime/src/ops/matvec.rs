@@ -357,6 +357,25 @@ pub(crate) fn i8_layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::Pipel
     )
 }
 
+/// [`layout`] or [`i8_layout`] with binding 7, the hyper-connection epilogues' auxiliary buffer.
+pub(crate) fn aux_layout(
+    ctx: &GpuContext,
+    int8: bool,
+) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    let mut entries = vec![
+        storage_entry(0, true),
+        storage_entry(1, true),
+        uniform_entry(2),
+        storage_entry(3, true),
+        storage_entry(4, false),
+    ];
+    if int8 {
+        entries.push(storage_entry(5, true));
+    }
+    entries.push(storage_entry(7, false));
+    bind_layout(ctx, "matvec_aux", &entries)
+}
+
 /// The pipeline for `m`'s codec, `nt` token rows, under `plan`.
 pub fn pipeline(
     ctx: &GpuContext,
@@ -383,7 +402,10 @@ pub fn codec_pipeline(
     let plan = plan.for_codec(ctx, codec, nt, false);
     let mut k = plan.fused_kernel(codec, nt, epilogue);
     k.lut_copies = plan.lut_copies(ctx, &k);
-    let (_, pl) = if plan.path == Path::Int8 {
+    let int8 = plan.path == Path::Int8;
+    let (_, pl) = if epilogue.has_aux() {
+        ctx.aux_layout(int8)
+    } else if int8 {
         ctx.i8_layout()
     } else {
         ctx.matvec_layout()
@@ -506,7 +528,35 @@ pub fn prepare_fused(
     plan: Plan,
     epilogue: Epilogue,
 ) -> Result<Prepared, GpuError> {
-    prepare_inner(ctx, m, x, y, nt, plan, epilogue, None)
+    prepare_inner(ctx, m, x, y, nt, plan, epilogue, None, None)
+}
+
+/// The hyper-connection epilogues' second buffer and the site's stream count H.
+#[derive(Clone, Copy)]
+pub struct Aux<'a> {
+    /// [`Epilogue::HcFront`]: receives the injection weights `[nt, H]`;
+    /// [`Epilogue::HcReadout`]: holds the normalised streams `[nt, H * D]`.
+    pub buffer: &'a wgpu::Buffer,
+    /// H.
+    pub streams: usize,
+}
+
+/// [`prepare_fused`] with a hyper-connection epilogue ([`Epilogue::HcFront`]: `y` receives
+/// the low-rank activations `[nt, rows - H]`; [`Epilogue::HcReadout`]: `m`'s rows interleaved
+/// by stream, `y` receives `[nt, rows / H]`, each row group holding one column's H rows).
+/// `acts`: pre-quantised activations on the int8 path, as [`prepare_with_acts`].
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_aux(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    x: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    aux: Aux<'_>,
+    nt: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<Prepared, GpuError> {
+    prepare_inner(ctx, m, x, y, nt, plan, epilogue, None, Some(aux))
 }
 
 /// [`prepare_fused`] on the int8 path with activations a shared quantiser has written
@@ -539,6 +589,7 @@ pub fn prepare_with_acts(
         plan.with_path(Path::Int8),
         epilogue,
         Some(acts),
+        None,
     )
 }
 
@@ -552,8 +603,10 @@ fn prepare_inner(
     plan: Plan,
     epilogue: Epilogue,
     pre: Option<&crate::ops::act8::ActBuffers>,
+    aux: Option<Aux<'_>>,
 ) -> Result<Prepared, GpuError> {
     let pair = epilogue == Epilogue::SiluGateUp;
+    let plan = check_aux(m, nt, plan, epilogue, aux)?;
     if pair && (!m.rows.is_multiple_of(2) || m.parts.len() != 1) {
         return Err(GpuError::UnsupportedFusion {
             epilogue: "silu gate/up",
@@ -564,7 +617,11 @@ fn prepare_inner(
             ),
         });
     }
-    let y_rows = out_rows(m, epilogue);
+    let y_rows = match (epilogue, aux) {
+        (Epilogue::HcFront, Some(a)) => m.rows - a.streams,
+        (Epilogue::HcReadout, Some(a)) => m.rows / a.streams,
+        _ => out_rows(m, epilogue),
+    };
     if nt == 0 || nt > MAX_BATCH {
         return Err(GpuError::BadLength {
             what: "token rows (1..=8)",
@@ -606,7 +663,9 @@ fn prepare_inner(
         }
         _ => None,
     };
-    let (bgl, _) = if acts.is_some() {
+    let (bgl, _) = if aux.is_some() {
+        ctx.aux_layout(acts.is_some())
+    } else if acts.is_some() {
         ctx.i8_layout()
     } else {
         ctx.matvec_layout()
@@ -630,12 +689,22 @@ fn prepare_inner(
             l.third as u32,
             l.code_stride as u32,
             wg_x as u32,
-            (part.rows / 2) as u32,
+            match (epilogue, aux) {
+                (Epilogue::HcFront, Some(a)) => (part.rows - a.streams) as u32,
+                _ => (part.rows / 2) as u32,
+            },
             0,
             0,
-            0,
+            aux.map_or(0, |a| (a.streams as f32).to_bits()),
         ];
-        let bg = bind_matvec(ctx, bgl, &part.buffer, &params, x, y, acts.as_ref(), None);
+        let bufs = Bufs {
+            x,
+            y,
+            acts: acts.as_ref(),
+            ids: None,
+            aux: aux.map(|a| a.buffer),
+        };
+        let bg = bind_matvec(ctx, bgl, &part.buffer, &params, bufs);
         groups.push((bg, wg_x as u32, wg_y as u32));
     }
     let label = format!(
@@ -649,20 +718,98 @@ fn prepare_inner(
     })
 }
 
+/// A matvec dispatch's buffers besides the weights: the activations (`x`, or the int8 codes
+/// and block scales of `acts`), `y`, the grouped kernels' slot expert ids (binding 6) and the
+/// hyper-connection epilogues' auxiliary buffer (binding 7).
+pub(crate) struct Bufs<'a> {
+    pub x: &'a wgpu::Buffer,
+    pub y: &'a wgpu::Buffer,
+    pub acts: Option<&'a crate::ops::act8::ActBuffers>,
+    pub ids: Option<&'a wgpu::Buffer>,
+    pub aux: Option<&'a wgpu::Buffer>,
+}
+
+/// Checks a hyper-connection epilogue's matrix and buffer, and returns the plan it runs under
+/// (the read-out's row groups are exactly a column's H stream rows).
+fn check_aux(
+    m: &GpuMatrix,
+    nt: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+    aux: Option<Aux<'_>>,
+) -> Result<Plan, GpuError> {
+    let name = match epilogue {
+        Epilogue::HcFront => "hyper-connection front",
+        Epilogue::HcReadout => "hyper-connection read-out",
+        _ if aux.is_some() => {
+            return Err(GpuError::UnsupportedFusion {
+                epilogue: epilogue.suffix(),
+                reason: "an auxiliary buffer for an epilogue that reads none".into(),
+            });
+        }
+        _ => return Ok(plan),
+    };
+    let fail = |reason: String| {
+        Err(GpuError::UnsupportedFusion {
+            epilogue: name,
+            reason,
+        })
+    };
+    let Some(a) = aux else {
+        return fail("needs its auxiliary buffer".into());
+    };
+    if m.parts.len() != 1 {
+        return fail(format!(
+            "needs the matrix in one binding; it has {} parts",
+            m.parts.len()
+        ));
+    }
+    let h = a.streams;
+    let (fits, floats) = match epilogue {
+        Epilogue::HcFront => (h >= 1 && h < m.rows, nt * h),
+        _ => (
+            (1..=4).contains(&h) && m.rows.is_multiple_of(h),
+            nt * m.rows,
+        ),
+    };
+    if !fits {
+        return fail(format!(
+            "{h} streams do not fit a matrix of {} rows",
+            m.rows
+        ));
+    }
+    if a.buffer.size() < (floats * 4) as u64 {
+        return Err(GpuError::BadLength {
+            what: "auxiliary buffer bytes",
+            expected: floats * 4,
+            found: a.buffer.size() as usize,
+        });
+    }
+    Ok(match epilogue {
+        Epilogue::HcReadout => Plan {
+            rows: h as u32,
+            ..plan
+        },
+        _ => plan,
+    })
+}
+
 /// The bind group of a matvec dispatch: the weights (as chunks and as words), its parameter
-/// uniform, the activations (`x`, or the int8 codes and block scales of `acts`), `y`, and for
-/// the grouped kernels binding 6 (the slots' expert ids).
-#[allow(clippy::too_many_arguments)]
+/// uniform and `b`.
 pub(crate) fn bind_matvec(
     ctx: &GpuContext,
     bgl: &wgpu::BindGroupLayout,
     weights: &wgpu::Buffer,
     params: &[u32; 12],
-    x: &wgpu::Buffer,
-    y: &wgpu::Buffer,
-    acts: Option<&crate::ops::act8::ActBuffers>,
-    ids: Option<&wgpu::Buffer>,
+    b: Bufs<'_>,
 ) -> wgpu::BindGroup {
+    let Bufs {
+        x,
+        y,
+        acts,
+        ids,
+        aux,
+    } = b;
     let ubuf = params_buffer(ctx, "matvec params", params);
     let mut entries = vec![
         entry(0, weights),
@@ -679,6 +826,9 @@ pub(crate) fn bind_matvec(
     }
     if let Some(ids) = ids {
         entries.push(entry(6, ids));
+    }
+    if let Some(aux) = aux {
+        entries.push(entry(7, aux));
     }
     ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: Some("matvec"),
@@ -764,6 +914,57 @@ pub fn matmat_fused(
     }
     ctx.queue.submit([enc.finish()]);
     crate::readback::read_f32(ctx, &y, 0, nt * rows)
+}
+
+/// [`matmat_fused`] with a hyper-connection epilogue over `streams` streams: `aux_in` is the
+/// auxiliary buffer's contents going in (the read-out's normalised streams; poison for the
+/// front); returns `y` (`[nt, y_rows]`, poisoned first) and the auxiliary buffer after.
+pub fn matmat_aux(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    xs: &[f32],
+    aux_in: &[f32],
+    streams: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+    let nt = xs.len() / m.cols.max(1);
+    let y_rows = match epilogue {
+        Epilogue::HcFront => m.rows.saturating_sub(streams),
+        _ => m.rows / streams.max(1),
+    };
+    let init = |label: &str, data: &[f32]| {
+        ctx.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents: bytemuck::cast_slice(data),
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+            })
+    };
+    let x = init("x", xs);
+    let y = init("y", &vec![POISON; (nt * y_rows).max(1)]);
+    let a = init("aux", aux_in);
+    let aux = Aux {
+        buffer: &a,
+        streams,
+    };
+    let p = prepare_aux(ctx, m, &x, &y, aux, nt, plan, epilogue)?;
+    let mut enc = ctx
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+            label: Some("matmat aux"),
+        });
+    {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
+            label: Some("matvec aux"),
+            timestamp_writes: None,
+        });
+        p.record(&mut pass);
+    }
+    ctx.queue.submit([enc.finish()]);
+    let ys = crate::readback::read_f32(ctx, &y, 0, nt * y_rows)?;
+    let auxs = crate::readback::read_f32(ctx, &a, 0, aux_in.len())?;
+    Ok((ys, auxs))
 }
 
 /// Which kernel ran in [`matmat_or_cpu`].
