@@ -189,6 +189,43 @@ fn shape(k: &Matvec) -> (bool, u32, u32) {
     (pair, nr, nt)
 }
 
+/// Chunks a lane takes per iteration of its loop: one-token-row kernels (decode steps and the
+/// grouped experts) walk few chunks per lane on the few-row matrices of a token (an HC front
+/// of 324 rows has 10 chunks a lane at 128 lanes a row), and a loop that issues one chunk's
+/// loads per iteration waits a memory latency per chunk; four chunks' loads per iteration
+/// keep four in flight. More token rows already have several loads per chunk in flight and
+/// would hold four times the weight registers.
+fn unroll(k: &Matvec) -> u32 {
+    if k.nt == 1 || k.grouped { 4 } else { 1 }
+}
+
+/// The loop over a lane's chunks `lane, lane + LANES, ... < bound`, with `inner` (which reads
+/// the chunk as `c`) in a block of its own per chunk: `unroll` chunks per iteration of a
+/// first loop, the rest one at a time. Each lane still takes its chunks in ascending order,
+/// so its accumulators see the same additions in the same order whatever `unroll` is (a
+/// one-row kernel and the same row of a batch stay bit-identical).
+fn chunk_loop(b: &mut String, bound: &str, inner: &str, unroll: u32) {
+    let _ = writeln!(b, "    var c0 = lane;");
+    if unroll > 1 {
+        let _ = writeln!(
+            b,
+            "    for (; c0 + {}u * LANES < {bound}; c0 = c0 + {unroll}u * LANES) {{",
+            unroll - 1
+        );
+        for u in 0..unroll {
+            let _ = writeln!(b, "    {{");
+            let _ = writeln!(b, "        let c = c0 + {u}u * LANES;");
+            b.push_str(inner);
+            let _ = writeln!(b, "    }}");
+        }
+        let _ = writeln!(b, "    }}");
+    }
+    let _ = writeln!(b, "    for (; c0 < {bound}; c0 = c0 + LANES) {{");
+    let _ = writeln!(b, "        let c = c0;");
+    b.push_str(inner);
+    let _ = writeln!(b, "    }}");
+}
+
 /// The f32 path: lane `l` of a row group walks chunks `l, l + LANES, ...` of its rows; per
 /// chunk it loads each row's 16 bytes and scale once, then for each of the chunk's vec4s loads
 /// the `nt` activation vectors once and adds `dot(weight, x)` into accumulator `a{r}_{t}`.
@@ -198,34 +235,34 @@ pub(crate) fn body_f32(k: &Matvec) -> String {
     let mut b = String::new();
     prelude(&mut b, pair, nr, nt, k.grouped);
     let _ = writeln!(b, "    let x_row = P.cols / 4u;");
-    let _ = writeln!(
-        b,
-        "    for (var c = lane; c < row_chunks(); c = c + LANES) {{"
-    );
-    let _ = writeln!(b, "        let xc = c * CHUNK_VEC4;");
-    for r in 0..nr {
-        let _ = writeln!(b, "        let v{r} = wv[chunk_index(row{r}, c)];");
-        let _ = writeln!(b, "        let s{r} = chunk_scale(row{r}, c);");
-    }
-    for kk in 0..kv {
-        let _ = writeln!(b, "        {{");
-        let _ = writeln!(b, "            let xs = x_scale(c, {kk}u);");
-        for t in 0..nt {
-            let xt = xtok(k, t);
-            let _ = writeln!(
-                b,
-                "            let x{t} = x[{xt} * x_row + xc + {kk}u] * xs;"
-            );
-        }
+    let inner = {
+        let mut b = String::new();
+        let _ = writeln!(b, "        let xc = c * CHUNK_VEC4;");
         for r in 0..nr {
-            let _ = writeln!(b, "            let w{r} = weight4(v{r}, s{r}, {kk}u);");
-            for t in 0..nt {
-                let _ = writeln!(b, "            a{r}_{t} = a{r}_{t} + dot(w{r}, x{t});");
-            }
+            let _ = writeln!(b, "        let v{r} = wv[chunk_index(row{r}, c)];");
+            let _ = writeln!(b, "        let s{r} = chunk_scale(row{r}, c);");
         }
-        let _ = writeln!(b, "        }}");
-    }
-    let _ = writeln!(b, "    }}");
+        for kk in 0..kv {
+            let _ = writeln!(b, "        {{");
+            let _ = writeln!(b, "            let xs = x_scale(c, {kk}u);");
+            for t in 0..nt {
+                let xt = xtok(k, t);
+                let _ = writeln!(
+                    b,
+                    "            let x{t} = x[{xt} * x_row + xc + {kk}u] * xs;"
+                );
+            }
+            for r in 0..nr {
+                let _ = writeln!(b, "            let w{r} = weight4(v{r}, s{r}, {kk}u);");
+                for t in 0..nt {
+                    let _ = writeln!(b, "            a{r}_{t} = a{r}_{t} + dot(w{r}, x{t});");
+                }
+            }
+            let _ = writeln!(b, "        }}");
+        }
+        b
+    };
+    chunk_loop(&mut b, "row_chunks()", &inner, unroll(k));
     outputs(&mut b, k, nr, nt, &|sum, row| {
         format!("row_finish({sum}, {row})")
     });
@@ -330,166 +367,171 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
         Codec::Q2tp => ("P.cols / 64u", 2),
         _ => ("nb", 1),
     };
-    let _ = writeln!(b, "    for (var c = lane; c < {chunks}; c = c + LANES) {{");
-    // Weight words and block factors per row.
-    for r in 0..nr {
-        match codec {
-            Codec::Q8_2f => {
-                let _ = writeln!(
-                    b,
-                    "        let v{r}a = wv[row{r} * (P.cols / 16u) + 2u * c];"
-                );
-                let _ = writeln!(
-                    b,
-                    "        let v{r}b = wv[row{r} * (P.cols / 16u) + 2u * c + 1u];"
-                );
-                for j in 0..8 {
-                    let half = if j < 4 { "a" } else { "b" };
-                    let _ = writeln!(b, "        let u{r}_{j} = v{r}{half}.{};", XYZW[j % 4]);
-                }
-            }
-            Codec::Q4tp => {
-                let _ = writeln!(b, "        let v{r} = wv[row{r} * nb + c];");
-                for (kk, comp) in XYZW.iter().enumerate() {
-                    let _ = writeln!(
-                        b,
-                        "        let u{r}_{} = v{r}.{comp} & 0x0f0f0f0fu;",
-                        2 * kk
-                    );
-                    let _ = writeln!(
-                        b,
-                        "        let u{r}_{} = (v{r}.{comp} >> 4u) & 0x0f0f0f0fu;",
-                        2 * kk + 1
-                    );
-                }
-                let _ = writeln!(
-                    b,
-                    "        let s{r}_0 = exp2q(ls{r}.x + f32(scale_code(cb{r}, c)) * ls{r}.y);"
-                );
-            }
-            Codec::Q2tp => {
-                let _ = writeln!(b, "        let v{r} = wv[row{r} * (P.cols / 64u) + c];");
-                for (kk, comp) in XYZW.iter().enumerate() {
-                    for j in 0..4 {
-                        let _ = writeln!(
-                            b,
-                            "        let u{r}_{} = (v{r}.{comp} >> {}u) & 0x03030303u;",
-                            4 * kk + j,
-                            2 * j
-                        );
-                    }
-                }
-                // Both groups' codes are the 10 bits at bit 10c: one (rarely two) word loads.
-                let _ = writeln!(
-                    b,
-                    "        let cw{r} = bits_at(cb{r} + ((10u * c) >> 3u)) >> ((10u * c) & 7u);"
-                );
-                for j in 0..2 {
-                    let _ = writeln!(b, "        let c{r}_{j} = (cw{r} >> {}u) & 31u;", 5 * j);
-                    // The zero rung is S = 0; levels 2c - 3 carry the factor 1/2 (both in the
-                    // ladder).
-                    if ladder {
-                        let _ = writeln!(
-                            b,
-                            "        let s{r}_{j} = ladder[lb + {}u + c{r}_{j}];",
-                            32 * r
-                        );
-                    } else {
-                        let _ = writeln!(
-                            b,
-                            "        let s{r}_{j} = select(exp2q(ls{r}.x + (f32(c{r}_{j}) - 1.0) * ls{r}.y) * 0.5, 0.0, c{r}_{j} == 0u);"
-                        );
-                    }
-                }
-            }
-            Codec::Mxfp4 => {
-                let _ = writeln!(b, "        let v{r} = wv[row{r} * nb + c];");
-                for (kk, comp) in XYZW.iter().enumerate() {
-                    let _ = writeln!(
-                        b,
-                        "        let u{r}_{} = {} | ({} << 16u);",
-                        2 * kk,
-                        entry(&format!("v{r}.{comp} & 0xffu")),
-                        entry(&format!("(v{r}.{comp} >> 8u) & 0xffu")),
-                    );
-                    let _ = writeln!(
-                        b,
-                        "        let u{r}_{} = {} | ({} << 16u);",
-                        2 * kk + 1,
-                        entry(&format!("(v{r}.{comp} >> 16u) & 0xffu")),
-                        entry(&format!("v{r}.{comp} >> 24u")),
-                    );
-                }
-                let _ = writeln!(
-                    b,
-                    "        let s{r}_0 = e8m0_i8(byte_at(P.second + row{r} * nb + c)) * 0.5;"
-                );
-            }
-            Codec::F32 | Codec::F16 | Codec::Bf16 => {
-                unreachable!("float codecs have no int8 path")
-            }
-        }
-    }
-    // Per token row: its activation words, then every row's products (one token's words live
-    // at a time, which keeps T = 8 within the register file: q2tp's T = 8 went from 2408 to
-    // 1541 us on the H200). q8_2f, whose weights need no unpacking, emits all loads, then all
-    // products; its T = 8 time moved between 170 and 246 us across builds with either order,
-    // so the driver's register allocation, not this order, decides it (docs/perf.md).
-    let token_major = codec != Codec::Q8_2f;
-    let loads = |b: &mut String, t: u32| {
-        for j in 0..blocks {
-            let blk = if blocks == 2 {
-                format!("2u * c + {j}u")
-            } else {
-                "c".into()
-            };
-            let xt = xtok(k, t);
-            let _ = writeln!(b, "            let xi{t}_{j} = {xt} * nb + {blk};");
-            let _ = writeln!(b, "            let xa{t}_{j} = xq[2u * xi{t}_{j}];");
-            let _ = writeln!(b, "            let xb{t}_{j} = xq[2u * xi{t}_{j} + 1u];");
-            let _ = writeln!(b, "            let xd{t}_{j} = xd[xi{t}_{j}];");
-            let _ = writeln!(b, "            let d{t}_{j} = bitcast<f32>(xd{t}_{j}.x);");
-        }
-    };
-    let products = |b: &mut String, t: u32| {
+    let inner = {
+        let mut b = String::new();
+        // Weight words and block factors per row.
         for r in 0..nr {
-            for j in 0..blocks {
-                let w0 = 8 * j;
-                let words: Vec<String> = (w0..w0 + 8).map(|w| format!("u{r}_{w}")).collect();
-                let dot = format!("dot8({}, xa{t}_{j}, xb{t}_{j})", words.join(", "));
-                let sum = format!("bitcast<i32>(xd{t}_{j}.y)");
-                let d = format!("d{t}_{j}");
-                let (int, factor) = match codec {
-                    Codec::Q8_2f => (dot, d),
-                    Codec::Q4tp => (format!("{dot} - 8 * {sum}"), format!("s{r}_0 * {d}")),
-                    Codec::Q2tp => (format!("2 * {dot} - 3 * {sum}"), format!("s{r}_{j} * {d}")),
-                    _ => (dot, format!("s{r}_0 * {d}")),
-                };
-                let _ = writeln!(
-                    b,
-                    "            a{r}_{t} = a{r}_{t} + f32({int}) * ({factor});"
-                );
+            match codec {
+                Codec::Q8_2f => {
+                    let _ = writeln!(
+                        b,
+                        "        let v{r}a = wv[row{r} * (P.cols / 16u) + 2u * c];"
+                    );
+                    let _ = writeln!(
+                        b,
+                        "        let v{r}b = wv[row{r} * (P.cols / 16u) + 2u * c + 1u];"
+                    );
+                    for j in 0..8 {
+                        let half = if j < 4 { "a" } else { "b" };
+                        let _ = writeln!(b, "        let u{r}_{j} = v{r}{half}.{};", XYZW[j % 4]);
+                    }
+                }
+                Codec::Q4tp => {
+                    let _ = writeln!(b, "        let v{r} = wv[row{r} * nb + c];");
+                    for (kk, comp) in XYZW.iter().enumerate() {
+                        let _ = writeln!(
+                            b,
+                            "        let u{r}_{} = v{r}.{comp} & 0x0f0f0f0fu;",
+                            2 * kk
+                        );
+                        let _ = writeln!(
+                            b,
+                            "        let u{r}_{} = (v{r}.{comp} >> 4u) & 0x0f0f0f0fu;",
+                            2 * kk + 1
+                        );
+                    }
+                    let _ = writeln!(
+                        b,
+                        "        let s{r}_0 = exp2q(ls{r}.x + f32(scale_code(cb{r}, c)) * ls{r}.y);"
+                    );
+                }
+                Codec::Q2tp => {
+                    let _ = writeln!(b, "        let v{r} = wv[row{r} * (P.cols / 64u) + c];");
+                    for (kk, comp) in XYZW.iter().enumerate() {
+                        for j in 0..4 {
+                            let _ = writeln!(
+                                b,
+                                "        let u{r}_{} = (v{r}.{comp} >> {}u) & 0x03030303u;",
+                                4 * kk + j,
+                                2 * j
+                            );
+                        }
+                    }
+                    // Both groups' codes are the 10 bits at bit 10c: one (rarely two) word loads.
+                    let _ = writeln!(
+                        b,
+                        "        let cw{r} = bits_at(cb{r} + ((10u * c) >> 3u)) >> ((10u * c) & 7u);"
+                    );
+                    for j in 0..2 {
+                        let _ = writeln!(b, "        let c{r}_{j} = (cw{r} >> {}u) & 31u;", 5 * j);
+                        // The zero rung is S = 0; levels 2c - 3 carry the factor 1/2 (both in the
+                        // ladder).
+                        if ladder {
+                            let _ = writeln!(
+                                b,
+                                "        let s{r}_{j} = ladder[lb + {}u + c{r}_{j}];",
+                                32 * r
+                            );
+                        } else {
+                            let _ = writeln!(
+                                b,
+                                "        let s{r}_{j} = select(exp2q(ls{r}.x + (f32(c{r}_{j}) - 1.0) * ls{r}.y) * 0.5, 0.0, c{r}_{j} == 0u);"
+                            );
+                        }
+                    }
+                }
+                Codec::Mxfp4 => {
+                    let _ = writeln!(b, "        let v{r} = wv[row{r} * nb + c];");
+                    for (kk, comp) in XYZW.iter().enumerate() {
+                        let _ = writeln!(
+                            b,
+                            "        let u{r}_{} = {} | ({} << 16u);",
+                            2 * kk,
+                            entry(&format!("v{r}.{comp} & 0xffu")),
+                            entry(&format!("(v{r}.{comp} >> 8u) & 0xffu")),
+                        );
+                        let _ = writeln!(
+                            b,
+                            "        let u{r}_{} = {} | ({} << 16u);",
+                            2 * kk + 1,
+                            entry(&format!("(v{r}.{comp} >> 16u) & 0xffu")),
+                            entry(&format!("v{r}.{comp} >> 24u")),
+                        );
+                    }
+                    let _ = writeln!(
+                        b,
+                        "        let s{r}_0 = e8m0_i8(byte_at(P.second + row{r} * nb + c)) * 0.5;"
+                    );
+                }
+                Codec::F32 | Codec::F16 | Codec::Bf16 => {
+                    unreachable!("float codecs have no int8 path")
+                }
             }
         }
-    };
-    if token_major {
-        for t in 0..nt {
+        // Per token row: its activation words, then every row's products (one token's words live
+        // at a time, which keeps T = 8 within the register file: q2tp's T = 8 went from 2408 to
+        // 1541 us on the H200). q8_2f, whose weights need no unpacking, emits all loads, then all
+        // products; its T = 8 time moved between 170 and 246 us across builds with either order,
+        // so the driver's register allocation, not this order, decides it (docs/perf.md).
+        let token_major = codec != Codec::Q8_2f;
+        let loads = |b: &mut String, t: u32| {
+            for j in 0..blocks {
+                let blk = if blocks == 2 {
+                    format!("2u * c + {j}u")
+                } else {
+                    "c".into()
+                };
+                let xt = xtok(k, t);
+                let _ = writeln!(b, "            let xi{t}_{j} = {xt} * nb + {blk};");
+                let _ = writeln!(b, "            let xa{t}_{j} = xq[2u * xi{t}_{j}];");
+                let _ = writeln!(b, "            let xb{t}_{j} = xq[2u * xi{t}_{j} + 1u];");
+                let _ = writeln!(b, "            let xd{t}_{j} = xd[xi{t}_{j}];");
+                let _ = writeln!(b, "            let d{t}_{j} = bitcast<f32>(xd{t}_{j}.x);");
+            }
+        };
+        let products = |b: &mut String, t: u32| {
+            for r in 0..nr {
+                for j in 0..blocks {
+                    let w0 = 8 * j;
+                    let words: Vec<String> = (w0..w0 + 8).map(|w| format!("u{r}_{w}")).collect();
+                    let dot = format!("dot8({}, xa{t}_{j}, xb{t}_{j})", words.join(", "));
+                    let sum = format!("bitcast<i32>(xd{t}_{j}.y)");
+                    let d = format!("d{t}_{j}");
+                    let (int, factor) = match codec {
+                        Codec::Q8_2f => (dot, d),
+                        Codec::Q4tp => (format!("{dot} - 8 * {sum}"), format!("s{r}_0 * {d}")),
+                        Codec::Q2tp => {
+                            (format!("2 * {dot} - 3 * {sum}"), format!("s{r}_{j} * {d}"))
+                        }
+                        _ => (dot, format!("s{r}_0 * {d}")),
+                    };
+                    let _ = writeln!(
+                        b,
+                        "            a{r}_{t} = a{r}_{t} + f32({int}) * ({factor});"
+                    );
+                }
+            }
+        };
+        if token_major {
+            for t in 0..nt {
+                let _ = writeln!(b, "        {{");
+                loads(&mut b, t);
+                products(&mut b, t);
+                let _ = writeln!(b, "        }}");
+            }
+        } else {
             let _ = writeln!(b, "        {{");
-            loads(&mut b, t);
-            products(&mut b, t);
+            for t in 0..nt {
+                loads(&mut b, t);
+            }
+            for t in 0..nt {
+                products(&mut b, t);
+            }
             let _ = writeln!(b, "        }}");
         }
-    } else {
-        let _ = writeln!(b, "        {{");
-        for t in 0..nt {
-            loads(&mut b, t);
-        }
-        for t in 0..nt {
-            products(&mut b, t);
-        }
-        let _ = writeln!(b, "        }}");
-    }
-    let _ = writeln!(b, "    }}");
+        b
+    };
+    chunk_loop(&mut b, chunks, &inner, unroll(k));
     outputs(&mut b, k, nr, nt, &|sum, row| {
         if codec == Codec::Q8_2f {
             format!("{sum} * f16_at(P.second + 2u * {row})")
