@@ -424,3 +424,126 @@ fn one_quantiser_shared_by_q8_2f_matrices_gives_their_own_results_bit_for_bit() 
         }
     }
 }
+
+/// Two matrices of one shape uploaded as one (`concat_rows`) and run in one dispatch with a
+/// shared quantiser's two members: each half's sums are its own matrix's, bit for bit (the
+/// same lanes, the same order, each half's activations scaled by its own column scales), for
+/// q8_2f (two members) and q4tp (one activation for both); the gate/up product from those
+/// sums.
+#[test]
+fn two_matrices_in_one_dispatch_give_their_own_results_bit_for_bit() {
+    use gpu_runtime::ops::graph::{Graph, storage, upload_f32};
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let (half, cols) = (48, 256);
+    for (i, dtype) in [DType::Q8_2f, DType::Q4tp].into_iter().enumerate() {
+        let seed = 60 + 2 * i as u64;
+        let (pa, a) = upload(ctx, &arena, dtype, half, cols, seed);
+        let (pb, b) = upload(ctx, &arena, dtype, half, cols, seed + 1);
+        let ma = MatRef::new(dtype, half, cols, &pa).unwrap();
+        let mb = MatRef::new(dtype, half, cols, &pb).unwrap();
+        let both = quant_codecs::concat_rows(&[ma, mb]).unwrap();
+        let m = arena
+            .get_or_upload(
+                ctx,
+                seed + 2,
+                &format!("{dtype} both"),
+                &MatRef::new(dtype, 2 * half, cols, &both).unwrap(),
+            )
+            .unwrap();
+        let table = act8::col_scale_table_host(ctx, &[&ma, &mb]);
+        assert_eq!(table.is_some(), dtype == DType::Q8_2f);
+        // The witness: each matrix alone under the plan the pair runs (one row a group).
+        let plan = Plan {
+            rows: 1,
+            ..Plan::for_shape(ctx, 2 * half, cols)
+        }
+        .with_path(Path::Int8);
+        for nt in [1, 3, 8] {
+            let mut r = rng(nt as u64 + seed);
+            let xs: Vec<f32> = (0..nt * cols).map(|_| r()).collect();
+            let wa = matvec::matmat(ctx, &a, &xs, plan).unwrap();
+            let wb = matvec::matmat(ctx, &b, &xs, plan).unwrap();
+            let x = upload_f32(ctx, "x", &xs);
+            let (y, aux) = (storage(ctx, "y", nt * half), storage(ctx, "aux", nt * half));
+            let mut g = Graph::new();
+            g.matvec_two(
+                ctx,
+                &m,
+                &x,
+                &y,
+                Some(&aux),
+                nt,
+                Path::Int8,
+                Epilogue::PairTwo,
+                table.as_ref(),
+            )
+            .unwrap();
+            assert_eq!(g.dispatches(), 2, "one quantiser, one matvec");
+            let (ga, gb) = (
+                replay(ctx, &g, &y, nt * half),
+                replay(ctx, &g, &aux, nt * half),
+            );
+            let bits =
+                |p: &[f32], q: &[f32]| p.iter().zip(q).all(|(u, v)| u.to_bits() == v.to_bits());
+            assert!(bits(&ga, &wa), "{dtype} first half, {nt} token rows");
+            assert!(bits(&gb, &wb), "{dtype} second half, {nt} token rows");
+            let mut g = Graph::new();
+            g.matvec_two(
+                ctx,
+                &m,
+                &x,
+                &y,
+                None,
+                nt,
+                Path::Int8,
+                Epilogue::GateUpTwo,
+                table.as_ref(),
+            )
+            .unwrap();
+            let got = replay(ctx, &g, &y, nt * half);
+            for (k, v) in got.iter().enumerate() {
+                let (gv, uv) = (wa[k] as f64, wb[k] as f64);
+                let want = gv / (1.0 + (-gv).exp()) * uv;
+                // WGSL's exp is within 3 + 2|x| ulp, the division 2.5 and the product 1:
+                // 32 ulp of f32 covers them at these |x| (lavapipe lands ~20 ulp off).
+                assert!(
+                    (*v as f64 - want).abs() <= 32.0 * f32::EPSILON as f64 * want.abs() + 1e-30,
+                    "{dtype} gate/up {k}: {v} vs {want}"
+                );
+            }
+        }
+    }
+    // q8_2f's halves cannot share one activation: without the members it is refused.
+    let (pa, _) = upload(ctx, &arena, DType::Q8_2f, 4, 64, 70);
+    let ma = MatRef::new(DType::Q8_2f, 4, 64, &pa).unwrap();
+    let both = quant_codecs::concat_rows(&[ma, ma]).unwrap();
+    let m = arena
+        .get_or_upload(
+            ctx,
+            71,
+            "q8 both",
+            &MatRef::new(DType::Q8_2f, 8, 64, &both).unwrap(),
+        )
+        .unwrap();
+    let x = upload_f32(ctx, "x", &[0.5; 64]);
+    let y = storage(ctx, "y", 4);
+    let mut g = Graph::new();
+    let e = g
+        .matvec_two(
+            ctx,
+            &m,
+            &x,
+            &y,
+            None,
+            1,
+            Path::Int8,
+            Epilogue::GateUpTwo,
+            None,
+        )
+        .unwrap_err();
+    assert!(
+        matches!(e, gpu_runtime::GpuError::UnsupportedFusion { .. }),
+        "{e}"
+    );
+}

@@ -53,7 +53,7 @@ fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32, grouped: bool) {
 /// The reduction of every accumulator and the writes, with `finish(sum, row)` the codec's
 /// last step on a row sum.
 fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &str) -> String) {
-    if k.epilogue == Epilogue::SiluGateUp {
+    if matches!(k.epilogue, Epilogue::SiluGateUp | Epilogue::GateUpTwo) {
         for t in 0..nt {
             let g = finish(
                 &format!("reduce(a0_{t}, li, lane, sg_size, sg_lane)"),
@@ -72,6 +72,25 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
                 b,
                 "            y[{yt} * P.y_stride + P.row_offset + first] = silu(g) * u;"
             );
+            let _ = writeln!(b, "        }}");
+            let _ = writeln!(b, "    }}");
+        }
+    } else if k.epilogue == Epilogue::PairTwo {
+        for t in 0..nt {
+            let a = finish(
+                &format!("reduce(a0_{t}, li, lane, sg_size, sg_lane)"),
+                "row0",
+            );
+            let c = finish(
+                &format!("reduce(a1_{t}, li, lane, sg_size, sg_lane)"),
+                "row1",
+            );
+            let _ = writeln!(b, "    {{");
+            let _ = writeln!(b, "        let first_sum = {a};");
+            let _ = writeln!(b, "        let second_sum = {c};");
+            let _ = writeln!(b, "        if (lane == 0u && first < P.half) {{");
+            let _ = writeln!(b, "            y[{t}u * P.half + first] = first_sum;");
+            let _ = writeln!(b, "            aux[{t}u * P.half + first] = second_sum;");
             let _ = writeln!(b, "        }}");
             let _ = writeln!(b, "    }}");
         }
@@ -183,7 +202,7 @@ fn ytok(k: &Matvec, t: u32) -> String {
 
 /// Token rows and rows per row group, clamped to what the kernels are built for.
 fn shape(k: &Matvec) -> (bool, u32, u32) {
-    let pair = k.epilogue == Epilogue::SiluGateUp;
+    let pair = k.epilogue.is_pair();
     let nr = if pair { 2 } else { k.rows.clamp(1, 4) };
     let nt = if k.grouped { 1 } else { k.nt.clamp(1, 8) };
     (pair, nr, nt)
@@ -302,6 +321,7 @@ fn lut_fill(b: &mut String, k: &Matvec) {
 pub(crate) fn body_i8(k: &Matvec) -> String {
     let (pair, nr, nt) = shape(k);
     let codec = k.codec;
+    let members = k.epilogue.has_members() && !k.grouped;
     let mut b = String::new();
     // q2tp's two group scales per chunk from a per-row ladder in workgroup memory, on the one
     // shape where that pays (H200, 2026-12-02: the 485417x8192 q2tp matvec 67.3% -> 74.3% of
@@ -487,16 +507,26 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
                 let _ = writeln!(b, "            let xb{t}_{j} = xq[2u * xi{t}_{j} + 1u];");
                 let _ = writeln!(b, "            let xd{t}_{j} = xd[xi{t}_{j}];");
                 let _ = writeln!(b, "            let d{t}_{j} = bitcast<f32>(xd{t}_{j}.x);");
+                if members {
+                    // The second member's block: `slot_bytes` blocks and `x_div` pairs on.
+                    let _ = writeln!(b, "            let xm{t}_{j} = xi{t}_{j} + P.slot_bytes;");
+                    let _ = writeln!(b, "            let xa{t}_{j}m = xq[2u * xm{t}_{j}];");
+                    let _ = writeln!(b, "            let xb{t}_{j}m = xq[2u * xm{t}_{j} + 1u];");
+                    let _ = writeln!(b, "            let xd{t}_{j}m = xd[xi{t}_{j} + P.x_div];");
+                    let _ = writeln!(b, "            let d{t}_{j}m = bitcast<f32>(xd{t}_{j}m.x);");
+                }
             }
         };
         let products = |b: &mut String, t: u32| {
             for r in 0..nr {
+                // The second half's row reads the second member.
+                let m = if members && r == 1 { "m" } else { "" };
                 for j in 0..blocks {
                     let w0 = 8 * j;
                     let words: Vec<String> = (w0..w0 + 8).map(|w| format!("u{r}_{w}")).collect();
-                    let dot = format!("dot8({}, xa{t}_{j}, xb{t}_{j})", words.join(", "));
-                    let sum = format!("bitcast<i32>(xd{t}_{j}.y)");
-                    let d = format!("d{t}_{j}");
+                    let dot = format!("dot8({}, xa{t}_{j}{m}, xb{t}_{j}{m})", words.join(", "));
+                    let sum = format!("bitcast<i32>(xd{t}_{j}{m}.y)");
+                    let d = format!("d{t}_{j}{m}");
                     let (int, factor) = match codec {
                         Codec::Q8_2f => (dot, d),
                         Codec::Q4tp => (format!("{dot} - 8 * {sum}"), format!("s{r}_0 * {d}")),

@@ -306,6 +306,14 @@ pub enum Epilogue {
     /// checkpoints' fused `gate_up_proj` stores it) and `y[r] = silu(gate[r] . x) * (up[r] . x)`
     /// for `r < half`. A row group holds rows `r` and `r + half` (`rows` must be 2).
     SiluGateUp,
+    /// [`Epilogue::SiluGateUp`] over two matrices of one shape uploaded as one (`[gate; up]`):
+    /// on the int8 path the up rows read the second member of a shared quantiser's
+    /// activations (their own column scales), `slot_bytes` and `x_div` blocks and block pairs
+    /// after the first's; the f32 paths read one `x` for both (codecs without column scales).
+    GateUpTwo,
+    /// Two matrices of one shape in one dispatch, uploaded as one (`[a; b]`, `2 * half` rows,
+    /// activations as [`Epilogue::GateUpTwo`]): `y[t, r] = a[r] . x` and `aux[t, r] = b[r] . x`.
+    PairTwo,
     /// A hyper-connection site's front (its low-rank down rows, then its H injection rows, one
     /// matrix): with `v = (W x)[r] / a` (`a` = H), `y[t, r] = silu(v)` for `r < half` and
     /// `aux[t, r - half] = 2 sigmoid(v)` for the rest: the activations the up matrix and the
@@ -325,6 +333,8 @@ impl Epilogue {
             Epilogue::None => "",
             Epilogue::Silu => "_silu",
             Epilogue::SiluGateUp => "_gateup",
+            Epilogue::GateUpTwo => "_gateup2",
+            Epilogue::PairTwo => "_pair2",
             Epilogue::HcFront => "_hcfront",
             Epilogue::HcReadout => "_hcread",
         }
@@ -332,7 +342,28 @@ impl Epilogue {
 
     /// Whether the epilogue reads or writes the auxiliary buffer at binding 7.
     pub const fn has_aux(self) -> bool {
-        matches!(self, Epilogue::HcFront | Epilogue::HcReadout)
+        matches!(
+            self,
+            Epilogue::HcFront | Epilogue::HcReadout | Epilogue::PairTwo
+        )
+    }
+
+    /// Whether a row group holds row `r` and row `r + half` of a two-halved matrix.
+    pub const fn is_pair(self) -> bool {
+        matches!(
+            self,
+            Epilogue::SiluGateUp | Epilogue::GateUpTwo | Epilogue::PairTwo
+        )
+    }
+
+    /// Whether the second half's rows read a second member's activations (int8 path).
+    pub const fn has_members(self) -> bool {
+        matches!(self, Epilogue::GateUpTwo | Epilogue::PairTwo)
+    }
+
+    /// Whether only plain (not grouped) matvecs take it.
+    pub const fn plain_only(self) -> bool {
+        self.has_aux() || self.has_members()
     }
 }
 
@@ -530,6 +561,8 @@ pub fn registry() -> Vec<ModuleSpec> {
                     (1, Epilogue::Silu),
                     (4, Epilogue::Silu),
                     (2, Epilogue::SiluGateUp),
+                    (2, Epilogue::GateUpTwo),
+                    (2, Epilogue::PairTwo),
                     (1, Epilogue::HcFront),
                     (2, Epilogue::HcFront),
                     (4, Epilogue::HcFront),
@@ -548,8 +581,8 @@ pub fn registry() -> Vec<ModuleSpec> {
                     };
                     for ((rows, epilogue), &lut_copies) in shapes
                         .into_iter()
-                        // The hyper-connection epilogues are plain matvecs only.
-                        .filter(|(_, e)| !(grouped && e.has_aux()))
+                        // The hyper-connection and two-matrix epilogues: plain matvecs only.
+                        .filter(|(_, e)| !(grouped && e.plain_only()))
                         .flat_map(|s| copies.iter().map(move |c| (s, c)))
                     {
                         let k = Matvec {

@@ -73,14 +73,16 @@ fn registry_names_are_systematic_and_unique() {
     // f32 for every codec, the hardware f16 variant, int8 for the four quantised codecs (mxfp4's
     // with its table in 1, 16 and 32 copies); then the activation quantiser, the op kernels
     // and the bandwidth probes. Each: 6 shapes for 1..=8 token rows and the grouped variant,
-    // and the 6 hyper-connection shapes for 1..=8 token rows.
+    // and the 6 hyper-connection and 2 two-matrix shapes for 1..=8 token rows.
     assert_eq!(
         registry().len(),
-        2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 6)
+        2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 8)
             + 2
             + kernels_wgsl::Op::ALL.len()
     );
     assert!(names.contains(&"matvec_f16_hw_sg_t8_r4_hcread".to_string()));
+    assert!(names.contains(&"matvec_q8_2f_i8_sg_t8_r2_gateup2".to_string()));
+    assert!(names.contains(&"matvec_q4tp_i8_smem_t1_r2_pair2".to_string()));
     assert!(names.contains(&"matvec_q8_2f_i8_smem_t1_r3_hcread".to_string()));
     assert!(names.contains(&"matvec_bf16_sg_t3_r1_hcfront".to_string()));
     assert!(!names.iter().any(|n| n.contains("hcread_grouped")));

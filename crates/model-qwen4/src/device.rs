@@ -16,6 +16,30 @@ use quant_codecs::{ActPath, DType, MAX_BATCH};
 
 use crate::config::{LayerType, Qwen4ExpTextConfig};
 
+/// Two matrices of one shape that read the same input, on the device ([`Device::two`]).
+pub enum TwoMats {
+    /// Both as one matrix (`[a; b]`): one dispatch, and with `table` (q8_2f: both halves'
+    /// column scales) one quantiser dispatch for both halves' activations.
+    One {
+        /// The rows of both.
+        m: Arc<GpuMatrix>,
+        /// The column-scale table of the shared quantiser.
+        table: Option<wgpu::Buffer>,
+    },
+    /// Each its own matrix.
+    Apart(Arc<GpuMatrix>, Arc<GpuMatrix>),
+}
+
+impl TwoMats {
+    /// Rows of each.
+    pub fn rows(&self) -> usize {
+        match self {
+            TwoMats::One { m, .. } => m.rows / 2,
+            TwoMats::Apart(a, _) => a.rows,
+        }
+    }
+}
+
 /// The device a model lives on, and its resident weights.
 pub struct Device {
     /// The context.
@@ -74,6 +98,33 @@ impl Device {
         };
         self.arena.pin(self.uid, m.name(), true);
         Ok(g)
+    }
+
+    /// Two matrices of one shape that read the same input ([`TwoMats`]): one matrix of both
+    /// rows where a kernel can read them so (codecs without column scales; q8_2f on the int8
+    /// path, whose shared quantiser scales each half's activations by its own), else apart.
+    pub fn two(&self, a: &Mat<'_>, b: &Mat<'_>) -> Result<TwoMats, GpuError> {
+        let (dtype, rows, cols) = (a.dtype(), a.rows(), a.cols());
+        let codec =
+            gpu_runtime::arena::kernel_codec(dtype).ok_or(GpuError::UnsupportedDtype { dtype })?;
+        let same = b.dtype() == dtype && b.rows() == rows && b.cols() == cols;
+        let tiles = cols.is_multiple_of(codec.col_multiple());
+        let table = match dtype {
+            DType::Q8_2f if self.path(dtype) == Path::Int8 && cols.is_multiple_of(32) => {
+                gpu_runtime::ops::act8::col_scale_table_host(&self.ctx, &[a.mat(), b.mat()])
+            }
+            _ => None,
+        };
+        if same && tiles && (dtype != DType::Q8_2f || table.is_some()) {
+            let bytes = quant_codecs::concat_rows(&[*a.mat(), *b.mat()])?;
+            let m = quant_codecs::MatRef::new(dtype, 2 * rows, cols, &bytes)?;
+            let name = format!("{}+{}", a.name(), b.name());
+            let m = self.mat(&Mat::new(name, usize::MAX, m))?;
+            if m.parts.len() == 1 {
+                return Ok(TwoMats::One { m, table });
+            }
+        }
+        Ok(TwoMats::Apart(self.mat(a)?, self.mat(b)?))
     }
 
     /// A small f32 vector (norm weights, conv kernels) as a storage buffer.
@@ -356,6 +407,25 @@ impl<'a> Enc<'a> {
         };
         self.g
             .matvec_aux(&self.dev.ctx, m, x, y, aux, nt, path, epilogue)
+    }
+
+    /// A two-matrix epilogue over `m` (see `Graph::matvec_two`): `y` the first half's
+    /// output (or the gate/up product), `aux` the second half's ([`Epilogue::PairTwo`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_two(
+        &mut self,
+        m: &GpuMatrix,
+        table: Option<&wgpu::Buffer>,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        aux: Option<&wgpu::Buffer>,
+        nt: usize,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let path = self.dev.path(m.dtype);
+        let ctx = &self.dev.ctx;
+        self.g
+            .matvec_two(ctx, m, x, y, aux, nt, path, epilogue, table)
     }
 
     /// The grouped-experts matvec over `slots` slots of `bank` (activation row `s / x_div`).

@@ -248,14 +248,11 @@ impl<'a> GpuModel<'a> {
                     MixerWeights::Attn(a) => MixerGpu::Attn(AttnGpu::upload(&dev, a)?),
                 };
                 let mlp_hc = HcGpu::upload(&dev, &lw.mlp_hc, c.hc_count)?;
-                for m in [
-                    &lw.moe.router,
-                    &lw.moe.sh_gate,
-                    &lw.moe.sh_up,
-                    &lw.moe.sh_down,
-                ] {
+                for m in [&lw.moe.router, &lw.moe.sh_down] {
                     dev.mat(m)?;
                 }
+                // The shared expert's gate and up as `MoeGpu::upload` will bind them.
+                dev.two(&lw.moe.sh_gate, &lw.moe.sh_up)?;
                 Ok((ple, attn_hc, mixer, mlp_hc))
             })()
             .map_err(over)?;

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::config::Qwen4ExpTextConfig;
-use crate::device::{Device, Enc};
+use crate::device::{Device, Enc, TwoMats};
 use crate::expert_cache::{Admission, CachePolicy, LayerCache};
 use crate::weights::MoeWeights;
 use gpu_runtime::ops::experts::ExpertBank;
@@ -164,8 +164,7 @@ impl Routed {
 pub struct MoeGpu {
     router: Arc<GpuMatrix>,
     routed: Routed,
-    sh_gate: Arc<GpuMatrix>,
-    sh_up: Arc<GpuMatrix>,
+    sh_gate_up: TwoMats,
     sh_down: Arc<GpuMatrix>,
     sh_scale: wgpu::Buffer,
 }
@@ -181,8 +180,7 @@ impl MoeGpu {
         Ok(MoeGpu {
             router: dev.mat(&w.router)?,
             routed,
-            sh_gate: dev.mat(&w.sh_gate)?,
-            sh_up: dev.mat(&w.sh_up)?,
+            sh_gate_up: dev.two(&w.sh_gate, &w.sh_up)?,
             sh_down: dev.mat(&w.sh_down)?,
             sh_scale: dev.vec(w.sh_scale.name(), &w.sh_scale),
         })
@@ -419,9 +417,16 @@ pub fn encode(
             }
         }
     }
-    e.matvecs(&[(&*w.sh_gate, sg), (&*w.sh_up, su)], &s.u, nt)?;
-    let is = w.sh_gate.rows;
-    e.map(2, 0, sg, su, hm, nt * is)?;
+    // The shared expert's gate and up: one dispatch where they are one matrix.
+    match &w.sh_gate_up {
+        TwoMats::One { m, table } => {
+            e.matvec_two(m, table.as_ref(), &s.u, hm, None, nt, Epilogue::GateUpTwo)?;
+        }
+        TwoMats::Apart(gate, up) => {
+            e.matvecs(&[(&**gate, sg), (&**up, su)], &s.u, nt)?;
+            e.map(2, 0, sg, su, hm, nt * gate.rows)?;
+        }
+    }
     e.matvec(&w.sh_down, hm, eo, nt, Epilogue::None)?;
     // The routed sum from the slots (grouped banks) and the gated shared expert, one op.
     let slots_k = match &w.routed {

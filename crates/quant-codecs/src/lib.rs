@@ -421,6 +421,61 @@ pub fn gather_rows(
     Ok(out)
 }
 
+/// The rows of `parts` (one dtype, one width) one after another, as one matrix: every
+/// per-row section concatenated. q8_2f's column scales are the first part's: the other parts'
+/// rows decode right only where their own column scales enter elsewhere (the GPU's int8 path,
+/// whose shared quantiser scales each part's activations by its own).
+pub fn concat_rows(parts: &[MatRef<'_>]) -> Result<Vec<u8>, CodecError> {
+    let Some(first) = parts.first() else {
+        return Err(CodecError::BufferLength {
+            what: "matrices to concatenate",
+            expected: 1,
+            found: 0,
+        });
+    };
+    let (dtype, cols) = (first.dtype(), first.cols());
+    if let Some(bad) = parts
+        .iter()
+        .find(|p| p.dtype() != dtype || p.cols() != cols)
+    {
+        return Err(CodecError::BufferLength {
+            what: "columns of a concatenated matrix (one dtype, one width)",
+            expected: cols,
+            found: bad.cols(),
+        });
+    }
+    let rows: usize = parts.iter().map(|p| p.rows()).sum();
+    let whole = Layout::new(dtype, rows, cols)?;
+    let mut out = Vec::with_capacity(whole.nbytes);
+    let section = |out: &mut Vec<u8>, which: fn(&Layout) -> (usize, usize)| {
+        for p in parts {
+            let (at, len) = which(p.layout());
+            out.extend_from_slice(&p.bytes()[at..at + len]);
+        }
+    };
+    section(&mut out, |l| (0, l.codes_len));
+    match dtype {
+        DType::F32 | DType::F16 | DType::BF16 => {}
+        DType::Q8_2f => {
+            section(&mut out, |l| (l.second, l.third - l.second));
+            out.extend_from_slice(&first.bytes()[first.layout().third..]);
+        }
+        DType::Q4tp | DType::Q2tp => {
+            section(&mut out, |l| (l.second, l.third - l.second));
+            section(&mut out, |l| (l.third, l.nbytes - l.third));
+        }
+        DType::Mxfp4 | DType::Mxfp8 => section(&mut out, |l| (l.second, l.nbytes - l.second)),
+    }
+    if out.len() != whole.nbytes {
+        return Err(CodecError::BufferLength {
+            what: "concatenated payload bytes",
+            expected: whole.nbytes,
+            found: out.len(),
+        });
+    }
+    Ok(out)
+}
+
 /// A valid payload with random codes and realistic scales (no NaN, no subnormal scale), built
 /// directly rather than by quantising: benchmarks need gigabytes of weights whose values do not
 /// matter, and quantising that much would dominate their run. Deterministic in `seed`.

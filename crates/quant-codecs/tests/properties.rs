@@ -486,6 +486,44 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(cfg(32))]
+
+    /// Concatenated matrices decode to their rows in order (q8_2f: the first part's rows; the
+    /// second's codes and row scales are carried, its column scales are not).
+    #[test]
+    fn concat_rows_decodes_to_the_parts_rows((rows, cols, w) in weights(32), split in 1usize..31) {
+        let split = split.min(rows.saturating_sub(1)).max(1);
+        prop_assume!(split < rows);
+        for dtype in DType::ALL {
+            let (wa, wb) = w.split_at(split * cols);
+            let pa = quantize(dtype, split, cols, wa).unwrap();
+            let pb = quantize(dtype, rows - split, cols, wb).unwrap();
+            let a = MatRef::new(dtype, split, cols, &pa).unwrap();
+            let b = MatRef::new(dtype, rows - split, cols, &pb).unwrap();
+            let both = quant_codecs::concat_rows(&[a, b]).unwrap();
+            let got = dequantize(dtype, &[rows, cols], &both).unwrap();
+            let da = dequantize(dtype, &[split, cols], &pa).unwrap();
+            let db = dequantize(dtype, &[rows - split, cols], &pb).unwrap();
+            let same = |x: &[f32], y: &[f32]| x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits());
+            prop_assert!(same(&got[..split * cols], &da), "{} first part", dtype);
+            if dtype != DType::Q8_2f {
+                prop_assert!(same(&got[split * cols..], &db), "{} second part", dtype);
+            }
+        }
+    }
+}
+
+#[test]
+fn concat_rows_refuses_mixed_widths() {
+    let pa = quantize(DType::F16, 2, 32, &[0.5; 64]).unwrap();
+    let pb = quantize(DType::F16, 2, 64, &[0.5; 128]).unwrap();
+    let a = MatRef::new(DType::F16, 2, 32, &pa).unwrap();
+    let b = MatRef::new(DType::F16, 2, 64, &pb).unwrap();
+    assert!(quant_codecs::concat_rows(&[a, b]).is_err());
+    assert!(quant_codecs::concat_rows(&[]).is_err());
+}
+
 #[test]
 fn gather_rows_refuses_rows_past_the_end() {
     let p = quantize(DType::Q8_2f, 4, 32, &[0.5; 128]).unwrap();

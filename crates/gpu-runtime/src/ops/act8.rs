@@ -401,3 +401,32 @@ pub fn col_scale_table(ctx: &GpuContext, mats: &[&GpuMatrix]) -> Option<wgpu::Bu
     ctx.queue.submit([enc.finish()]);
     Some(table)
 }
+
+/// [`col_scale_table`] from the host payloads of q8_2f matrices `mats` (all of one width):
+/// for matrices that go up concatenated ([`quant_codecs::concat_rows`]), whose device payload
+/// carries only the first one's column scales. `None` where one is not q8_2f, the widths
+/// differ, or the scales are not whole words.
+pub fn col_scale_table_host(
+    ctx: &GpuContext,
+    mats: &[&quant_codecs::MatRef<'_>],
+) -> Option<wgpu::Buffer> {
+    let cols = mats.first()?.cols();
+    let fits = |m: &&quant_codecs::MatRef<'_>| {
+        m.dtype() == quant_codecs::DType::Q8_2f && m.cols() == cols && cols.is_multiple_of(2)
+    };
+    if !mats.iter().all(fits) {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(2 * cols * mats.len());
+    for m in mats {
+        bytes.extend_from_slice(&m.bytes()[m.layout().third..m.layout().third + 2 * cols]);
+    }
+    Some(
+        ctx.device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("q8_2f column scales (shared quantiser, from the host)"),
+                contents: &bytes,
+                usage: wgpu::BufferUsages::STORAGE,
+            }),
+    )
+}

@@ -271,6 +271,7 @@ pub fn prepare_grouped(
         x,
         y,
         acts: acts.as_ref(),
+        second: None,
         ids: Some(ids),
         aux: None,
     };

@@ -238,6 +238,45 @@ impl Graph {
         Ok(())
     }
 
+    /// A two-matrix epilogue over `m` (two matrices' rows uploaded as one; see
+    /// [`matvec::prepare_two`]): with `table` (the two q8_2f matrices' column scales, as
+    /// [`crate::ops::act8::col_scale_table`] lays them out) one quantiser dispatch makes both
+    /// members, then one matvec dispatch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_two(
+        &mut self,
+        ctx: &GpuContext,
+        m: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        aux: Option<&wgpu::Buffer>,
+        nt: usize,
+        path: Path,
+        epilogue: Epilogue,
+        table: Option<&wgpu::Buffer>,
+    ) -> Result<(), GpuError> {
+        let plan = Plan::for_shape(ctx, m.rows, m.cols).with_path(path);
+        let p = match table {
+            Some(table) => {
+                let layout = kernels_wgsl::Codec::Q8_2f
+                    .act_layout()
+                    .expect("q8_2f has an int8 layout");
+                let (step, acts) =
+                    crate::ops::act8::prepare_shared(ctx, x, nt, m.cols, layout, table, 2)?;
+                self.items.push(Item::Step(step));
+                self.dispatches += 1;
+                let acts = [&acts[0], &acts[1]];
+                matvec::prepare_two(ctx, m, x, Some(acts), y, aux, nt, plan, epilogue)?
+            }
+            None => matvec::prepare_two(ctx, m, x, None, y, aux, nt, plan, epilogue)?,
+        };
+        self.dispatches += p.dispatches();
+        for s in p.into_steps() {
+            self.items.push(Item::Step(s));
+        }
+        Ok(())
+    }
+
     /// `y_i = W_i x` for q8_2f matrices `mats` that read the same `x`, on the int8 path with
     /// one quantiser dispatch for all of them (their column scales from `table`, built by
     /// [`crate::ops::act8::col_scale_table`]) instead of one each.

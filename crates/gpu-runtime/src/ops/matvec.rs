@@ -234,7 +234,7 @@ impl Plan {
     /// the gate/up pair 2, a gate row and its up row).
     pub fn rows_for(&self, epilogue: Epilogue) -> u32 {
         match epilogue {
-            Epilogue::SiluGateUp => 2,
+            e if e.is_pair() => 2,
             Epilogue::Silu if self.rows == 2 => 1,
             _ => self.rows,
         }
@@ -512,7 +512,7 @@ pub fn prepare(
 /// Rows of the output of `m` under `epilogue`: the gate/up pair writes one row per pair.
 pub fn out_rows(m: &GpuMatrix, epilogue: Epilogue) -> usize {
     match epilogue {
-        Epilogue::SiluGateUp => m.rows / 2,
+        e if e.is_pair() => m.rows / 2,
         _ => m.rows,
     }
 }
@@ -528,7 +528,7 @@ pub fn prepare_fused(
     plan: Plan,
     epilogue: Epilogue,
 ) -> Result<Prepared, GpuError> {
-    prepare_inner(ctx, m, x, y, nt, plan, epilogue, None, None)
+    prepare_inner(ctx, m, x, y, nt, plan, epilogue, None, None, None)
 }
 
 /// The hyper-connection epilogues' second buffer and the site's stream count H.
@@ -556,7 +556,32 @@ pub fn prepare_aux(
     plan: Plan,
     epilogue: Epilogue,
 ) -> Result<Prepared, GpuError> {
-    prepare_inner(ctx, m, x, y, nt, plan, epilogue, None, Some(aux))
+    prepare_inner(ctx, m, x, y, nt, plan, epilogue, None, Some(aux), None)
+}
+
+/// A two-matrix epilogue ([`Epilogue::GateUpTwo`], [`Epilogue::PairTwo`]) over `m`, the two
+/// matrices' rows uploaded as one. `acts`: the two members of a shared quantiser (the first
+/// matrix's then the second's, each quantised with its own column scales: q8_2f on the int8
+/// path); without them both halves read the same activations (codecs without column scales).
+/// `aux` receives the second half for [`Epilogue::PairTwo`].
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_two(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    x: &wgpu::Buffer,
+    acts: Option<[&crate::ops::act8::ActBuffers; 2]>,
+    y: &wgpu::Buffer,
+    aux: Option<&wgpu::Buffer>,
+    nt: usize,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<Prepared, GpuError> {
+    let aux = aux.map(|buffer| Aux { buffer, streams: 0 });
+    let (plan, first, second) = match acts {
+        Some([a, b]) => (plan.with_path(Path::Int8), Some(a), Some(b)),
+        None => (plan, None, None),
+    };
+    prepare_inner(ctx, m, x, y, nt, plan, epilogue, first, aux, second)
 }
 
 /// [`prepare_fused`] on the int8 path with activations a shared quantiser has written
@@ -590,6 +615,7 @@ pub fn prepare_with_acts(
         epilogue,
         Some(acts),
         None,
+        None,
     )
 }
 
@@ -604,12 +630,13 @@ fn prepare_inner(
     epilogue: Epilogue,
     pre: Option<&crate::ops::act8::ActBuffers>,
     aux: Option<Aux<'_>>,
+    second: Option<&crate::ops::act8::ActBuffers>,
 ) -> Result<Prepared, GpuError> {
-    let pair = epilogue == Epilogue::SiluGateUp;
+    let pair = epilogue.is_pair();
     let plan = check_aux(m, nt, plan, epilogue, aux)?;
     if pair && (!m.rows.is_multiple_of(2) || m.parts.len() != 1) {
         return Err(GpuError::UnsupportedFusion {
-            epilogue: "silu gate/up",
+            epilogue: epilogue.suffix(),
             reason: format!(
                 "needs an even row count in one binding; the matrix has {} rows in {} part(s)",
                 m.rows,
@@ -663,6 +690,25 @@ fn prepare_inner(
         }
         _ => None,
     };
+    // The second member's distance in code blocks and block pairs (two-matrix epilogues).
+    let members = match (epilogue.has_members(), acts.as_ref(), second) {
+        (true, Some(a), Some(b)) if b.xq_offset >= a.xq_offset && b.xd_offset >= a.xd_offset => {
+            Some((
+                (b.xq_offset - a.xq_offset) / 32,
+                (b.xd_offset - a.xd_offset) / 8,
+            ))
+        }
+        // Without column scales both halves read the same activations.
+        (true, _, None) if codec != Codec::Q8_2f => Some((0, 0)),
+        (true, ..) => {
+            return Err(GpuError::UnsupportedFusion {
+                epilogue: epilogue.suffix(),
+                reason: "q8_2f's two matrices need a shared quantiser's two members (int8 path)"
+                    .into(),
+            });
+        }
+        (false, ..) => None,
+    };
     let (bgl, _) = if aux.is_some() {
         ctx.aux_layout(acts.is_some())
     } else if acts.is_some() {
@@ -693,14 +739,15 @@ fn prepare_inner(
                 (Epilogue::HcFront, Some(a)) => (part.rows - a.streams) as u32,
                 _ => (part.rows / 2) as u32,
             },
-            0,
-            0,
+            members.map_or(0, |m| m.0 as u32),
+            members.map_or(0, |m| m.1 as u32),
             aux.map_or(0, |a| (a.streams as f32).to_bits()),
         ];
         let bufs = Bufs {
             x,
             y,
             acts: acts.as_ref(),
+            second: second.filter(|_| members.is_some_and(|m| m != (0, 0))),
             ids: None,
             aux: aux.map(|a| a.buffer),
         };
@@ -725,6 +772,8 @@ pub(crate) struct Bufs<'a> {
     pub x: &'a wgpu::Buffer,
     pub y: &'a wgpu::Buffer,
     pub acts: Option<&'a crate::ops::act8::ActBuffers>,
+    /// A second member after `acts` in the same buffers: the bindings cover both.
+    pub second: Option<&'a crate::ops::act8::ActBuffers>,
     pub ids: Option<&'a wgpu::Buffer>,
     pub aux: Option<&'a wgpu::Buffer>,
 }
@@ -741,6 +790,7 @@ fn check_aux(
     let name = match epilogue {
         Epilogue::HcFront => "hyper-connection front",
         Epilogue::HcReadout => "hyper-connection read-out",
+        Epilogue::PairTwo => "two-matrix pair",
         _ if aux.is_some() => {
             return Err(GpuError::UnsupportedFusion {
                 epilogue: epilogue.suffix(),
@@ -766,6 +816,7 @@ fn check_aux(
     }
     let h = a.streams;
     let (fits, floats) = match epilogue {
+        Epilogue::PairTwo => (true, nt * (m.rows / 2)),
         Epilogue::HcFront => (h >= 1 && h < m.rows, nt * h),
         _ => (
             (1..=4).contains(&h) && m.rows.is_multiple_of(h),
@@ -807,22 +858,31 @@ pub(crate) fn bind_matvec(
         x,
         y,
         acts,
+        second,
         ids,
         aux,
     } = b;
+    // Bytes of the codes and pairs bound: through the second member's where there is one.
+    let spans = acts.map(|a| match second {
+        Some(b) => (
+            b.xq_offset + b.xq_bytes() - a.xq_offset,
+            b.xd_offset + b.xd_bytes() - a.xd_offset,
+        ),
+        None => (a.xq_bytes(), a.xd_bytes()),
+    });
     let ubuf = params_buffer(ctx, "matvec params", params);
     let mut entries = vec![
         entry(0, weights),
         entry(1, weights),
         entry(2, &ubuf),
         match acts {
-            Some(a) => slice_entry(3, &a.xq, a.xq_offset, a.xq_bytes()),
+            Some(a) => slice_entry(3, &a.xq, a.xq_offset, spans.map_or(0, |s| s.0)),
             None => entry(3, x),
         },
         entry(4, y),
     ];
     if let Some(a) = acts {
-        entries.push(slice_entry(5, &a.xd, a.xd_offset, a.xd_bytes()));
+        entries.push(slice_entry(5, &a.xd, a.xd_offset, spans.map_or(0, |s| s.1)));
     }
     if let Some(ids) = ids {
         entries.push(entry(6, ids));
