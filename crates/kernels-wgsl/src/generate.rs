@@ -208,39 +208,12 @@ fn shape(k: &Matvec) -> (bool, u32, u32) {
     (pair, nr, nt)
 }
 
-/// Chunks a lane takes per iteration of its loop: one-token-row kernels (decode steps and the
-/// grouped experts) walk few chunks per lane on the few-row matrices of a token (an HC front
-/// of 324 rows has 10 chunks a lane at 128 lanes a row), and a loop that issues one chunk's
-/// loads per iteration waits a memory latency per chunk; four chunks' loads per iteration
-/// keep four in flight. More token rows already have several loads per chunk in flight and
-/// would hold four times the weight registers.
-fn unroll(k: &Matvec) -> u32 {
-    if k.nt == 1 || k.grouped { 4 } else { 1 }
-}
-
 /// The loop over a lane's chunks `lane, lane + LANES, ... < bound`, with `inner` (which reads
-/// the chunk as `c`) in a block of its own per chunk: `unroll` chunks per iteration of a
-/// first loop, the rest one at a time. Each lane still takes its chunks in ascending order,
-/// so its accumulators see the same additions in the same order whatever `unroll` is (a
-/// one-row kernel and the same row of a batch stay bit-identical).
-fn chunk_loop(b: &mut String, bound: &str, inner: &str, unroll: u32) {
-    let _ = writeln!(b, "    var c0 = lane;");
-    if unroll > 1 {
-        let _ = writeln!(
-            b,
-            "    for (; c0 + {}u * LANES < {bound}; c0 = c0 + {unroll}u * LANES) {{",
-            unroll - 1
-        );
-        for u in 0..unroll {
-            let _ = writeln!(b, "    {{");
-            let _ = writeln!(b, "        let c = c0 + {u}u * LANES;");
-            b.push_str(inner);
-            let _ = writeln!(b, "    }}");
-        }
-        let _ = writeln!(b, "    }}");
-    }
-    let _ = writeln!(b, "    for (; c0 < {bound}; c0 = c0 + LANES) {{");
-    let _ = writeln!(b, "        let c = c0;");
+/// the chunk as `c`) as its body. (Four chunks per iteration, the same additions in the same
+/// order, was measured on the H200 and not kept: small f16 matrices 4-9% faster, but the f32
+/// path's large matrices up to 2.9x slower and q8_2f's int8 10240x2560 1.9x; docs/perf.md.)
+fn chunk_loop(b: &mut String, bound: &str, inner: &str) {
+    let _ = writeln!(b, "    for (var c = lane; c < {bound}; c = c + LANES) {{");
     b.push_str(inner);
     let _ = writeln!(b, "    }}");
 }
@@ -281,7 +254,7 @@ pub(crate) fn body_f32(k: &Matvec) -> String {
         }
         b
     };
-    chunk_loop(&mut b, "row_chunks()", &inner, unroll(k));
+    chunk_loop(&mut b, "row_chunks()", &inner);
     outputs(&mut b, k, nr, nt, &|sum, row| {
         format!("row_finish({sum}, {row})")
     });
@@ -561,7 +534,7 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
         }
         b
     };
-    chunk_loop(&mut b, chunks, &inner, unroll(k));
+    chunk_loop(&mut b, chunks, &inner);
     outputs(&mut b, k, nr, nt, &|sum, row| {
         if codec == Codec::Q8_2f {
             format!("{sum} * f16_at(P.second + 2u * {row})")
