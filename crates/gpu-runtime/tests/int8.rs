@@ -432,7 +432,7 @@ fn one_quantiser_shared_by_q8_2f_matrices_gives_their_own_results_bit_for_bit() 
 /// sums.
 #[test]
 fn two_matrices_in_one_dispatch_give_their_own_results_bit_for_bit() {
-    use gpu_runtime::ops::graph::{Graph, storage, upload_f32};
+    use gpu_runtime::ops::graph::{Graph, Member, storage, upload_f32};
     let Some(ctx) = ctx() else { return };
     let arena = WeightArena::new(ctx);
     let (half, cols) = (48, 256);
@@ -488,6 +488,39 @@ fn two_matrices_in_one_dispatch_give_their_own_results_bit_for_bit() {
                 |p: &[f32], q: &[f32]| p.iter().zip(q).all(|(u, v)| u.to_bits() == v.to_bits());
             assert!(bits(&ga, &wa), "{dtype} first half, {nt} token rows");
             assert!(bits(&gb, &wb), "{dtype} second half, {nt} token rows");
+            if let Some(t3) = (dtype == DType::Q8_2f)
+                .then(|| act8::col_scale_table_host(ctx, &[&ma, &ma, &mb]))
+                .flatten()
+            {
+                // A matrix and a pair behind one quantiser of three members.
+                let z = storage(ctx, "z", nt * half);
+                let items = [
+                    Member {
+                        m: &a,
+                        y: &z,
+                        aux: None,
+                        epilogue: Epilogue::None,
+                    },
+                    Member {
+                        m: &m,
+                        y: &y,
+                        aux: Some(&aux),
+                        epilogue: Epilogue::PairTwo,
+                    },
+                ];
+                let mut g = Graph::new();
+                g.matvecs_members(ctx, &items, &x, nt, &t3).unwrap();
+                assert_eq!(g.dispatches(), 3, "one quantiser, two matvecs");
+                assert!(bits(&replay(ctx, &g, &z, nt * half), &wa), "member matrix");
+                assert!(
+                    bits(&replay(ctx, &g, &y, nt * half), &wa),
+                    "member pair, first"
+                );
+                assert!(
+                    bits(&replay(ctx, &g, &aux, nt * half), &wb),
+                    "member pair, second"
+                );
+            }
             let mut g = Graph::new();
             g.matvec_two(
                 ctx,

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use gpu_runtime::ops::experts::ExpertBank;
-use gpu_runtime::ops::graph::{self, Graph, lanes_grid};
+use gpu_runtime::ops::graph::{self, Graph, Member, lanes_grid};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, Path, WeightArena};
 use kernels_wgsl::Op;
 use model_core::bind::Mat;
@@ -407,6 +407,19 @@ impl<'a> Enc<'a> {
         };
         self.g
             .matvec_aux(&self.dev.ctx, m, x, y, aux, nt, path, epilogue)
+    }
+
+    /// Matrices and two-matrix pairs that read the same `x`, q8_2f on the int8 path, with one
+    /// quantiser for all (`table`: their column scales in member order; see
+    /// `Graph::matvecs_members`).
+    pub fn matvecs_members(
+        &mut self,
+        items: &[Member<'_>],
+        x: &wgpu::Buffer,
+        nt: usize,
+        table: &wgpu::Buffer,
+    ) -> Result<(), GpuError> {
+        self.g.matvecs_members(&self.dev.ctx, items, x, nt, table)
     }
 
     /// A two-matrix epilogue over `m` (see `Graph::matvec_two`): `y` the first half's

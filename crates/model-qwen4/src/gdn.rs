@@ -9,9 +9,9 @@
 use std::sync::Arc;
 
 use crate::config::{GateAct, Qwen4ExpTextConfig};
-use crate::device::{Device, Enc, Part};
+use crate::device::{Device, Enc, Part, TwoMats};
 use crate::weights::GdnWeights;
-use gpu_runtime::ops::graph::storage;
+use gpu_runtime::ops::graph::{Member, storage};
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
 use kernels_wgsl::Op;
 use quant_codecs::ops::{linear, sigmoid, silu, softplus};
@@ -186,8 +186,11 @@ pub fn recur(
 pub struct GdnGpu {
     in_qkv: Arc<GpuMatrix>,
     in_z: Arc<GpuMatrix>,
-    in_b: Arc<GpuMatrix>,
-    in_a: Arc<GpuMatrix>,
+    /// `in_proj_b` and `in_proj_a` (one shape): one dispatch where they are one matrix.
+    ba: TwoMats,
+    /// The four projections' column scales, in the order qkv, z, b, a (q8_2f on the int8
+    /// path, `ba` one matrix): one quantiser for all four.
+    table: Option<wgpu::Buffer>,
     conv: wgpu::Buffer,
     /// `a_log [Hv] | dt_bias [Hv] | norm [dv]`.
     vecs: wgpu::Buffer,
@@ -200,11 +203,19 @@ impl GdnGpu {
         let mut vecs = w.a_log.to_vec();
         vecs.extend_from_slice(&w.dt_bias);
         vecs.extend_from_slice(&w.norm);
+        let ba = dev.two(&w.in_b, &w.in_a)?;
+        let table = match &ba {
+            TwoMats::One { table: Some(_), .. } => gpu_runtime::ops::act8::col_scale_table_host(
+                &dev.ctx,
+                &[w.in_qkv.mat(), w.in_z.mat(), w.in_b.mat(), w.in_a.mat()],
+            ),
+            _ => None,
+        };
         Ok(GdnGpu {
             in_qkv: dev.mat(&w.in_qkv)?,
             in_z: dev.mat(&w.in_z)?,
-            in_b: dev.mat(&w.in_b)?,
-            in_a: dev.mat(&w.in_a)?,
+            ba,
+            table,
             conv: dev.vec(w.conv.name(), &w.conv),
             vecs: dev.vec("gdn vectors", &vecs),
             out: dev.mat(&w.out)?,
@@ -267,13 +278,37 @@ pub fn encode<'a>(
     let cdim = 2 * key_dim + hv * dv;
     let s = e.s;
     let [qkv, z, b, a, conv, o, ..] = &s.w;
-    let projections = [
-        (&*w.in_qkv, qkv),
-        (&*w.in_z, z),
-        (&*w.in_b, b),
-        (&*w.in_a, a),
-    ];
-    e.matvecs(&projections, &s.u, nt)?;
+    // b and a in one dispatch where they are one matrix; with q8_2f on the int8 path one
+    // quantiser makes all four projections' activations.
+    match (&w.ba, &w.table) {
+        (TwoMats::One { m, .. }, Some(table)) => {
+            let one = |m, y| Member {
+                m,
+                y,
+                aux: None,
+                epilogue: Epilogue::None,
+            };
+            let items = [
+                one(&*w.in_qkv, qkv),
+                one(&*w.in_z, z),
+                Member {
+                    m,
+                    y: b,
+                    aux: Some(a),
+                    epilogue: Epilogue::PairTwo,
+                },
+            ];
+            e.matvecs_members(&items, &s.u, nt, table)?;
+        }
+        (TwoMats::One { m, table }, None) => {
+            e.matvecs(&[(&*w.in_qkv, qkv), (&*w.in_z, z)], &s.u, nt)?;
+            e.matvec_two(m, table.as_ref(), &s.u, b, Some(a), nt, Epilogue::PairTwo)?;
+        }
+        (TwoMats::Apart(in_b, in_a), _) => {
+            let projections = [(&*w.in_qkv, qkv), (&*w.in_z, z), (&**in_b, b), (&**in_a, a)];
+            e.matvecs(&projections, &s.u, nt)?;
+        }
+    }
     let gate_silu = u32::from(c.gate_act() == GateAct::Silu);
     // The state rows each lane holds, as a constant: the driver unrolls the loops over them
     // and keeps the state in registers.

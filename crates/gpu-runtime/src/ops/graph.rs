@@ -187,6 +187,19 @@ pub fn lanes_grid(ctx: &GpuContext, n: usize) -> (u32, u32) {
     (x as u32, groups.div_ceil(x) as u32)
 }
 
+/// One matvec of [`Graph::matvecs_members`]: its matrix (two matrices' rows for a two-matrix
+/// epilogue), output, the second half's output ([`Epilogue::PairTwo`]) and epilogue.
+pub struct Member<'a> {
+    /// The matrix.
+    pub m: &'a GpuMatrix,
+    /// Its output.
+    pub y: &'a wgpu::Buffer,
+    /// The second half's output, for [`Epilogue::PairTwo`].
+    pub aux: Option<&'a wgpu::Buffer>,
+    /// The epilogue.
+    pub epilogue: Epilogue,
+}
+
 impl Graph {
     /// An empty graph.
     pub fn new() -> Graph {
@@ -288,19 +301,52 @@ impl Graph {
         nt: usize,
         table: &wgpu::Buffer,
     ) -> Result<(), GpuError> {
-        let Some((first, _)) = mats.first() else {
+        let items: Vec<Member<'_>> = mats
+            .iter()
+            .map(|&(m, y)| Member {
+                m,
+                y,
+                aux: None,
+                epilogue: Epilogue::None,
+            })
+            .collect();
+        self.matvecs_members(ctx, &items, x, nt, table)
+    }
+
+    /// [`Graph::matvecs_shared`] over matrices and two-matrix pairs ([`Epilogue::PairTwo`],
+    /// [`Epilogue::GateUpTwo`], which take two members each), q8_2f on the int8 path: one
+    /// quantiser dispatch makes every member (`table`: their column scales in item order),
+    /// then one matvec dispatch per item.
+    pub fn matvecs_members(
+        &mut self,
+        ctx: &GpuContext,
+        items: &[Member<'_>],
+        x: &wgpu::Buffer,
+        nt: usize,
+        table: &wgpu::Buffer,
+    ) -> Result<(), GpuError> {
+        let Some(first) = items.first() else {
             return Ok(());
         };
         let layout = kernels_wgsl::Codec::Q8_2f
             .act_layout()
             .expect("q8_2f has an int8 layout");
+        let width = |i: &Member<'_>| if i.epilogue.has_members() { 2 } else { 1 };
+        let members = items.iter().map(width).sum();
         let (step, acts) =
-            crate::ops::act8::prepare_shared(ctx, x, nt, first.cols, layout, table, mats.len())?;
+            crate::ops::act8::prepare_shared(ctx, x, nt, first.m.cols, layout, table, members)?;
         self.items.push(Item::Step(step));
         self.dispatches += 1;
-        for ((m, y), a) in mats.iter().zip(&acts) {
-            let plan = Plan::for_shape(ctx, m.rows, m.cols);
-            let p = matvec::prepare_with_acts(ctx, m, x, a, y, nt, plan, Epilogue::None)?;
+        let mut at = 0;
+        for i in items {
+            let plan = Plan::for_shape(ctx, i.m.rows, i.m.cols);
+            let p = if i.epilogue.has_members() {
+                let two = Some([&acts[at], &acts[at + 1]]);
+                matvec::prepare_two(ctx, i.m, x, two, i.y, i.aux, nt, plan, i.epilogue)?
+            } else {
+                matvec::prepare_with_acts(ctx, i.m, x, &acts[at], i.y, nt, plan, i.epilogue)?
+            };
+            at += width(i);
             self.dispatches += p.dispatches();
             for s in p.into_steps() {
                 self.items.push(Item::Step(s));
