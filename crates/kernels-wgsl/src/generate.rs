@@ -53,7 +53,8 @@ fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32, grouped: bool) {
 /// The reduction of every accumulator and the writes, with `finish(sum, row)` the codec's
 /// last step on a row sum.
 fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &str) -> String) {
-    if matches!(k.epilogue, Epilogue::SiluGateUp | Epilogue::GateUpTwo) {
+    if k.epilogue.is_pair() {
+        // Row group g holds rows g and g + half: the gate/up product, or both sums apart.
         for t in 0..nt {
             let g = finish(
                 &format!("reduce(a0_{t}, li, lane, sg_size, sg_lane)"),
@@ -67,30 +68,16 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
             let _ = writeln!(b, "        let g = {g};");
             let _ = writeln!(b, "        let u = {u};");
             let _ = writeln!(b, "        if (lane == 0u && first < P.half) {{");
-            let yt = ytok(k, t);
-            let _ = writeln!(
-                b,
-                "            y[{yt} * P.y_stride + P.row_offset + first] = silu(g) * u;"
-            );
-            let _ = writeln!(b, "        }}");
-            let _ = writeln!(b, "    }}");
-        }
-    } else if k.epilogue == Epilogue::PairTwo {
-        for t in 0..nt {
-            let a = finish(
-                &format!("reduce(a0_{t}, li, lane, sg_size, sg_lane)"),
-                "row0",
-            );
-            let c = finish(
-                &format!("reduce(a1_{t}, li, lane, sg_size, sg_lane)"),
-                "row1",
-            );
-            let _ = writeln!(b, "    {{");
-            let _ = writeln!(b, "        let first_sum = {a};");
-            let _ = writeln!(b, "        let second_sum = {c};");
-            let _ = writeln!(b, "        if (lane == 0u && first < P.half) {{");
-            let _ = writeln!(b, "            y[{t}u * P.half + first] = first_sum;");
-            let _ = writeln!(b, "            aux[{t}u * P.half + first] = second_sum;");
+            if k.epilogue == Epilogue::PairTwo {
+                let _ = writeln!(b, "            y[{t}u * P.half + first] = g;");
+                let _ = writeln!(b, "            aux[{t}u * P.half + first] = u;");
+            } else {
+                let yt = ytok(k, t);
+                let _ = writeln!(
+                    b,
+                    "            y[{yt} * P.y_stride + P.row_offset + first] = silu(g) * u;"
+                );
+            }
             let _ = writeln!(b, "        }}");
             let _ = writeln!(b, "    }}");
         }

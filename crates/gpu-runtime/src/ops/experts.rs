@@ -9,9 +9,7 @@ use kernels_wgsl::{Codec, Epilogue, Matvec, Path};
 use quant_codecs::{DType, Layout, MatRef};
 
 use crate::arena::kernel_codec;
-use crate::ops::matvec::{
-    Bufs, Plan, Prepared, Step, bind_layout, bind_matvec, storage_entry, uniform_entry,
-};
+use crate::ops::matvec::{Bufs, Plan, Prepared, Step, bind_matvec};
 use crate::staging::StagingRing;
 use crate::{GpuContext, GpuError};
 
@@ -114,18 +112,8 @@ pub(crate) fn layout(
     ctx: &GpuContext,
     int8: bool,
 ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
-    let mut entries = vec![
-        storage_entry(0, true),
-        storage_entry(1, true),
-        uniform_entry(2),
-        storage_entry(3, true),
-        storage_entry(4, false),
-    ];
-    if int8 {
-        entries.push(storage_entry(5, true));
-    }
-    entries.push(storage_entry(6, true));
-    bind_layout(ctx, if int8 { "grouped_i8" } else { "grouped" }, &entries)
+    let label = if int8 { "grouped_i8" } else { "grouped" };
+    crate::ops::matvec::matvec_layout(ctx, label, int8, Some((6, true)))
 }
 
 /// Builds `y[s] = W_{ids[s]} x[s / x_div]` (with `epilogue`) for `slots` slots: `x` holds

@@ -325,42 +325,14 @@ pub(crate) fn bind_layout(
     (bgl, pl)
 }
 
-/// The f32 paths' layout: 0 and 1 the weights (chunks, words), 2 params, 3 activations, 4 y.
-pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
-    bind_layout(
-        ctx,
-        "matvec",
-        &[
-            storage_entry(0, true),
-            storage_entry(1, true),
-            uniform_entry(2),
-            storage_entry(3, true),
-            storage_entry(4, false),
-        ],
-    )
-}
-
-/// The int8 path's layout: as [`layout`], with 3 the activation codes and 5 their block
-/// scales and sums.
-pub(crate) fn i8_layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
-    bind_layout(
-        ctx,
-        "matvec_i8",
-        &[
-            storage_entry(0, true),
-            storage_entry(1, true),
-            uniform_entry(2),
-            storage_entry(3, true),
-            storage_entry(4, false),
-            storage_entry(5, true),
-        ],
-    )
-}
-
-/// [`layout`] or [`i8_layout`] with binding 7, the hyper-connection epilogues' auxiliary buffer.
-pub(crate) fn aux_layout(
+/// A matvec layout: 0 and 1 the weights (chunks, words), 2 params, 3 activations (the int8
+/// path's codes), 4 y; on the int8 path 5 the codes' block scales and sums; then `extra`
+/// (binding, read-only).
+pub(crate) fn matvec_layout(
     ctx: &GpuContext,
+    label: &str,
     int8: bool,
+    extra: Option<(u32, bool)>,
 ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
     let mut entries = vec![
         storage_entry(0, true),
@@ -372,8 +344,29 @@ pub(crate) fn aux_layout(
     if int8 {
         entries.push(storage_entry(5, true));
     }
-    entries.push(storage_entry(7, false));
-    bind_layout(ctx, "matvec_aux", &entries)
+    if let Some((binding, read_only)) = extra {
+        entries.push(storage_entry(binding, read_only));
+    }
+    bind_layout(ctx, label, &entries)
+}
+
+/// The f32 paths' layout.
+pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    matvec_layout(ctx, "matvec", false, None)
+}
+
+/// The int8 path's layout.
+pub(crate) fn i8_layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    matvec_layout(ctx, "matvec_i8", true, None)
+}
+
+/// [`layout`] or [`i8_layout`] with binding 7, the auxiliary buffer of the epilogues that
+/// have one.
+pub(crate) fn aux_layout(
+    ctx: &GpuContext,
+    int8: bool,
+) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    matvec_layout(ctx, "matvec_aux", int8, Some((7, false)))
 }
 
 /// The pipeline for `m`'s codec, `nt` token rows, under `plan`.
