@@ -17,6 +17,7 @@ use quant_codecs::{ActPath, DType, MAX_BATCH};
 use crate::config::{LayerType, Qwen4ExpTextConfig};
 
 /// Two matrices of one shape that read the same input, on the device ([`Device::two`]).
+#[derive(Clone)]
 pub enum TwoMats {
     /// Both as one matrix (`[a; b]`): one dispatch, and with `table` (q8_2f: both halves'
     /// column scales) one quantiser dispatch for both halves' activations.
@@ -50,6 +51,9 @@ pub struct Device {
     /// Shared quantisers' column-scale tables, by their matrices (addresses of the pinned
     /// matrices, which live as long as the model).
     tables: Mutex<HashMap<Vec<usize>, Option<wgpu::Buffer>>>,
+    /// [`Device::two`]'s results by the two matrices' names (the model's front and its MoE
+    /// layers ask for the shared expert's pair; it is concatenated once).
+    twos: Mutex<HashMap<(String, String), TwoMats>>,
 }
 
 impl Device {
@@ -63,6 +67,7 @@ impl Device {
             uid,
             bank_bytes: AtomicU64::new(0),
             tables: Mutex::new(HashMap::new()),
+            twos: Mutex::new(HashMap::new()),
         }
     }
 
@@ -104,6 +109,17 @@ impl Device {
     /// rows where a kernel can read them so (codecs without column scales; q8_2f on the int8
     /// path, whose shared quantiser scales each half's activations by its own), else apart.
     pub fn two(&self, a: &Mat<'_>, b: &Mat<'_>) -> Result<TwoMats, GpuError> {
+        let key = (a.name().to_string(), b.name().to_string());
+        let twos = || self.twos.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = twos().get(&key) {
+            return Ok(t.clone());
+        }
+        let t = self.two_uncached(a, b)?;
+        twos().insert(key, t.clone());
+        Ok(t)
+    }
+
+    fn two_uncached(&self, a: &Mat<'_>, b: &Mat<'_>) -> Result<TwoMats, GpuError> {
         let (dtype, rows, cols) = (a.dtype(), a.rows(), a.cols());
         let codec =
             gpu_runtime::arena::kernel_codec(dtype).ok_or(GpuError::UnsupportedDtype { dtype })?;
