@@ -74,6 +74,13 @@ pub struct ModelReport {
     /// With `dispatches`: per stage and kernel shape (`stage: kernel shape`), slowest first,
     /// each dispatch a timed pass of its own.
     pub dispatches: Vec<StageTime>,
+    /// With a prompt test of at least one full frame: [`ModelReport::stages`] and
+    /// [`ModelReport::dispatches`] for a prefill frame of that many rows (milliseconds per frame).
+    pub frame_rows: usize,
+    /// A prefill frame's GPU time by stage.
+    pub frame_stages: Vec<StageTime>,
+    /// With `dispatches`: a prefill frame's GPU time by kernel.
+    pub frame_dispatches: Vec<StageTime>,
     /// With routed experts on the CPU: the decode test's cold path, per decoded token of the
     /// timed repetitions.
     pub offload: Option<OffloadRecord>,
@@ -239,18 +246,31 @@ pub fn bench(
     }
     let mut stages = Vec::new();
     let mut dispatches = Vec::new();
+    let mut frame_stages = Vec::new();
+    let mut frame_dispatches = Vec::new();
+    let frame_rows = quant_codecs::MAX_BATCH;
     // A stage profile times one submission: a model with experts on the CPU has many.
     if let (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s), None) =
         (model, &mut st, &offload)
     {
-        let n = opts.decode.clamp(1, 16);
-        let mut grans = vec![(Granularity::Stage, &mut stages)];
-        if opts.dispatches {
-            grans.push((Granularity::Dispatch, &mut dispatches));
+        let mut runs = Vec::new();
+        if opts.decode > 0 || opts.prompt < frame_rows {
+            let n = opts.decode.clamp(1, 16);
+            runs.push((1, n, Granularity::Stage, &mut stages));
+            if opts.dispatches {
+                runs.push((1, n, Granularity::Dispatch, &mut dispatches));
+            }
         }
-        for (gran, out) in grans {
+        if opts.prompt >= frame_rows {
+            let n = (opts.prompt / frame_rows).clamp(1, 8);
+            runs.push((frame_rows, n, Granularity::Stage, &mut frame_stages));
+            if opts.dispatches {
+                runs.push((frame_rows, n, Granularity::Dispatch, &mut frame_dispatches));
+            }
+        }
+        for (rows, n, gran, out) in runs {
             model_reset(model, s);
-            for (stage, calls, sec) in g.profile_decode(ids(1, vocab, 0)[0], n, s, gran)? {
+            for (stage, calls, sec) in g.profile_frames(&ids(rows, vocab, 0), n, s, gran)? {
                 out.push(StageTime {
                     stage,
                     calls,
@@ -259,6 +279,7 @@ pub fn bench(
             }
         }
         dispatches.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+        frame_dispatches.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     }
     let token_bytes = model.bytes_per_token().unwrap_or(0);
     Ok(ModelReport {
@@ -276,6 +297,9 @@ pub fn bench(
         records,
         stages,
         dispatches,
+        frame_rows,
+        frame_stages,
+        frame_dispatches,
         offload,
     })
 }
@@ -438,48 +462,79 @@ impl ModelReport {
                 )?;
             }
         }
-        if !self.stages.is_empty() {
-            let total: f64 = self.stages.iter().map(|s| s.ms).sum();
-            writeln!(
+        print_profile(
+            w,
+            &self.stages,
+            &self.dispatches,
+            "a decoded token",
+            "token",
+        )?;
+        if !self.frame_stages.is_empty() {
+            let what = format!("a prefill frame of {} rows", self.frame_rows);
+            print_profile(
                 w,
-                "\nGPU time of a decoded token by stage (a timed pass per stage): {total:.3} ms"
+                &self.frame_stages,
+                &self.frame_dispatches,
+                &what,
+                "frame",
             )?;
-            for s in &self.stages {
-                writeln!(
-                    w,
-                    "  {:<5} {:>8.3} ms  {:>5.1}%",
-                    s.stage,
-                    s.ms,
-                    100.0 * s.ms / total
-                )?;
-            }
-        }
-        if !self.dispatches.is_empty() {
-            let total: f64 = self.dispatches.iter().map(|s| s.ms).sum();
-            let calls: usize = self.dispatches.iter().map(|s| s.calls).sum();
-            writeln!(
-                w,
-                "\nGPU time of a decoded token by kernel (a timed pass per dispatch step, slowest \
-                 first): {calls} steps, {total:.3} ms"
-            )?;
-            writeln!(
-                w,
-                "  {:>9} {:>6} {:>8}  stage: kernel shape",
-                "ms/token", "calls", "us/call"
-            )?;
-            for s in self.dispatches.iter().take(40) {
-                writeln!(
-                    w,
-                    "  {:>9.3} {:>6} {:>8.2}  {}",
-                    s.ms,
-                    s.calls,
-                    1e3 * s.ms / s.calls.max(1) as f64,
-                    s.stage
-                )?;
-            }
         }
         Ok(())
     }
+}
+
+/// Writes a stage profile and, when there is one, the per-kernel profile under it, as
+/// milliseconds per `unit` (`what` names the unit in the headings).
+fn print_profile(
+    w: &mut dyn std::io::Write,
+    stages: &[StageTime],
+    dispatches: &[StageTime],
+    what: &str,
+    unit: &str,
+) -> std::io::Result<()> {
+    if !stages.is_empty() {
+        let total: f64 = stages.iter().map(|s| s.ms).sum();
+        writeln!(
+            w,
+            "\nGPU time of {what} by stage (a timed pass per stage): {total:.3} ms"
+        )?;
+        for s in stages {
+            writeln!(
+                w,
+                "  {:<5} {:>8.3} ms  {:>5.1}%",
+                s.stage,
+                s.ms,
+                100.0 * s.ms / total
+            )?;
+        }
+    }
+    if !dispatches.is_empty() {
+        let total: f64 = dispatches.iter().map(|s| s.ms).sum();
+        let calls: usize = dispatches.iter().map(|s| s.calls).sum();
+        writeln!(
+            w,
+            "\nGPU time of {what} by kernel (a timed pass per dispatch step, slowest first): \
+             {calls} steps, {total:.3} ms"
+        )?;
+        writeln!(
+            w,
+            "  {:>9} {:>6} {:>8}  stage: kernel shape",
+            format!("ms/{unit}"),
+            "calls",
+            "us/call"
+        )?;
+        for s in dispatches.iter().take(40) {
+            writeln!(
+                w,
+                "  {:>9.3} {:>6} {:>8.2}  {}",
+                s.ms,
+                s.calls,
+                1e3 * s.ms / s.calls.max(1) as f64,
+                s.stage
+            )?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

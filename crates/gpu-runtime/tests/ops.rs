@@ -1,7 +1,8 @@
 //! Op kernels whose work is split across workgroups or lanes in ways the model fixtures (small
 //! vocabularies, few experts) do not reach, against host references: greedy argmax over a
-//! release-size vocabulary (two passes, ties across chunks) and MoE routing at the release
-//! expert count (rank-based top-k against a stable sort in f64).
+//! release-size vocabulary (two passes, ties across chunks), MoE routing at the release
+//! expert count (rank-based top-k against a stable sort in f64), and the gated delta rule at
+//! the release head size over frames longer than the kernel's token chunk.
 
 mod common;
 
@@ -153,4 +154,157 @@ fn routing_at_the_release_expert_count_matches_a_stable_sort() {
             assert_eq!(chosen, k, "row {t}: dense weights outside the top k");
         }
     }
+}
+
+/// f64 reference of the gated delta rule (gdn_recur's contract, the CPU forward's math) for
+/// `t` tokens: returns the gated, normalised outputs `[t, hv*dv]` and advances `st`.
+#[allow(clippy::too_many_arguments)]
+fn gdn_f64(
+    conv: &[f32],
+    z: &[f32],
+    b: &[f32],
+    a: &[f32],
+    vecs: &[f32],
+    st: &mut [f64],
+    dims: [usize; 5],
+    eps: f64,
+) -> Vec<f64> {
+    let [t, hk, hv, dk, dv] = dims;
+    let key_dim = hk * dk;
+    let c = 2 * key_dim + hv * dv;
+    let mut out = vec![0f64; t * hv * dv];
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
+    for h in 0..hv {
+        let kh = h / (hv / hk);
+        let s = &mut st[h * dk * dv..(h + 1) * dk * dv];
+        for r in 0..t {
+            let row = &conv[r * c..(r + 1) * c];
+            let norm = |x: &[f32]| {
+                let n = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() + 1e-6;
+                x.iter().map(|&v| v as f64 / n.sqrt()).collect::<Vec<f64>>()
+            };
+            let q: Vec<f64> = norm(&row[kh * dk..(kh + 1) * dk])
+                .iter()
+                .map(|v| v / (dk as f64).sqrt())
+                .collect();
+            let k = norm(&row[key_dim + kh * dk..key_dim + (kh + 1) * dk]);
+            let v = &row[2 * key_dim + h * dv..2 * key_dim + (h + 1) * dv];
+            let beta = sig(b[r * hv + h] as f64);
+            let x = a[r * hv + h] as f64 + vecs[hv + h] as f64;
+            let g = -(vecs[h] as f64).exp() * (1.0 + x.exp()).ln();
+            let decay = g.exp();
+            s.iter_mut().for_each(|x| *x *= decay);
+            let mut o = vec![0f64; dv];
+            for j in 0..dv {
+                let sk: f64 = (0..dk).map(|i| s[i * dv + j] * k[i]).sum();
+                let delta = (v[j] as f64 - sk) * beta;
+                for i in 0..dk {
+                    s[i * dv + j] += k[i] * delta;
+                }
+                o[j] = (0..dk).map(|i| s[i * dv + j] * q[i]).sum();
+            }
+            let rr = 1.0 / (o.iter().map(|v| v * v).sum::<f64>() / dv as f64 + eps).sqrt();
+            for j in 0..dv {
+                let at = r * hv * dv + h * dv + j;
+                let gate = sig(z[at] as f64);
+                out[at] = vecs[2 * hv + j] as f64 * o[j] * rr * gate;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_for_bit() {
+    let Some(ctx) = ctx() else { return };
+    // Release heads (128) and the widest key heads the kernel takes (256, half the tokens
+    // per chunk); 12 tokens: more than one chunk either way.
+    for (dk, dv) in [(128usize, 128usize), (256, 128), (24, 40)] {
+        let (t, hk, hv) = (12usize, 2usize, 4usize);
+        let key_dim = hk * dk;
+        let c = 2 * key_dim + hv * dv;
+        let eps = 1e-6f32;
+        let mut r = rng(dk as u64 + 17);
+        let conv: Vec<f32> = (0..t * c).map(|_| r()).collect();
+        let z: Vec<f32> = (0..t * hv * dv).map(|_| 2.0 * r()).collect();
+        let b: Vec<f32> = (0..t * hv).map(|_| 2.0 * r()).collect();
+        let a: Vec<f32> = (0..t * hv).map(|_| r()).collect();
+        let mut vecs: Vec<f32> = (0..2 * hv).map(|_| 0.5 * r()).collect();
+        vecs.extend((0..dv).map(|_| 1.0 + 0.2 * r()));
+        let s0: Vec<f32> = (0..hv * dk * dv).map(|_| 0.1 * r()).collect();
+        let frame = graph::frame_buffer(ctx);
+        let bufs: Vec<wgpu::Buffer> = [
+            ("conv", &conv),
+            ("z", &z),
+            ("b", &b),
+            ("a", &a),
+            ("vecs", &vecs),
+        ]
+        .iter()
+        .map(|(l, d)| graph::upload_f32(ctx, l, d))
+        .collect();
+        let run = |rows: usize| -> (Vec<f32>, Vec<f32>) {
+            let s = graph::upload_f32(ctx, "state", &s0);
+            let out = graph::storage(ctx, "out", t * hv * dv);
+            let p = [
+                rows as u32,
+                hk as u32,
+                hv as u32,
+                dk as u32,
+                dv as u32,
+                c as u32,
+                key_dim as u32,
+                0,
+                eps.to_bits(),
+            ];
+            let ops = [&bufs[0], &bufs[1], &bufs[2], &bufs[3], &s, &bufs[4], &out];
+            let mut g = Graph::new();
+            let r = [("R", dk.div_ceil(4) as f64)];
+            g.op_with(ctx, Op::GdnRecur, &r, &p, &frame, &ops, (hv as u32, 1))
+                .unwrap();
+            for row0 in (0..t).step_by(rows) {
+                graph::write_frame(ctx, &frame, 0, (0, 0), row0 as u32);
+                run_and_read(ctx, &g, &out, 1);
+            }
+            (
+                run_and_read_no_run(ctx, &out, t * hv * dv),
+                run_and_read_no_run(ctx, &s, hv * dk * dv),
+            )
+        };
+        let (whole, s_whole) = run(t);
+        let (one, s_one) = run(1);
+        assert!(
+            whole
+                .iter()
+                .zip(&one)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "dk {dk}: a frame of {t} differs from {t} frames of one token"
+        );
+        assert!(
+            s_whole
+                .iter()
+                .zip(&s_one)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "dk {dk}: states differ"
+        );
+        let mut st: Vec<f64> = s0.iter().map(|&v| v as f64).collect();
+        let want = gdn_f64(&conv, &z, &b, &a, &vecs, &mut st, [t, hk, hv, dk, dv], 1e-6);
+        for (i, (&g, &w)) in whole.iter().zip(&want).enumerate() {
+            assert!(
+                (g as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()),
+                "dk {dk}: output {i}: {g} vs {w}"
+            );
+        }
+        for (i, (&g, &w)) in s_whole.iter().zip(&st).enumerate() {
+            assert!(
+                (g as f64 - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                "dk {dk}: state {i}: {g} vs {w}"
+            );
+        }
+    }
+}
+
+/// Reads `count` floats of `buf` back without running anything.
+fn run_and_read_no_run(ctx: &GpuContext, buf: &wgpu::Buffer, count: usize) -> Vec<f32> {
+    run_and_read(ctx, &Graph::new(), buf, count)
 }

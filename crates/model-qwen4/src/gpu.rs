@@ -896,20 +896,34 @@ impl<'a> GpuModel<'a> {
         st: &mut GpuState,
         granularity: Granularity,
     ) -> Result<Vec<(String, usize, f64)>, ForwardError> {
-        let mut tok = first;
+        self.profile_frames(&[first], n, st, granularity)
+    }
+
+    /// [`GpuModel::profile_decode`] for frames of `first.len()` rows (a prefill's frames: every
+    /// row's token fed, no head but the last row's argmax): `n` frames, the first of `first`,
+    /// each later one of the previous frame's greedy token repeated; per name, the timed
+    /// passes and seconds per frame.
+    pub fn profile_frames(
+        &self,
+        first: &[u32],
+        n: usize,
+        st: &mut GpuState,
+        granularity: Granularity,
+    ) -> Result<Vec<(String, usize, f64)>, ForwardError> {
+        let mut toks = first.to_vec();
         let mut total: Vec<(String, usize, f64)> = Vec::new();
         for _ in 0..n {
-            self.check(&[tok], st)?;
+            self.check(&toks, st)?;
             let mut stages = Vec::new();
             if let FrameOut::Token(t) = self.frame(
-                &[tok],
+                &toks,
                 st,
                 Head::Argmax,
                 None,
                 Some((granularity, &mut stages)),
                 None,
             )? {
-                tok = t;
+                toks.fill(t);
             }
             for (name, sec) in stages {
                 match total.iter_mut().find(|(n, _, _)| *n == name) {
