@@ -55,9 +55,7 @@ ops! {
     HcCombine => "hc_combine",
     /// The hyper-connection injection.
     HcInject => "hc_inject",
-    /// GDN causal conv.
-    GdnConv => "gdn_conv",
-    /// GDN gated delta rule + gated norm.
+    /// GDN causal conv, gated delta rule and gated norm.
     GdnRecur => "gdn_recur",
     /// Per-head norm / RoPE / copy into a cache.
     HeadPrep => "head_prep",
