@@ -58,6 +58,7 @@ fn run(
         k,
         plan,
         epilogue,
+        None,
     )
     .unwrap();
     let mut enc = ctx

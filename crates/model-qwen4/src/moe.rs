@@ -361,6 +361,20 @@ pub fn encode(
     let (d, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
     let s = e.s;
     let [rl, pr, rw, hm, eo, sg, su, _] = &s.w;
+    // The shared expert's gate/up pair (q8_2f) and the routed experts' gate/up (another codec
+    // on the int8 path) read the same activations: one quantiser dispatch for all three.
+    let bank_gate_up = match &w.routed {
+        Routed::Banks(b) => Some(&b.0),
+        Routed::Partial { banks: Some(b), .. } => Some(&b.0),
+        _ => None,
+    };
+    let shared = match (&w.sh_gate_up, bank_gate_up) {
+        (TwoMats::One { m, table: Some(t) }, Some(bank)) if m.cols == bank.cols => e
+            .grouped_act_layout(bank)
+            .map(|l| e.quantise_shared(&s.u, nt, bank.cols, t, 2, Some(l)))
+            .transpose()?,
+        _ => None,
+    };
     e.matvec(&w.router, &s.u, rl, nt, Epilogue::None)?;
     // The route kernel holds a row's probabilities and its picks in workgroup memory.
     for (what, max, found) in [
@@ -387,7 +401,9 @@ pub fn encode(
             let (gate_up, down) = &**banks;
             let slots = nt * k;
             let (ids, mid, xo) = (&s.slot_ids, &s.expert_mid, &s.expert_out);
-            e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
+            let acts = shared.as_ref().map(|a| &a[2]);
+            let gu = Epilogue::SiluGateUp;
+            e.grouped_on(gate_up, &s.u, nt, ids, mid, slots, k, gu, acts)?;
             e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
         }
         Routed::Partial { banks, slot_of, .. } => {
@@ -398,7 +414,9 @@ pub fn encode(
             if let Some(banks) = banks {
                 let (gate_up, down) = &**banks;
                 let (ids, mid, xo) = (&s.bank_ids, &s.expert_mid, &s.expert_out);
-                e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
+                let acts = shared.as_ref().map(|a| &a[2]);
+                let gu = Epilogue::SiluGateUp;
+                e.grouped_on(gate_up, &s.u, nt, ids, mid, slots, k, gu, acts)?;
                 e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
             }
         }
@@ -419,6 +437,10 @@ pub fn encode(
     }
     // The shared expert's gate and up: one dispatch where they are one matrix.
     match &w.sh_gate_up {
+        TwoMats::One { m, .. } if shared.is_some() => {
+            let a = shared.as_ref().expect("shared activations");
+            e.matvec_two_on(m, [&a[0], &a[1]], &s.u, hm, None, nt, Epilogue::GateUpTwo)?;
+        }
         TwoMats::One { m, table } => {
             e.matvec_two(m, table.as_ref(), &s.u, hm, None, nt, Epilogue::GateUpTwo)?;
         }
