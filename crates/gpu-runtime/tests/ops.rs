@@ -283,14 +283,13 @@ fn gdn_conv_and_recurrence_over_any_frames_match_f64_and_each_other_bit_for_bit(
                     key_dim as u32,
                     0,
                     eps.to_bits(),
-                    kc as u32,
                     ring as u32,
                 ];
                 let ops = [
                     &bufs[0], &cring, &bufs[1], &bufs[2], &bufs[3], &s, &bufs[4], &out,
                 ];
                 let mut g = Graph::new();
-                let r = [("R", dk.div_ceil(4) as f64)];
+                let r = [("R", dk.div_ceil(4) as f64), ("KC", kc as f64)];
                 g.op_with(ctx, Op::GdnRecur, &r, &p, &frame, &ops, (hv as u32, 1))
                     .unwrap();
                 graph::write_frame(ctx, &frame, start as u32, (0, 0), start as u32);

@@ -260,8 +260,11 @@ pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
             c.linear_key_head_dim, c.linear_value_head_dim
         ));
     }
-    if c.linear_conv_kernel_dim == 0 {
-        return Err("linear_conv_kernel_dim 0 (the conv needs a tap)".into());
+    if !(1..=8).contains(&c.linear_conv_kernel_dim) {
+        return Err(format!(
+            "linear_conv_kernel_dim {} outside 1..=8 (the device conv's taps)",
+            c.linear_conv_kernel_dim
+        ));
     }
     Ok(())
 }
@@ -337,12 +340,11 @@ pub fn encode<'a>(
                 key_dim as u32,
                 gate_silu,
                 (c.rms_norm_eps as f32).to_bits(),
-                c.linear_conv_kernel_dim as u32,
                 ring as u32,
             ];
             e.op_with(
                 Op::GdnRecur,
-                &[("R", rows)],
+                &[("R", rows), ("KC", c.linear_conv_kernel_dim as f64)],
                 &p,
                 &[qkv, &st.conv, z, b, a, &st.s, &w.vecs, o],
                 (hv as u32, 1),

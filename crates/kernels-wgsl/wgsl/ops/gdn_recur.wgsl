@@ -31,8 +31,7 @@ struct Params {
     key_dim: u32,
     gate_silu: u32,
     eps: u32,
-    // The conv's taps and the ring's rows.
-    kc: u32,
+    // The conv ring's rows.
     ring: u32,
 }
 
@@ -45,7 +44,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> bb: array<f32>;
 @group(0) @binding(6) var<storage, read_write> aa: array<f32>;
 @group(0) @binding(7) var<storage, read_write> s: array<f32>;
-// a_log [hv] | dt_bias [hv] | norm weight [dv] | conv weights [c, kc]
+// a_log [hv] | dt_bias [hv] | norm weight [dv] | conv weights [c, KC]
 @group(0) @binding(8) var<storage, read_write> vecs: array<f32>;
 @group(0) @binding(9) var<storage, read_write> out: array<f32>;
 
@@ -54,6 +53,9 @@ const GW: u32 = 512u;
 const COLS: u32 = 128u;
 const MAXR: u32 = 64u;
 override R: u32 = 32u;
+// The conv's taps (an override for the same reason as R: the taps' loads unrolled and issued
+// together, not one round trip each).
+override KC: u32 = 4u;
 // Key values of a chunk's tokens: 8 tokens of dk <= 128, 4 of dk <= 256.
 const KV: u32 = 1024u;
 const TMAX: u32 = 8u;
@@ -105,22 +107,27 @@ fn softplus(x: f32) -> f32 {
     return log(u) * e / (u - 1.0);
 }
 
-// silu(conv) of channel ch at the frame's row t: taps over the positions t - kc + 1 .. t (the
+// silu(conv) of channel ch at the frame's row t: taps over the positions t - KC + 1 .. t (the
 // ones before the frame from the ring, zero before the sequence), in tap order.
 fn conv_at(ch: u32, t: u32) -> f32 {
-    let wo = 2u * P.hv + P.dv + ch * P.kc;
+    let wo = 2u * P.hv + P.dv + ch * KC;
     let p0 = F.past + t;
-    var acc = 0.0;
-    for (var j = 0u; j < P.kc; j++) {
-        // Position p0 + j - (kc - 1), as an offset that cannot go below zero.
+    // KC <= 8 (the host checks).
+    var xs: array<f32, 8>;
+    for (var j = 0u; j < KC; j++) {
+        // Position p0 + j - (KC - 1), as an offset that cannot go below zero.
         let q = p0 + j;
         var x = 0.0;
-        if (q >= F.past + P.kc - 1u) {
-            x = qkv[(F.row0 + q - F.past - (P.kc - 1u)) * P.c + ch];
-        } else if (q >= P.kc - 1u) {
-            x = cring[((q - (P.kc - 1u)) % P.ring) * P.c + ch];
+        if (q >= F.past + KC - 1u) {
+            x = qkv[(F.row0 + q - F.past - (KC - 1u)) * P.c + ch];
+        } else if (q >= KC - 1u) {
+            x = cring[((q - (KC - 1u)) % P.ring) * P.c + ch];
         }
-        acc += vecs[wo + j] * x;
+        xs[j] = x;
+    }
+    var acc = 0.0;
+    for (var j = 0u; j < KC; j++) {
+        acc += vecs[wo + j] * xs[j];
     }
     return silu(acc);
 }
