@@ -156,51 +156,32 @@ fn routing_at_the_release_expert_count_matches_a_stable_sort() {
     }
 }
 
-/// f64 reference of GDN's conv and gated delta rule (gdn_recur's contract, the CPU forward's
-/// math) for `t` tokens from zero history: returns the gated, normalised outputs `[t, hv*dv]`
-/// and advances `st`. `vecs` is `a_log | dt_bias | norm | conv weights [c, kc]`.
+/// f64 reference of the gated delta rule (gdn_recur's contract, the CPU forward's math) for
+/// `t` tokens: returns the gated, normalised outputs `[t, hv*dv]` and advances `st`.
 #[allow(clippy::too_many_arguments)]
 fn gdn_f64(
-    qkv: &[f32],
+    conv: &[f32],
     z: &[f32],
     b: &[f32],
     a: &[f32],
     vecs: &[f32],
     st: &mut [f64],
-    dims: [usize; 6],
+    dims: [usize; 5],
     eps: f64,
 ) -> Vec<f64> {
-    let [t, hk, hv, dk, dv, kc] = dims;
+    let [t, hk, hv, dk, dv] = dims;
     let key_dim = hk * dk;
     let c = 2 * key_dim + hv * dv;
-    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
-    let wc = &vecs[2 * hv + dv..];
-    let conv: Vec<f64> = (0..t * c)
-        .map(|x| {
-            let (r, ch) = (x / c, x % c);
-            let acc: f64 = (0..kc)
-                .map(|j| {
-                    let p = r as i64 + j as i64 - (kc as i64 - 1);
-                    let v = if p < 0 {
-                        0.0
-                    } else {
-                        qkv[p as usize * c + ch] as f64
-                    };
-                    wc[ch * kc + j] as f64 * v
-                })
-                .sum();
-            acc * sig(acc)
-        })
-        .collect();
     let mut out = vec![0f64; t * hv * dv];
+    let sig = |x: f64| 1.0 / (1.0 + (-x).exp());
     for h in 0..hv {
         let kh = h / (hv / hk);
         let s = &mut st[h * dk * dv..(h + 1) * dk * dv];
         for r in 0..t {
             let row = &conv[r * c..(r + 1) * c];
-            let norm = |x: &[f64]| {
-                let n = x.iter().map(|v| v * v).sum::<f64>() + 1e-6;
-                x.iter().map(|v| v / n.sqrt()).collect::<Vec<f64>>()
+            let norm = |x: &[f32]| {
+                let n = x.iter().map(|&v| v as f64 * v as f64).sum::<f64>() + 1e-6;
+                x.iter().map(|&v| v as f64 / n.sqrt()).collect::<Vec<f64>>()
             };
             let q: Vec<f64> = norm(&row[kh * dk..(kh + 1) * dk])
                 .iter()
@@ -216,7 +197,7 @@ fn gdn_f64(
             let mut o = vec![0f64; dv];
             for j in 0..dv {
                 let sk: f64 = (0..dk).map(|i| s[i * dv + j] * k[i]).sum();
-                let delta = (v[j] - sk) * beta;
+                let delta = (v[j] as f64 - sk) * beta;
                 for i in 0..dk {
                     s[i * dv + j] += k[i] * delta;
                 }
@@ -234,29 +215,26 @@ fn gdn_f64(
 }
 
 #[test]
-fn gdn_conv_and_recurrence_over_any_frames_match_f64_and_each_other_bit_for_bit() {
+fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_for_bit() {
     let Some(ctx) = ctx() else { return };
     // Release heads (128) and the widest key heads the kernel takes (256, half the tokens
-    // per chunk), and odd sizes; 12 tokens as one frame (more than one chunk), as frames of
-    // 5, 5 and 2 and as 12 frames of one row (the conv's earlier inputs then come from its
-    // ring, which wraps: it holds K - 1 + the longest frame's rows).
+    // per chunk); 12 tokens: more than one chunk either way.
     for (dk, dv) in [(128usize, 128usize), (256, 128), (24, 40)] {
-        let (t, hk, hv, kc) = (12usize, 2usize, 4usize, 4usize);
+        let (t, hk, hv) = (12usize, 2usize, 4usize);
         let key_dim = hk * dk;
         let c = 2 * key_dim + hv * dv;
         let eps = 1e-6f32;
         let mut r = rng(dk as u64 + 17);
-        let qkv: Vec<f32> = (0..t * c).map(|_| r()).collect();
+        let conv: Vec<f32> = (0..t * c).map(|_| r()).collect();
         let z: Vec<f32> = (0..t * hv * dv).map(|_| 2.0 * r()).collect();
         let b: Vec<f32> = (0..t * hv).map(|_| 2.0 * r()).collect();
         let a: Vec<f32> = (0..t * hv).map(|_| r()).collect();
         let mut vecs: Vec<f32> = (0..2 * hv).map(|_| 0.5 * r()).collect();
         vecs.extend((0..dv).map(|_| 1.0 + 0.2 * r()));
-        vecs.extend((0..c * kc).map(|_| r()));
         let s0: Vec<f32> = (0..hv * dk * dv).map(|_| 0.1 * r()).collect();
         let frame = graph::frame_buffer(ctx);
         let bufs: Vec<wgpu::Buffer> = [
-            ("qkv", &qkv),
+            ("conv", &conv),
             ("z", &z),
             ("b", &b),
             ("a", &a),
@@ -265,63 +243,52 @@ fn gdn_conv_and_recurrence_over_any_frames_match_f64_and_each_other_bit_for_bit(
         .iter()
         .map(|(l, d)| graph::upload_f32(ctx, l, d))
         .collect();
-        let run = |frames: &[usize]| -> (Vec<f32>, Vec<f32>) {
-            let longest = frames.iter().copied().max().unwrap_or(1);
-            let ring = kc - 1 + longest;
+        let run = |rows: usize| -> (Vec<f32>, Vec<f32>) {
             let s = graph::upload_f32(ctx, "state", &s0);
-            let cring = graph::storage(ctx, "conv ring", ring * c);
             let out = graph::storage(ctx, "out", t * hv * dv);
-            let mut start = 0;
-            for &rows in frames {
-                let p = [
-                    rows as u32,
-                    hk as u32,
-                    hv as u32,
-                    dk as u32,
-                    dv as u32,
-                    c as u32,
-                    key_dim as u32,
-                    0,
-                    eps.to_bits(),
-                    ring as u32,
-                ];
-                let ops = [
-                    &bufs[0], &cring, &bufs[1], &bufs[2], &bufs[3], &s, &bufs[4], &out,
-                ];
-                let mut g = Graph::new();
-                let r = [("R", dk.div_ceil(4) as f64), ("KC", kc as f64)];
-                g.op_with(ctx, Op::GdnRecur, &r, &p, &frame, &ops, (hv as u32, 1))
-                    .unwrap();
-                graph::write_frame(ctx, &frame, start as u32, (0, 0), start as u32);
+            let p = [
+                rows as u32,
+                hk as u32,
+                hv as u32,
+                dk as u32,
+                dv as u32,
+                c as u32,
+                key_dim as u32,
+                0,
+                eps.to_bits(),
+            ];
+            let ops = [&bufs[0], &bufs[1], &bufs[2], &bufs[3], &s, &bufs[4], &out];
+            let mut g = Graph::new();
+            let r = [("R", dk.div_ceil(4) as f64)];
+            g.op_with(ctx, Op::GdnRecur, &r, &p, &frame, &ops, (hv as u32, 1))
+                .unwrap();
+            for row0 in (0..t).step_by(rows) {
+                graph::write_frame(ctx, &frame, 0, (0, 0), row0 as u32);
                 run_and_read(ctx, &g, &out, 1);
-                start += rows;
             }
             (
-                run_and_read(ctx, &Graph::new(), &out, t * hv * dv),
-                run_and_read(ctx, &Graph::new(), &s, hv * dk * dv),
+                run_and_read_no_run(ctx, &out, t * hv * dv),
+                run_and_read_no_run(ctx, &s, hv * dk * dv),
             )
         };
-        let (whole, s_whole) = run(&[t]);
-        for frames in [vec![5, 5, 2], vec![1; t]] {
-            let (got, s_got) = run(&frames);
-            assert!(
-                whole
-                    .iter()
-                    .zip(&got)
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "dk {dk}: a frame of {t} differs from frames of {frames:?}"
-            );
-            assert!(
-                s_whole
-                    .iter()
-                    .zip(&s_got)
-                    .all(|(x, y)| x.to_bits() == y.to_bits()),
-                "dk {dk}: states differ with frames of {frames:?}"
-            );
-        }
+        let (whole, s_whole) = run(t);
+        let (one, s_one) = run(1);
+        assert!(
+            whole
+                .iter()
+                .zip(&one)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "dk {dk}: a frame of {t} differs from {t} frames of one token"
+        );
+        assert!(
+            s_whole
+                .iter()
+                .zip(&s_one)
+                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            "dk {dk}: states differ"
+        );
         let mut st: Vec<f64> = s0.iter().map(|&v| v as f64).collect();
-        let dims = [t, hk, hv, dk, dv, kc];
-        let want = gdn_f64(&qkv, &z, &b, &a, &vecs, &mut st, dims, 1e-6);
+        let want = gdn_f64(&conv, &z, &b, &a, &vecs, &mut st, [t, hk, hv, dk, dv], 1e-6);
         for (i, (&g, &w)) in whole.iter().zip(&want).enumerate() {
             assert!(
                 (g as f64 - w).abs() <= 2e-4 * (1.0 + w.abs()),
@@ -335,4 +302,9 @@ fn gdn_conv_and_recurrence_over_any_frames_match_f64_and_each_other_bit_for_bit(
             );
         }
     }
+}
+
+/// Reads `count` floats of `buf` back without running anything.
+fn run_and_read_no_run(ctx: &GpuContext, buf: &wgpu::Buffer, count: usize) -> Vec<f32> {
+    run_and_read(ctx, &Graph::new(), buf, count)
 }

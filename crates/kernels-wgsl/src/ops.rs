@@ -55,7 +55,9 @@ ops! {
     HcCombine => "hc_combine",
     /// The hyper-connection injection.
     HcInject => "hc_inject",
-    /// GDN causal conv, gated delta rule and gated norm.
+    /// GDN causal conv.
+    GdnConv => "gdn_conv",
+    /// GDN gated delta rule + gated norm.
     GdnRecur => "gdn_recur",
     /// Per-head norm / RoPE / copy into a cache.
     HeadPrep => "head_prep",

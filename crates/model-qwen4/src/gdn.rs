@@ -191,7 +191,8 @@ pub struct GdnGpu {
     /// The four projections' column scales, in the order qkv, z, b, a (q8_2f on the int8
     /// path, `ba` one matrix): one quantiser for all four.
     table: Option<wgpu::Buffer>,
-    /// `a_log [Hv] | dt_bias [Hv] | norm [dv] | conv weights [C, K]`.
+    conv: wgpu::Buffer,
+    /// `a_log [Hv] | dt_bias [Hv] | norm [dv]`.
     vecs: wgpu::Buffer,
     out: Arc<GpuMatrix>,
 }
@@ -202,7 +203,6 @@ impl GdnGpu {
         let mut vecs = w.a_log.to_vec();
         vecs.extend_from_slice(&w.dt_bias);
         vecs.extend_from_slice(&w.norm);
-        vecs.extend_from_slice(&w.conv);
         let ba = dev.two(&w.in_b, &w.in_a)?;
         let table = match &ba {
             TwoMats::One { table: Some(_), .. } => gpu_runtime::ops::act8::col_scale_table_host(
@@ -216,20 +216,14 @@ impl GdnGpu {
             in_z: dev.mat(&w.in_z)?,
             ba,
             table,
+            conv: dev.vec(w.conv.name(), &w.conv),
             vecs: dev.vec("gdn vectors", &vecs),
             out: dev.mat(&w.out)?,
         })
     }
 }
 
-/// Rows of a GDN layer's conv ring on the device: the conv's `K-1` earlier inputs and a
-/// frame's rows, so that a frame writes its inputs into slots no part of it reads.
-pub fn conv_ring_rows(c: &Qwen4ExpTextConfig) -> usize {
-    c.linear_conv_kernel_dim - 1 + quant_codecs::MAX_BATCH
-}
-
-/// A GDN layer's sequence state on the device: the conv's inputs in a ring indexed by
-/// position (`[conv_ring_rows, C]`; the CPU keeps the last `K-1` in order) and the recurrent
+/// A GDN layer's sequence state on the device: the conv ring `[K-1, C]` and the recurrent
 /// state `[Hv, dk, dv]`, both zero at the start (as the CPU state's empty vectors).
 pub struct GdnDeviceState {
     /// Conv ring.
@@ -245,7 +239,7 @@ impl GdnDeviceState {
         let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
         let cdim = 2 * hk * dk + hv * dv;
         GdnDeviceState {
-            conv: storage(ctx, "gdn conv ring", conv_ring_rows(c) * cdim),
+            conv: storage(ctx, "gdn conv state", (c.linear_conv_kernel_dim - 1) * cdim),
             s: storage(ctx, "gdn state", hv * dk * dv),
         }
     }
@@ -260,9 +254,9 @@ pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
             c.linear_key_head_dim, c.linear_value_head_dim
         ));
     }
-    if !(1..=8).contains(&c.linear_conv_kernel_dim) {
+    if c.linear_conv_kernel_dim - 1 + quant_codecs::MAX_BATCH > 48 {
         return Err(format!(
-            "linear_conv_kernel_dim {} outside 1..=8 (the device conv's taps)",
+            "linear_conv_kernel_dim {} too long for the device conv",
             c.linear_conv_kernel_dim
         ));
     }
@@ -283,7 +277,7 @@ pub fn encode<'a>(
     let key_dim = hk * dk;
     let cdim = 2 * key_dim + hv * dv;
     let s = e.s;
-    let [qkv, z, b, a, _, o, ..] = &s.w;
+    let [qkv, z, b, a, conv, o, ..] = &s.w;
     // b and a in one dispatch where they are one matrix; with q8_2f on the int8 path one
     // quantiser makes all four projections' activations.
     match (&w.ba, &w.table) {
@@ -322,14 +316,12 @@ pub fn encode<'a>(
     for part in parts {
         let st = part.state;
         e.with_frame(part.frame, |e| {
-            let ring = conv_ring_rows(c);
-            if part.rows + c.linear_conv_kernel_dim - 1 > ring {
-                return Err(GpuError::BadLength {
-                    what: "GDN frame rows (the conv ring's)",
-                    expected: ring + 1 - c.linear_conv_kernel_dim,
-                    found: part.rows,
-                });
-            }
+            let p = [
+                part.rows as u32,
+                cdim as u32,
+                c.linear_conv_kernel_dim as u32,
+            ];
+            e.op_lanes(Op::GdnConv, &p, &[qkv, &w.conv, &st.conv, conv], cdim)?;
             let p = [
                 part.rows as u32,
                 hk as u32,
@@ -340,13 +332,12 @@ pub fn encode<'a>(
                 key_dim as u32,
                 gate_silu,
                 (c.rms_norm_eps as f32).to_bits(),
-                ring as u32,
             ];
             e.op_with(
                 Op::GdnRecur,
-                &[("R", rows), ("KC", c.linear_conv_kernel_dim as f64)],
+                &[("R", rows)],
                 &p,
-                &[qkv, &st.conv, z, b, a, &st.s, &w.vecs, o],
+                &[conv, z, b, a, &st.s, &w.vecs, o],
                 (hv as u32, 1),
             )
         })?;

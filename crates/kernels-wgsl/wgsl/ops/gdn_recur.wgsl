@@ -1,22 +1,14 @@
-// Gated DeltaNet's causal depthwise conv + SiLU over q|k|v and the gated delta rule, one
-// value head per workgroup over the frame's T tokens in order, the [dk, dv] state held in
-// registers for the whole frame (read once, written once): lane (part, j) owns value column j
-// and rows part*R .. part*R + R of it (R = ceil(dk / 4)), so the per-token sums over dk are
-// four partial sums added in a fixed order. R is an override set by the host to ceil(dk / 4):
-// constant loop bounds let the driver unroll the row loops and keep `st` in registers (with
-// runtime bounds it lived in local memory).
+// The gated delta rule of one value head per workgroup over the frame's T tokens in order, the
+// [dk, dv] state held in registers for the whole frame (read once, written once): lane
+// (part, j) owns value column j and rows part*R .. part*R + R of it (R = ceil(dk / 4)), so the
+// per-token sums over dk are four partial sums added in a fixed order. R is an override set by
+// the host to ceil(dk / 4): constant loop bounds let the driver unroll the row loops and keep
+// `st` in registers (with runtime bounds it lived in local memory).
 // `q, k = l2norm`, `q /= sqrt(dk)`, `S *= exp(g)`, `delta = beta (v - S^T k)`, `S += k delta^T`,
 // `o = S^T q`, then the gated RMSNorm `o = w * norm(o) * act(z)`.
 //
-// The conv's inputs (the projections before it) are kept in a ring of `ring` rows indexed by
-// position: the rows before the frame come from the ring, the frame's own from `qkv`, and the
-// frame's rows go into the ring's slots of their positions, which no workgroup reads in this
-// frame (ring >= K - 1 + T). A value head's workgroup computes the conv of the channels it
-// reads (its key head's q and k, its v); the first value head of a key head writes the q and k
-// channels into the ring, every head its v channels.
-//
 // Only the state update is sequential in the tokens. Everything that does not read the state
-// (the conv, the q/k norms, beta and the decay, the output's gated RMSNorm) is done for a
+// (the q/k norms, beta and the decay, the v column, the output norm and gate) is done for a
 // chunk of up to 8 tokens at once, outside the token loop: the loop is two cross-part sums a
 // token. Every sum is added in the order a 512-lane tree over the lanes' values adds it (a
 // tree of the smallest power-of-two width that holds the values: the wider rounds only add
@@ -31,31 +23,23 @@ struct Params {
     key_dim: u32,
     gate_silu: u32,
     eps: u32,
-    // The conv ring's rows.
-    ring: u32,
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
-// The projections q|k|v before the conv, [T, c].
-@group(0) @binding(2) var<storage, read_write> qkv: array<f32>;
-// The conv's ring of inputs, [ring, c].
-@group(0) @binding(3) var<storage, read_write> cring: array<f32>;
-@group(0) @binding(4) var<storage, read_write> z: array<f32>;
-@group(0) @binding(5) var<storage, read_write> bb: array<f32>;
-@group(0) @binding(6) var<storage, read_write> aa: array<f32>;
-@group(0) @binding(7) var<storage, read_write> s: array<f32>;
-// a_log [hv] | dt_bias [hv] | norm weight [dv] | conv weights [c, KC]
-@group(0) @binding(8) var<storage, read_write> vecs: array<f32>;
-@group(0) @binding(9) var<storage, read_write> out: array<f32>;
+@group(0) @binding(2) var<storage, read_write> conv: array<f32>;
+@group(0) @binding(3) var<storage, read_write> z: array<f32>;
+@group(0) @binding(4) var<storage, read_write> bb: array<f32>;
+@group(0) @binding(5) var<storage, read_write> aa: array<f32>;
+@group(0) @binding(6) var<storage, read_write> s: array<f32>;
+// a_log [hv] | dt_bias [hv] | norm weight [dv]
+@group(0) @binding(7) var<storage, read_write> vecs: array<f32>;
+@group(0) @binding(8) var<storage, read_write> out: array<f32>;
 
 // Lanes: 4 parts of up to 128 value columns.
 const GW: u32 = 512u;
 const COLS: u32 = 128u;
 const MAXR: u32 = 64u;
 override R: u32 = 32u;
-// The conv's taps (an override for the same reason as R: the taps' loads unrolled and issued
-// together, not one round trip each).
-override KC: u32 = 4u;
 // Key values of a chunk's tokens: 8 tokens of dk <= 128, 4 of dk <= 256.
 const KV: u32 = 1024u;
 const TMAX: u32 = 8u;
@@ -107,31 +91,6 @@ fn softplus(x: f32) -> f32 {
     return log(u) * e / (u - 1.0);
 }
 
-// silu(conv) of channel ch at the frame's row t: taps over the positions t - KC + 1 .. t (the
-// ones before the frame from the ring, zero before the sequence), in tap order.
-fn conv_at(ch: u32, t: u32) -> f32 {
-    let wo = 2u * P.hv + P.dv + ch * KC;
-    let p0 = F.past + t;
-    // KC <= 8 (the host checks).
-    var xs: array<f32, 8>;
-    for (var j = 0u; j < KC; j++) {
-        // Position p0 + j - (KC - 1), as an offset that cannot go below zero.
-        let q = p0 + j;
-        var x = 0.0;
-        if (q >= F.past + KC - 1u) {
-            x = qkv[(F.row0 + q - F.past - (KC - 1u)) * P.c + ch];
-        } else if (q >= KC - 1u) {
-            x = cring[((q - (KC - 1u)) % P.ring) * P.c + ch];
-        }
-        xs[j] = x;
-    }
-    var acc = 0.0;
-    for (var j = 0u; j < KC; j++) {
-        acc += vecs[wo + j] * xs[j];
-    }
-    return silu(acc);
-}
-
 // The smallest power of two >= n (at least 1).
 fn pow2(n: u32) -> u32 {
     var w = 1u;
@@ -164,21 +123,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
     }
-    // The frame's inputs into the ring: slots no workgroup reads in this frame.
-    let first = h % (P.hv / P.hk) == 0u;
-    for (var x = li; x < P.t * (2u * P.dk + P.dv); x += GW) {
-        let t = x / (2u * P.dk + P.dv);
-        let i = x - t * (2u * P.dk + P.dv);
-        var ch = P.key_dim + kh * P.dk + (i - P.dk);
-        if (i < P.dk) {
-            ch = kh * P.dk + i;
-        } else if (i >= 2u * P.dk) {
-            ch = 2u * P.key_dim + h * P.dv + (i - 2u * P.dk);
-        }
-        if (first || i >= 2u * P.dk) {
-            cring[((F.past + t) % P.ring) * P.c + ch] = qkv[(F.row0 + t) * P.c + ch];
-        }
-    }
     for (var t0 = 0u; t0 < P.t; t0 += tc) {
         let n = min(tc, P.t - t0);
         // The chunk's q, k (their squares into the trees), v, beta and decay, all at once.
@@ -188,8 +132,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             var q = 0.0;
             var k = 0.0;
             if (i < P.dk) {
-                q = conv_at(kh * P.dk + i, t0 + t);
-                k = conv_at(P.key_dim + kh * P.dk + i, t0 + t);
+                let r = F.row0 + t0 + t;
+                q = conv[r * P.c + kh * P.dk + i];
+                k = conv[r * P.c + P.key_dim + kh * P.dk + i];
             }
             qs[x] = q;
             ks[x] = k;
@@ -200,7 +145,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let t = x / COLS;
             let jj = x - t * COLS;
             if (jj < P.dv) {
-                vo[x] = conv_at(2u * P.key_dim + h * P.dv + jj, t0 + t);
+                let r = F.row0 + t0 + t;
+                vo[x] = conv[r * P.c + 2u * P.key_dim + h * P.dv + jj];
             }
         }
         if (li < n) {
