@@ -320,7 +320,6 @@ pub fn grouped_experts(
             k,
             plan(gate_up.rows),
             crate::Epilogue::SiluGateUp,
-            None,
         )?;
         let dn = crate::ops::experts::prepare_grouped(
             ctx,
@@ -333,7 +332,6 @@ pub fn grouped_experts(
             1,
             plan(down.rows),
             crate::Epilogue::None,
-            None,
         )?;
         ran = gu.path;
         steps.push((gu, dn));

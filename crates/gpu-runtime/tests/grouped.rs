@@ -58,7 +58,6 @@ fn run(
         k,
         plan,
         epilogue,
-        None,
     )
     .unwrap();
     let mut enc = ctx

@@ -425,63 +425,6 @@ fn one_quantiser_shared_by_q8_2f_matrices_gives_their_own_results_bit_for_bit() 
     }
 }
 
-/// A shared quantiser with a plain member (a matrix of another codec beside the q8_2f ones):
-/// the plain member's codes and block pairs are a standalone quantiser's in its layout, and the
-/// scaled members' are those of the same quantiser without it, all bit for bit.
-#[test]
-fn a_plain_member_beside_q8_2f_members_gets_its_own_layouts_codes_bit_for_bit() {
-    use gpu_runtime::ops::graph::upload_f32;
-    use gpu_runtime::readback::read_f32;
-    let Some(ctx) = ctx() else { return };
-    let arena = WeightArena::new(ctx);
-    let cols = 256;
-    let mats: Vec<_> = [(48, 41), (32, 42)]
-        .iter()
-        .map(|&(rows, seed)| upload(ctx, &arena, DType::Q8_2f, rows, cols, seed).1)
-        .collect();
-    let refs: Vec<&gpu_runtime::GpuMatrix> = mats.iter().map(|m| &**m).collect();
-    let table = act8::col_scale_table(ctx, &refs).expect("q8_2f matrices of one width");
-    let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
-    let read = |a: &act8::ActBuffers| {
-        let blocks = a.nt * a.cols / 32;
-        (
-            bits(read_f32(ctx, &a.xq, a.xq_offset, blocks * 8).unwrap()),
-            bits(read_f32(ctx, &a.xd, a.xd_offset, blocks * 2).unwrap()),
-        )
-    };
-    let run = |step: &gpu_runtime::ops::matvec::Step| {
-        let mut enc = ctx.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = enc.begin_compute_pass(&Default::default());
-            step.record(&mut pass);
-        }
-        ctx.queue.submit([enc.finish()]);
-    };
-    for nt in [1, 8] {
-        let xs = hard_activations(nt, cols);
-        let x = upload_f32(ctx, "x", &xs);
-        let natural = ActLayout::Natural;
-        for plain in [ActLayout::Pairs, ActLayout::Quads, ActLayout::Natural] {
-            let (step, with) =
-                act8::prepare_shared(ctx, &x, nt, cols, natural, &table, 2, Some(plain)).unwrap();
-            run(&step);
-            let (step, without) =
-                act8::prepare_shared(ctx, &x, nt, cols, natural, &table, 2, None).unwrap();
-            run(&step);
-            assert_eq!(with.len(), 3);
-            assert_eq!(with[2].layout, plain);
-            let alone = act8::quantize(ctx, &xs, cols, plain).unwrap();
-            let (q, d) = read(&with[2]);
-            assert_eq!(q, alone.0, "{plain:?} codes, {nt} rows");
-            let pairs: Vec<u32> = alone.1.iter().flatten().copied().collect();
-            assert_eq!(d, pairs, "{plain:?} block pairs, {nt} rows");
-            for m in 0..2 {
-                assert_eq!(read(&with[m]), read(&without[m]), "member {m}, {plain:?}");
-            }
-        }
-    }
-}
-
 /// Two matrices of one shape uploaded as one (`concat_rows`) and run in one dispatch with a
 /// shared quantiser's two members: each half's sums are its own matrix's, bit for bit (the
 /// same lanes, the same order, each half's activations scaled by its own column scales), for

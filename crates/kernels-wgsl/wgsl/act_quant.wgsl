@@ -13,8 +13,7 @@
 // Several q8_2f matrices that read the same activations are quantised by one dispatch: member
 // m (the workgroups past the first nt * cols / 32 blocks) takes its column scales at
 // `col_scales + m * cs_stride` bytes of binding 1 (a table of the members' scales) and writes
-// its codes `m * q_stride` words and its block pairs `m * d_stride` pairs into the outputs. A
-// last `plain` member (a matrix of another codec) takes no column scales and its own layout.
+// its codes `m * q_stride` words and its block pairs `m * d_stride` pairs into the outputs.
 
 struct QParams {
     cols: u32,
@@ -29,9 +28,7 @@ struct QParams {
     // The grouped entry: slots per activation row, and bytes per expert in the bank.
     x_div: u32,
     slot_bytes: u32,
-    // 0, or 1 + the layout of a last member without column scales (a matrix of another codec
-    // reading the same activations).
-    plain: u32,
+    _pad2: u32,
 }
 
 @group(0) @binding(0) var<storage, read> xin: array<f32>;
@@ -86,16 +83,16 @@ fn code(xb: u32, a: vec2<u32>) -> u32 {
     return u32(c) & 0xffu;
 }
 
-// Where element e (0..31) of a block goes in layout `mode`: word * 4 + byte.
-fn slot(e: u32, mode: u32) -> u32 {
-    if (mode == 1u) {
+// Where element e (0..31) of a block goes: word * 4 + byte.
+fn slot(e: u32) -> u32 {
+    if (Q.mode == 1u) {
         // pairs: element 8k + 2j + h -> word 2k + h, byte j
         let k = e >> 3u;
         let h = e & 1u;
         let j = (e & 7u) >> 1u;
         return (2u * k + h) * 4u + j;
     }
-    if (mode == 2u) {
+    if (Q.mode == 2u) {
         // quads: element 16k + 4j + jj -> word 4k + jj, byte j
         let k = e >> 4u;
         let jj = e & 3u;
@@ -117,13 +114,10 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let t = id / max(blocks, 1u);
     let b = id - t * blocks;
     var base = 0xffffffffu;
-    var mode = Q.mode;
-    if (Q.plain != 0u && member + 1u == max(Q.members, 1u)) {
-        mode = Q.plain - 1u;
-    } else if (Q.col_scales != 0xffffffffu) {
+    if (Q.col_scales != 0xffffffffu) {
         base = Q.col_scales + member * Q.cs_stride;
     }
-    quantise(e, valid, t, b, base, mode, member * Q.q_stride + id * 8u, member * Q.d_stride + id);
+    quantise(e, valid, t, b, base, member * Q.q_stride + id * 8u, member * Q.d_stride + id);
 }
 
 // The grouped experts' q8_2f activations: slot s (`Q.members` of them) quantises activation
@@ -146,16 +140,14 @@ fn act_quant_grouped(
         s / max(Q.x_div, 1u),
         b,
         expert * Q.slot_bytes + Q.col_scales,
-        Q.mode,
         flat * 8u,
         flat,
     );
 }
 
 // Block b of activation row t (scaled by the column scales at byte `base` unless it is
-// 0xffffffff) into 8 code words in layout `mode` at word `oq` of xq_out and its (d, sum) at
-// pair `od` of xd_out.
-fn quantise(e: u32, valid: bool, t: u32, b: u32, base: u32, mode: u32, oq: u32, od: u32) {
+// 0xffffffff) into 8 code words at word `oq` of xq_out and its (d, sum) at pair `od` of xd_out.
+fn quantise(e: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od: u32) {
     if (e == 0u) {
         atomicStore(&w_amax, 0u);
         atomicStore(&w_sum, 0i);
@@ -179,7 +171,7 @@ fn quantise(e: u32, valid: bool, t: u32, b: u32, base: u32, mode: u32, oq: u32, 
     if (valid && amax != 0u && amax < 0x7f800000u) {
         c = code(bits, split_mag(amax));
     }
-    let s = slot(e, mode);
+    let s = slot(e);
     atomicOr(&w_words[s >> 2u], c << ((s & 3u) * 8u));
     atomicAdd(&w_sum, bitcast<i32>(c << 24u) >> 24u);
     workgroupBarrier();

@@ -6,11 +6,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-use gpu_runtime::ops::act8::ActBuffers;
 use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::ops::graph::{self, Graph, Member, lanes_grid};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, Path, WeightArena};
-use kernels_wgsl::{ActLayout, Op};
+use kernels_wgsl::Op;
 use model_core::bind::Mat;
 use quant_codecs::ops::ActChoice;
 use quant_codecs::{ActPath, DType, MAX_BATCH};
@@ -471,24 +470,6 @@ impl<'a> Enc<'a> {
         x_div: usize,
         epilogue: Epilogue,
     ) -> Result<(), GpuError> {
-        self.grouped_on(bank, x, x_rows, ids, y, slots, x_div, epilogue, None)
-    }
-
-    /// [`Enc::grouped`] on activations a shared quantiser made (`acts`, in
-    /// [`Enc::grouped_act_layout`]), or quantising its own where `None`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn grouped_on(
-        &mut self,
-        bank: &ExpertBank,
-        x: &wgpu::Buffer,
-        x_rows: usize,
-        ids: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        slots: usize,
-        x_div: usize,
-        epilogue: Epilogue,
-        acts: Option<&ActBuffers>,
-    ) -> Result<(), GpuError> {
         let path = self.dev.path(bank.dtype);
         self.g.grouped(
             &self.dev.ctx,
@@ -501,47 +482,7 @@ impl<'a> Enc<'a> {
             x_div,
             path,
             epilogue,
-            acts,
         )
-    }
-
-    /// The int8 layout in which `bank`'s grouped kernels take activations quantised once per
-    /// row (what [`Enc::quantise_shared`] can make beside q8_2f members), if they do.
-    pub fn grouped_act_layout(&self, bank: &ExpertBank) -> Option<ActLayout> {
-        let path = self.dev.path(bank.dtype);
-        gpu_runtime::ops::experts::shared_act_layout(&self.dev.ctx, bank, path)
-    }
-
-    /// One quantiser dispatch of `x` for `members` q8_2f matrices (column scales in `table`)
-    /// and, with `plain`, one matrix of another codec: see `Graph::quantise_shared`.
-    pub fn quantise_shared(
-        &mut self,
-        x: &wgpu::Buffer,
-        nt: usize,
-        cols: usize,
-        table: &wgpu::Buffer,
-        members: usize,
-        plain: Option<ActLayout>,
-    ) -> Result<Vec<ActBuffers>, GpuError> {
-        let ctx = &self.dev.ctx;
-        self.g
-            .quantise_shared(ctx, x, nt, cols, table, members, plain)
-    }
-
-    /// A two-matrix epilogue on activations [`Enc::quantise_shared`] made.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matvec_two_on(
-        &mut self,
-        m: &GpuMatrix,
-        acts: [&ActBuffers; 2],
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        aux: Option<&wgpu::Buffer>,
-        nt: usize,
-        epilogue: Epilogue,
-    ) -> Result<(), GpuError> {
-        let ctx = &self.dev.ctx;
-        self.g.matvec_two_on(ctx, m, acts, x, y, aux, nt, epilogue)
     }
 
     /// An op kernel over `grid` workgroups.

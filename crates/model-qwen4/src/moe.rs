@@ -10,7 +10,6 @@ use crate::config::Qwen4ExpTextConfig;
 use crate::device::{Device, Enc, TwoMats};
 use crate::expert_cache::{Admission, CachePolicy, LayerCache};
 use crate::weights::MoeWeights;
-use gpu_runtime::ops::act8::ActBuffers;
 use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::ops::graph::Break;
 use gpu_runtime::staging::{Staged, StagingRing};
@@ -362,34 +361,6 @@ pub fn encode(
     let (d, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
     let s = e.s;
     let [rl, pr, rw, hm, eo, sg, su, _] = &s.w;
-    // The shared expert's gate/up pair (q8_2f) and the routed experts' gate/up (another codec
-    // on the int8 path) read the same activations: one quantiser dispatch for all three.
-    let bank_gate_up = match &w.routed {
-        Routed::Banks(b) => Some(&b.0),
-        Routed::Partial { banks: Some(b), .. } => Some(&b.0),
-        _ => None,
-    };
-    let merge = match (&w.sh_gate_up, bank_gate_up) {
-        (TwoMats::One { m, table: Some(t) }, Some(bank)) if m.cols == bank.cols => {
-            e.grouped_act_layout(bank).map(|l| (m, t, l))
-        }
-        _ => None,
-    };
-    let gate_up_two = |e: &mut Enc<'_>, m: &GpuMatrix, a: &[ActBuffers]| {
-        e.matvec_two_on(m, [&a[0], &a[1]], &s.u, hm, None, nt, Epilogue::GateUpTwo)
-    };
-    // All resident: the quantiser and then at once the shared expert's gate/up, while its codes
-    // are fresh in the cache (after the routed experts' 28 MB it ran slower: a frame of 8
-    // rows' pair 26.9 -> 34.3 us on the H200). With experts on the CPU the quantiser waits
-    // until after the readback, off the span the cold experts wait for.
-    let mut shared = None;
-    let mut shared_done = false;
-    if let (Routed::Banks(_), Some((m, t, l))) = (&w.routed, merge) {
-        let a = e.quantise_shared(&s.u, nt, m.cols, t, 2, Some(l))?;
-        gate_up_two(e, m, &a)?;
-        shared = Some(a);
-        shared_done = true;
-    }
     e.matvec(&w.router, &s.u, rl, nt, Epilogue::None)?;
     // The route kernel holds a row's probabilities and its picks in workgroup memory.
     for (what, max, found) in [
@@ -416,9 +387,7 @@ pub fn encode(
             let (gate_up, down) = &**banks;
             let slots = nt * k;
             let (ids, mid, xo) = (&s.slot_ids, &s.expert_mid, &s.expert_out);
-            let acts = shared.as_ref().map(|a| &a[2]);
-            let gu = Epilogue::SiluGateUp;
-            e.grouped_on(gate_up, &s.u, nt, ids, mid, slots, k, gu, acts)?;
+            e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
             e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
         }
         Routed::Partial { banks, slot_of, .. } => {
@@ -429,12 +398,7 @@ pub fn encode(
             if let Some(banks) = banks {
                 let (gate_up, down) = &**banks;
                 let (ids, mid, xo) = (&s.bank_ids, &s.expert_mid, &s.expert_out);
-                if let Some((m, t, l)) = merge {
-                    shared = Some(e.quantise_shared(&s.u, nt, m.cols, t, 2, Some(l))?);
-                }
-                let acts = shared.as_ref().map(|a| &a[2]);
-                let gu = Epilogue::SiluGateUp;
-                e.grouped_on(gate_up, &s.u, nt, ids, mid, slots, k, gu, acts)?;
+                e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
                 e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
             }
         }
@@ -454,13 +418,11 @@ pub fn encode(
         }
     }
     // The shared expert's gate and up: one dispatch where they are one matrix.
-    match (&w.sh_gate_up, &shared) {
-        _ if shared_done => {}
-        (TwoMats::One { m, .. }, Some(a)) => gate_up_two(e, m, a)?,
-        (TwoMats::One { m, table }, None) => {
+    match &w.sh_gate_up {
+        TwoMats::One { m, table } => {
             e.matvec_two(m, table.as_ref(), &s.u, hm, None, nt, Epilogue::GateUpTwo)?;
         }
-        (TwoMats::Apart(gate, up), _) => {
+        TwoMats::Apart(gate, up) => {
             e.matvecs(&[(&**gate, sg), (&**up, su)], &s.u, nt)?;
             e.map(2, 0, sg, su, hm, nt * gate.rows)?;
         }

@@ -212,15 +212,13 @@ pub fn prepare(
         });
     }
     let col = col_scales.map(|(b, off)| (b, off as u32, 0u32));
-    quantiser_step(ctx, x, acts, col, 1, [0, 0], 0)
+    quantiser_step(ctx, x, acts, col, 1, [0, 0])
 }
 
 /// The one dispatch quantising `x` for `members` q8_2f matrices of `cols` columns, each with
-/// its own column scales: `table` holds them one after another (f16, `2 * cols` bytes each),
-/// and with `plain` for one more matrix of another codec (no column scales, its own layout).
-/// Returns the step and each member's activations, the plain one last (views of two shared
-/// buffers at offsets the device's binding alignment allows).
-#[allow(clippy::too_many_arguments)]
+/// its own column scales: `table` holds them one after another (f16, `2 * cols` bytes each).
+/// Returns the step and each member's activations (views of two shared buffers at
+/// offsets the device's binding alignment allows).
 pub fn prepare_shared(
     ctx: &GpuContext,
     x: &wgpu::Buffer,
@@ -229,10 +227,7 @@ pub fn prepare_shared(
     layout: ActLayout,
     table: &wgpu::Buffer,
     members: usize,
-    plain: Option<ActLayout>,
 ) -> Result<(Step, Vec<ActBuffers>), GpuError> {
-    let scaled = members;
-    let members = scaled + usize::from(plain.is_some());
     let need = (nt * cols * 4) as u64;
     if x.size() < need {
         return Err(GpuError::BadLength {
@@ -266,16 +261,11 @@ pub fn prepare_shared(
     };
     let strides = [(qs / 4) as u32, (ds / 8) as u32];
     let col = Some((table, 0u32, (2 * cols) as u32));
-    let plain_word = plain.map_or(0, |l| l as u32 + 1);
-    let step = quantiser_step(ctx, x, &all, col, members, strides, plain_word)?;
-    let views = (0..members)
+    let step = quantiser_step(ctx, x, &all, col, members, strides)?;
+    let views = (0..members as u64)
         .map(|m| ActBuffers {
-            xq_offset: m as u64 * qs,
-            xd_offset: m as u64 * ds,
-            layout: match plain {
-                Some(l) if m == scaled => l,
-                _ => layout,
-            },
+            xq_offset: m * qs,
+            xd_offset: m * ds,
             ..all.clone()
         })
         .collect();
@@ -283,8 +273,7 @@ pub fn prepare_shared(
 }
 
 /// The quantiser dispatch: `col` the column scales' buffer, byte offset and per-member stride;
-/// `strides` the members' distance in code words and block pairs; `plain` 0 or 1 + the layout
-/// of a last member without column scales.
+/// `strides` the members' distance in code words and block pairs.
 fn quantiser_step(
     ctx: &GpuContext,
     x: &wgpu::Buffer,
@@ -292,7 +281,6 @@ fn quantiser_step(
     col: Option<(&wgpu::Buffer, u32, u32)>,
     members: usize,
     strides: [u32; 2],
-    plain: u32,
 ) -> Result<Step, GpuError> {
     let pipe = pipeline(ctx)?;
     // One workgroup per block of each member.
@@ -312,7 +300,7 @@ fn quantiser_step(
         members as u32,
         0,
         0,
-        plain,
+        0,
     ];
     let ubuf = params_buffer(ctx, "act_quant params", &params);
     let (bgl, _) = ctx.act_quant_layout();

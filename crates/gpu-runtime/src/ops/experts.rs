@@ -5,11 +5,10 @@
 
 use std::sync::Arc;
 
-use kernels_wgsl::{ActLayout, Codec, Epilogue, Matvec, Path};
+use kernels_wgsl::{Codec, Epilogue, Matvec, Path};
 use quant_codecs::{DType, Layout, MatRef};
 
 use crate::arena::kernel_codec;
-use crate::ops::act8::ActBuffers;
 use crate::ops::matvec::{Bufs, Plan, Prepared, Step, bind_matvec};
 use crate::staging::StagingRing;
 use crate::{GpuContext, GpuError};
@@ -118,25 +117,10 @@ pub(crate) fn layout(
 }
 
 /// Builds `y[s] = W_{ids[s]} x[s / x_div]` (with `epilogue`) for `slots` slots: `x` holds
-/// The layout in which the grouped kernels over `bank` on `path` take activations quantised
-/// once per activation row (so one quantiser can make them with other matrices'), or `None`
-/// where they take f32 activations or quantise per slot (q8_2f).
-pub fn shared_act_layout(ctx: &GpuContext, bank: &ExpertBank, path: Path) -> Option<ActLayout> {
-    let codec = kernel_codec(bank.dtype)?;
-    let path = Plan::for_matrix(ctx, bank.rows)
-        .with_path(path)
-        .effective_path(ctx, codec, bank.cols);
-    match path {
-        Path::Int8 if codec != Codec::Q8_2f => codec.act_layout(),
-        _ => None,
-    }
-}
-
 /// `x_rows` rows of `cols` f32, `ids` `slots` expert ids, `y` receives `[slots, out_rows]`.
-/// On the int8 path the `x_rows` rows are quantised once by a step of their own, or taken
-/// quantised from `acts` (in [`shared_act_layout`]); q8_2f, whose column scales are folded
-/// into the activations per matrix, quantises each slot's row with its expert's scales
-/// (`slots` rows).
+/// On the int8 path the `x_rows` rows are quantised once by a step of their own; q8_2f, whose
+/// column scales are folded into the activations per matrix, quantises each slot's row with
+/// its expert's scales (`slots` rows).
 #[allow(clippy::too_many_arguments)]
 pub fn prepare_grouped(
     ctx: &GpuContext,
@@ -149,7 +133,6 @@ pub fn prepare_grouped(
     x_div: usize,
     plan: Plan,
     epilogue: Epilogue,
-    acts: Option<&ActBuffers>,
 ) -> Result<Prepared, GpuError> {
     let pair = epilogue == Epilogue::SiluGateUp;
     if pair && !bank.rows.is_multiple_of(2) {
@@ -222,25 +205,7 @@ pub fn prepare_grouped(
         Some(pl),
     )?;
     let mut steps = Vec::new();
-    if let Some(a) = acts {
-        let fits = int8
-            && codec != Codec::Q8_2f
-            && codec.act_layout() == Some(a.layout)
-            && a.cols == bank.cols
-            && a.nt == x_rows;
-        if !fits {
-            return Err(GpuError::UnsupportedFusion {
-                epilogue: "grouped experts on given int8 activations",
-                reason: format!(
-                    "the experts ({codec:?}, {} columns, {x_rows} rows, {path:?}) do not take \
-                     activations quantised as {:?} over {} columns and {} rows",
-                    bank.cols, a.layout, a.cols, a.nt
-                ),
-            });
-        }
-    }
     let acts = match (int8, codec.act_layout()) {
-        _ if acts.is_some() => acts.cloned(),
         // q8_2f's column scales enter before quantising and differ per expert: each slot's
         // activations are quantised with its own expert's.
         (true, Some(layout)) if codec == Codec::Q8_2f => {

@@ -275,7 +275,7 @@ impl Graph {
                     .act_layout()
                     .expect("q8_2f has an int8 layout");
                 let (step, acts) =
-                    crate::ops::act8::prepare_shared(ctx, x, nt, m.cols, layout, table, 2, None)?;
+                    crate::ops::act8::prepare_shared(ctx, x, nt, m.cols, layout, table, 2)?;
                 self.items.push(Item::Step(step));
                 self.dispatches += 1;
                 let acts = [&acts[0], &acts[1]];
@@ -333,16 +333,8 @@ impl Graph {
             .expect("q8_2f has an int8 layout");
         let width = |i: &Member<'_>| if i.epilogue.has_members() { 2 } else { 1 };
         let members = items.iter().map(width).sum();
-        let (step, acts) = crate::ops::act8::prepare_shared(
-            ctx,
-            x,
-            nt,
-            first.m.cols,
-            layout,
-            table,
-            members,
-            None,
-        )?;
+        let (step, acts) =
+            crate::ops::act8::prepare_shared(ctx, x, nt, first.m.cols, layout, table, members)?;
         self.items.push(Item::Step(step));
         self.dispatches += 1;
         let mut at = 0;
@@ -363,56 +355,7 @@ impl Graph {
         Ok(())
     }
 
-    /// The one quantiser dispatch of `x` (`[nt, cols]`) for `members` q8_2f matrices (their
-    /// column scales in `table`, as [`crate::ops::act8::col_scale_table`] lays them out) and,
-    /// with `plain`, one matrix of another codec in that layout; returns their activations,
-    /// the plain member's last (for [`Graph::matvec_two_on`], [`Graph::grouped`]).
-    #[allow(clippy::too_many_arguments)]
-    pub fn quantise_shared(
-        &mut self,
-        ctx: &GpuContext,
-        x: &wgpu::Buffer,
-        nt: usize,
-        cols: usize,
-        table: &wgpu::Buffer,
-        members: usize,
-        plain: Option<kernels_wgsl::ActLayout>,
-    ) -> Result<Vec<crate::ops::act8::ActBuffers>, GpuError> {
-        let layout = kernels_wgsl::Codec::Q8_2f
-            .act_layout()
-            .expect("q8_2f has an int8 layout");
-        let (step, acts) =
-            crate::ops::act8::prepare_shared(ctx, x, nt, cols, layout, table, members, plain)?;
-        self.items.push(Item::Step(step));
-        self.dispatches += 1;
-        Ok(acts)
-    }
-
-    /// A two-matrix epilogue over `m` on activations `acts` that a [`Graph::quantise_shared`]
-    /// made (its two members): the matvec dispatch only.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matvec_two_on(
-        &mut self,
-        ctx: &GpuContext,
-        m: &GpuMatrix,
-        acts: [&crate::ops::act8::ActBuffers; 2],
-        x: &wgpu::Buffer,
-        y: &wgpu::Buffer,
-        aux: Option<&wgpu::Buffer>,
-        nt: usize,
-        epilogue: Epilogue,
-    ) -> Result<(), GpuError> {
-        let plan = Plan::for_shape(ctx, m.rows, m.cols);
-        let p = matvec::prepare_two(ctx, m, x, Some(acts), y, aux, nt, plan, epilogue)?;
-        self.dispatches += p.dispatches();
-        for s in p.into_steps() {
-            self.items.push(Item::Step(s));
-        }
-        Ok(())
-    }
-
-    /// The grouped-experts matvec (see [`crate::ops::experts::prepare_grouped`]), on `acts`
-    /// where a shared quantiser made them.
+    /// The grouped-experts matvec (see [`crate::ops::experts::prepare_grouped`]).
     #[allow(clippy::too_many_arguments)]
     pub fn grouped(
         &mut self,
@@ -426,11 +369,10 @@ impl Graph {
         x_div: usize,
         path: Path,
         epilogue: Epilogue,
-        acts: Option<&crate::ops::act8::ActBuffers>,
     ) -> Result<(), GpuError> {
         let plan = Plan::for_matrix(ctx, bank.rows).with_path(path);
         let p = crate::ops::experts::prepare_grouped(
-            ctx, bank, x, x_rows, ids, y, slots, x_div, plan, epilogue, acts,
+            ctx, bank, x, x_rows, ids, y, slots, x_div, plan, epilogue,
         )?;
         self.dispatches += p.dispatches();
         for s in p.into_steps() {
