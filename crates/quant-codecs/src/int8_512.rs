@@ -113,45 +113,64 @@ fn drive<const NT: usize>(
     // Each row's 16 lanes wait here until 16 rows are done, to be folded together.
     let mut held = [[[0.0f32; LANES8]; LANES8]; NT];
     let mut rs = [1.0f32; LANES8];
-    for i in 0..n {
-        let row = m.row(r0 + i);
-        let mut acc = [_mm512_setzero_ps(); NT];
-        for c in 0..chunks {
-            let mask = if c + 1 == chunks { tail } else { 0xFFFF };
-            let (w, s) = decode(&row, c);
-            for t in 0..NT {
-                let at = t * a.nbp + c * LANES8;
-                // SAFETY: `d` and `osums` hold `nbp` values per token row; 16 from `at` fit.
-                let (osums, d) = unsafe {
-                    (
-                        _mm512_loadu_si512(a.osums.as_ptr().add(at).cast()),
-                        _mm512_loadu_ps(a.d.as_ptr().add(at)),
-                    )
-                };
-                // SAFETY: token row `t` holds `nbp * 32` codes, and chunk `c < nbp / 16`.
-                let int = unsafe { dot8(&w, a.q().as_ptr().add(t * per + c * CHUNK_Q), osums) };
-                let f = _mm512_mul_ps(d, s);
-                acc[t] = _mm512_mask3_fmadd_ps(f, _mm512_cvtepi32_ps(int), acc[t], mask);
+    // The chunks walked per row before the next row's: with several token rows the activations
+    // of a whole row (8 x 8192 columns: 80 KB of codes, offsets and scales) do not stay in a
+    // core's L1, so 16 rows walk the columns a tile of about 24 KB of activations at a time,
+    // their accumulators kept between tiles (each lane still adds its blocks in chunk order).
+    let tile = (TILE_ACT_BYTES / (NT * (CHUNK_Q + 2 * 4 * LANES8))).max(1);
+    let mut rows = Vec::with_capacity(LANES8);
+    for g0 in (0..n).step_by(LANES8) {
+        let g1 = (g0 + LANES8).min(n);
+        rows.clear();
+        rows.extend((g0..g1).map(|i| m.row(r0 + i)));
+        let mut accs = [[_mm512_setzero_ps(); NT]; LANES8];
+        for c0 in (0..chunks).step_by(tile) {
+            for (row, acc) in rows.iter().zip(accs.iter_mut()) {
+                for c in c0..(c0 + tile).min(chunks) {
+                    let mask = if c + 1 == chunks { tail } else { 0xFFFF };
+                    let (w, s) = decode(row, c);
+                    for t in 0..NT {
+                        let at = t * a.nbp + c * LANES8;
+                        // SAFETY: `d` and `osums` hold `nbp` values per token row; 16 from
+                        // `at` fit.
+                        let (osums, d) = unsafe {
+                            (
+                                _mm512_loadu_si512(a.osums.as_ptr().add(at).cast()),
+                                _mm512_loadu_ps(a.d.as_ptr().add(at)),
+                            )
+                        };
+                        // SAFETY: token row `t` holds `nbp * 32` codes, and chunk
+                        // `c < nbp / 16`.
+                        let q = unsafe { a.q().as_ptr().add(t * per + c * CHUNK_Q) };
+                        // SAFETY: as above.
+                        let int = unsafe { dot8(&w, q, osums) };
+                        let f = _mm512_mul_ps(d, s);
+                        acc[t] = _mm512_mask3_fmadd_ps(f, _mm512_cvtepi32_ps(int), acc[t], mask);
+                    }
+                }
             }
         }
-        let slot = i % LANES8;
-        rs[slot] = row.rs;
-        for t in 0..NT {
-            let v = _mm512_permutexvar_ps(back, acc[t]);
-            // SAFETY: a row of `held` holds 16 f32.
-            unsafe { _mm512_storeu_ps(held[t][slot].as_mut_ptr(), v) };
-        }
-        if slot == LANES8 - 1 || i + 1 == n {
-            let first = i - slot;
+        for (j, (row, acc)) in rows.iter().zip(&accs).enumerate() {
+            rs[j] = row.rs;
             for t in 0..NT {
-                let sums = fold16x16(&held[t]);
-                for j in 0..=slot {
-                    outs[t][first + j] = sums[j] * rs[j];
-                }
+                let v = _mm512_permutexvar_ps(back, acc[t]);
+                // SAFETY: a row of `held` holds 16 f32.
+                unsafe { _mm512_storeu_ps(held[t][j].as_mut_ptr(), v) };
+            }
+        }
+        let last = g1 - g0 - 1;
+        for t in 0..NT {
+            let sums = fold16x16(&held[t]);
+            for j in 0..=last {
+                outs[t][g0 + j] = sums[j] * rs[j];
             }
         }
     }
 }
+
+/// Activation bytes (codes, offset sums and scales of every token row) of one column tile of
+/// [`drive`]: about half a core's L1 data cache, leaving room for the weights streaming past.
+const TILE_ACT_BYTES: usize = 24 << 10;
 
 /// [`fold16`](crate::int8::fold16) of 16 rows at once: the same additions of the same operands (lane `j + w` into
 /// lane `j` for `w` = 8, 4, 2, 1), two rows' halves per vector, so each row's sum is bit for

@@ -220,6 +220,20 @@ fn int8_on_a_matrix_big_enough_to_run_in_parallel() {
     }
 }
 
+/// Wide enough that the AVX-512 kernels walk several token rows' columns in tiles (over 2048
+/// columns at 8 rows, 3584 at 5), with a last group of rows short of 16: every instruction set
+/// still gives the portable kernel's bits.
+#[test]
+fn int8_over_column_tiles_and_a_short_last_row_group() {
+    let (rows, cols) = (37, 4000);
+    let w = weights(rows, cols, 5);
+    for dtype in QUANTISED {
+        for nt in [8, 5, 2] {
+            check(dtype, rows, cols, &w, nt, 40 + nt as u64).unwrap();
+        }
+    }
+}
+
 #[test]
 fn f32_path_is_matmat_and_dtypes_without_int8_kernels_ignore_int8() {
     let (rows, cols) = (5, 96);
