@@ -273,20 +273,12 @@ fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_f
         };
         let (whole, s_whole) = run(t);
         let (one, s_one) = run(1);
+        let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(
-            whole
-                .iter()
-                .zip(&one)
-                .all(|(x, y)| x.to_bits() == y.to_bits()),
+            same(&whole, &one),
             "dk {dk}: a frame of {t} differs from {t} frames of one token"
         );
-        assert!(
-            s_whole
-                .iter()
-                .zip(&s_one)
-                .all(|(x, y)| x.to_bits() == y.to_bits()),
-            "dk {dk}: states differ"
-        );
+        assert!(same(&s_whole, &s_one), "dk {dk}: states differ");
         let mut st: Vec<f64> = s0.iter().map(|&v| v as f64).collect();
         let want = gdn_f64(&conv, &z, &b, &a, &vecs, &mut st, [t, hk, hv, dk, dv], 1e-6);
         for (i, (&g, &w)) in whole.iter().zip(&want).enumerate() {

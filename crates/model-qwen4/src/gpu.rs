@@ -884,25 +884,13 @@ impl<'a> GpuModel<'a> {
         Ok(())
     }
 
-    /// Decodes `n` greedy tokens from `first` with every stage (or every dispatch,
-    /// `granularity`) timed by GPU timestamps (a pass per timed part: slower than the plain
-    /// replay, for where the time goes, not how much there is); returns, per name in
-    /// first-seen order, the timed passes per token and their seconds per token (summed over
+    /// Runs `n` frames of `first.len()` rows (one row: greedy decode steps; more: a prefill's
+    /// frames, every row's token fed, no head but the last row's argmax), the first of `first`,
+    /// each later one of the previous frame's greedy token repeated, with every stage (or every
+    /// dispatch, `granularity`) timed by GPU timestamps (a pass per timed part: slower than the
+    /// plain replay, for where the time goes, not how much there is); returns, per name in
+    /// first-seen order, the timed passes per frame and their seconds per frame (summed over
     /// layers). Empty without timestamp queries.
-    pub fn profile_decode(
-        &self,
-        first: u32,
-        n: usize,
-        st: &mut GpuState,
-        granularity: Granularity,
-    ) -> Result<Vec<(String, usize, f64)>, ForwardError> {
-        self.profile_frames(&[first], n, st, granularity)
-    }
-
-    /// [`GpuModel::profile_decode`] for frames of `first.len()` rows (a prefill's frames: every
-    /// row's token fed, no head but the last row's argmax): `n` frames, the first of `first`,
-    /// each later one of the previous frame's greedy token repeated; per name, the timed
-    /// passes and seconds per frame.
     pub fn profile_frames(
         &self,
         first: &[u32],
