@@ -595,14 +595,21 @@ fn cpu(opts: &KernelBenchOptions, progress: &mut dyn FnMut(&BenchRecord)) -> Ben
 /// A layer's cold experts on the CPU, as the offload's cold path computes them: `n` distinct
 /// experts of Qwen3.8-Flash-Next's shape (`[2 x 640, 2560]` gate/up + SwiGLU, `[2560, 640]`
 /// down), one token row each, drawn from a pool of `--large` bytes (past the last-level
-/// cache, so their bytes come from memory), on `--act auto`'s path for the format. Two
-/// schedules: `each` (every expert's two projections split over the threads in turn, the
-/// experts in parallel) and `together` (all experts' gate/up rows in one parallel region, then
-/// all down rows: what the cold path runs). Calls are 300 us apart, as a layer's are while the
-/// GPU runs the rest of the layer, so the threads have gone to sleep each time; the figure is
-/// the mean call alone.
+/// cache, so their bytes come from memory), on `--act auto`'s path for the format. Three
+/// schedules: `each` (every expert's two projections split over rayon's threads in turn, the
+/// experts in parallel), `together` (all experts' gate/up rows in one parallel region, then
+/// all down rows, on rayon) and `team` (`together` on the threads the cold path keeps spinning
+/// between layers, [`quant_codecs::team::Team::from_env`]: what the cold path runs). Calls are
+/// 300 us apart, as a layer's are while the GPU runs the rest of the layer, so rayon's threads
+/// have gone to sleep each time; the figure is the mean call alone.
 fn cold_experts(opts: &KernelBenchOptions, dtype: DType) -> Vec<BenchRecord> {
-    use model_core::experts::{Activation, expert_mlp, experts_mlp};
+    use model_core::experts::{Activation, expert_mlp, experts_mlp, experts_mlp_on};
+    #[derive(Clone, Copy, PartialEq, Eq)]
+    enum Schedule {
+        Each,
+        Together,
+        Team,
+    }
     use quant_codecs::ops::{ActChoice, act_choice, set_act_choice};
     let (inter, d) = (640, 2560);
     let (Ok(gu), Ok(dn)) = (
@@ -635,10 +642,12 @@ fn cold_experts(opts: &KernelBenchOptions, dtype: DType) -> Vec<BenchRecord> {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(300u64);
+    // The cold path's default: both regions on a team whose threads spin between calls.
+    let team = quant_codecs::team::Team::from_env(false);
     let mut out = Vec::new();
     for n in [5usize, 10] {
         let (sets, _) = expert_id_sets(mats.len(), 1, n, 64);
-        for together in [false, true] {
+        for schedule in [Schedule::Each, Schedule::Together, Schedule::Team] {
             let mut total = 0.0;
             let mut calls = 0usize;
             let t_end = Instant::now() + std::time::Duration::from_secs_f64(opts.seconds);
@@ -648,12 +657,15 @@ fn cold_experts(opts: &KernelBenchOptions, dtype: DType) -> Vec<BenchRecord> {
                     std::thread::sleep(std::time::Duration::from_micros(gap));
                 }
                 let t0 = Instant::now();
-                if together {
-                    let jobs: Vec<_> = set
-                        .iter()
+                let jobs = || -> Vec<_> {
+                    set.iter()
                         .map(|&e| (&mats[e as usize].0, &mats[e as usize].1, x.as_slice()))
-                        .collect();
-                    black_box(experts_mlp(act, &jobs));
+                        .collect()
+                };
+                if schedule == Schedule::Together {
+                    black_box(experts_mlp(act, &jobs()));
+                } else if schedule == Schedule::Team {
+                    black_box(experts_mlp_on(&team, act, &jobs()));
                 } else {
                     let y: Vec<Vec<f32>> = set
                         .par_iter()
@@ -676,11 +688,13 @@ fn cold_experts(opts: &KernelBenchOptions, dtype: DType) -> Vec<BenchRecord> {
                 total / calls as f64,
                 "wall",
             );
-            r.path = match (quant_codecs::ops::act_path(dtype), together) {
-                (ActPath::Int8, true) => "i8 tog",
-                (ActPath::Int8, false) => "i8 each",
-                (ActPath::F32, true) => "f32 tog",
-                (ActPath::F32, false) => "f32 each",
+            r.path = match (quant_codecs::ops::act_path(dtype), schedule) {
+                (ActPath::Int8, Schedule::Each) => "i8 each",
+                (ActPath::Int8, Schedule::Together) => "i8 tog",
+                (ActPath::Int8, Schedule::Team) => "i8 team",
+                (ActPath::F32, Schedule::Each) => "f32 each",
+                (ActPath::F32, Schedule::Together) => "f32 tog",
+                (ActPath::F32, Schedule::Team) => "f32 team",
             };
             out.push(r);
         }

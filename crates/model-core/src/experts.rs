@@ -13,8 +13,8 @@
 //! it runs from the VRAM bank or on the CPU.
 
 use quant_codecs::ops::{act_path, linear, silu};
-use quant_codecs::{MAX_BATCH, MatRef, Product};
-use rayon::prelude::*;
+use quant_codecs::team::{Parallel, Rayon};
+use quant_codecs::{Link, MAX_BATCH, MatRef};
 
 use crate::bind::Mat;
 
@@ -115,72 +115,52 @@ pub fn expert_mlp(
 }
 
 /// Several expert MLPs (`(gate_up, down, xs)`, each on its own rows `[n, D]`), each output
-/// equal to [`expert_mlp`]'s bit for bit, but scheduled together: every expert's gate/up rows
-/// in one parallel region ([`MatRef::matmat_many`]), then every down projection in another.
-/// A layer's few cold experts are small matrices (a few MB each), so one fork/join per
-/// projection instead of one per expert and projection is what keeps the cores reading.
+/// equal to [`expert_mlp`]'s bit for bit, but scheduled together: every expert's gate/up and
+/// down rows in one parallel region ([`MatRef::matmat_chain_on`]), an expert's down starting
+/// as soon as its own gate/up is done. A layer's few cold experts are small matrices (a few MB
+/// each), so one fork/join for all of them instead of one per expert and projection is what
+/// keeps the cores reading.
 pub fn experts_mlp(act: Activation, jobs: &[(&MatRef<'_>, &MatRef<'_>, &[f32])]) -> Vec<Vec<f32>> {
+    experts_mlp_on(&Rayon, act, jobs)
+}
+
+/// [`experts_mlp`] with its parallel region run by `exec` (the offload's cold path runs it on
+/// a [`quant_codecs::team::Team`] kept awake between layers); the same bits.
+pub fn experts_mlp_on(
+    exec: &dyn Parallel,
+    act: Activation,
+    jobs: &[(&MatRef<'_>, &MatRef<'_>, &[f32])],
+) -> Vec<Vec<f32>> {
     let Some(&(first, _, _)) = jobs.first() else {
         return Vec::new();
     };
     let path = act_path(first.dtype());
-    // Products of at most MAX_BATCH rows: (job, first row, rows).
-    let mut parts = Vec::new();
-    for (j, &(gu, _, xs)) in jobs.iter().enumerate() {
-        let n = xs.len() / gu.cols();
-        for r0 in (0..n).step_by(MAX_BATCH) {
-            parts.push((j, r0, (n - r0).min(MAX_BATCH)));
+    let mut out: Vec<Vec<f32>> = jobs
+        .iter()
+        .map(|&(gu, down, xs)| vec![0.0; xs.len() / gu.cols() * down.rows()])
+        .collect();
+    // Links of at most MAX_BATCH rows each.
+    let mut links: Vec<Link<'_, '_>> = Vec::new();
+    for (&(gu, down, xs), ys) in jobs.iter().zip(out.iter_mut()) {
+        let rows = xs.chunks(MAX_BATCH * gu.cols());
+        for (xs, ys) in rows.zip(ys.chunks_mut(MAX_BATCH * down.rows())) {
+            links.push(Link {
+                first: *gu,
+                xs,
+                second: *down,
+                ys,
+            });
         }
     }
-    let run = |outs: &mut [Vec<f32>], ins: &[&[f32]], mats: &[MatRef<'_>]| {
-        let mut slices: Vec<&mut [f32]> = Vec::with_capacity(parts.len());
-        for (j, out) in outs.iter_mut().enumerate() {
-            let rows = mats[j].rows();
-            let mut rest: &mut [f32] = out;
-            for &(_, _, n) in parts.iter().filter(|p| p.0 == j) {
-                let (now, later) = std::mem::take(&mut rest).split_at_mut(n * rows);
-                slices.push(now);
-                rest = later;
-            }
+    let widths: Vec<usize> = links.iter().map(|l| l.second.cols()).collect();
+    let between = |j: usize, g: &[f32], h: &mut [f32]| {
+        let i = widths[j];
+        for (row, h) in g.chunks(2 * i).zip(h.chunks_mut(i)) {
+            h.copy_from_slice(&act.apply(&row[..i], &row[i..]));
         }
-        // `parts` lists each job's products in order, jobs in order: as `slices` was filled.
-        let mut products: Vec<Product<'_, '_>> = parts
-            .iter()
-            .zip(slices)
-            .map(|(&(j, r0, n), ys)| {
-                let cols = mats[j].cols();
-                Product {
-                    w: mats[j],
-                    xs: &ins[j][r0 * cols..(r0 + n) * cols],
-                    ys,
-                }
-            })
-            .collect();
-        MatRef::matmat_many(path, &mut products).expect("shapes checked at bind time");
     };
-    let rows_of = |j: usize| jobs[j].2.len() / jobs[j].0.cols();
-    let mut gu: Vec<Vec<f32>> = (0..jobs.len())
-        .map(|j| vec![0.0; rows_of(j) * jobs[j].0.rows()])
-        .collect();
-    let xs: Vec<&[f32]> = jobs.iter().map(|j| j.2).collect();
-    let gate_ups: Vec<MatRef<'_>> = jobs.iter().map(|j| *j.0).collect();
-    run(&mut gu, &xs, &gate_ups);
-    let hmid: Vec<Vec<f32>> = gu
-        .iter()
-        .zip(jobs)
-        .map(|(g, &(_, down, _))| {
-            let i = down.cols();
-            g.chunks(2 * i)
-                .flat_map(|row| act.apply(&row[..i], &row[i..]))
-                .collect()
-        })
-        .collect();
-    let mut out: Vec<Vec<f32>> = (0..jobs.len())
-        .map(|j| vec![0.0; rows_of(j) * jobs[j].1.rows()])
-        .collect();
-    let hs: Vec<&[f32]> = hmid.iter().map(Vec::as_slice).collect();
-    let downs: Vec<MatRef<'_>> = jobs.iter().map(|j| *j.1).collect();
-    run(&mut out, &hs, &downs);
+    MatRef::matmat_chain_on(exec, path, &mut links, &between).expect("shapes checked at bind time");
+    drop(links);
     out
 }
 
@@ -215,6 +195,14 @@ impl RoutedExperts<'_> {
     /// # Panics
     /// If an id is not an expert of the layer.
     pub fn experts_rows(&self, jobs: &[(usize, &[f32])]) -> Vec<Vec<f32>> {
+        self.experts_rows_on(&Rayon, jobs)
+    }
+
+    /// [`RoutedExperts::experts_rows`] with the parallel regions run by `exec`.
+    ///
+    /// # Panics
+    /// If an id is not an expert of the layer.
+    pub fn experts_rows_on(&self, exec: &dyn Parallel, jobs: &[(usize, &[f32])]) -> Vec<Vec<f32>> {
         let mats: Vec<(&MatRef<'_>, &MatRef<'_>, &[f32])> = jobs
             .iter()
             .map(|&(x, xs)| {
@@ -222,7 +210,7 @@ impl RoutedExperts<'_> {
                 (e.gate_up.mat(), e.down.mat(), xs)
             })
             .collect();
-        experts_mlp(self.activation, &mats)
+        experts_mlp_on(exec, self.activation, &mats)
     }
 
     /// `sum over routes of weight * expert(u[row])` for the `t` rows of `u` `[t, D]`; returns
@@ -237,26 +225,29 @@ impl RoutedExperts<'_> {
             self.experts.len(),
             "routes over another expert count"
         );
-        let outs: Vec<Vec<f32>> = routes
+        // Every chosen expert's rows gathered, then all of them in one parallel region (each
+        // output the same bits as the expert alone, [`RoutedExperts::experts_rows`]).
+        let chosen: Vec<(usize, Vec<f32>)> = routes
             .per_expert
-            .par_iter()
+            .iter()
             .enumerate()
+            .filter(|(_, rows)| !rows.is_empty())
             .map(|(x, rows)| {
-                if rows.is_empty() {
-                    return Vec::new();
-                }
-                let n = rows.len();
-                let mut xs = Vec::with_capacity(n * d);
+                let mut xs = Vec::with_capacity(rows.len() * d);
                 for &(r, _) in rows {
                     xs.extend_from_slice(&u[r * d..(r + 1) * d]);
                 }
-                let mut y = self.expert_rows(x, &xs, n);
-                for (row, &(_, wgt)) in y.chunks_mut(d).zip(rows) {
-                    row.iter_mut().for_each(|v| *v *= wgt);
-                }
-                y
+                (x, xs)
             })
             .collect();
+        let jobs: Vec<(usize, &[f32])> = chosen.iter().map(|(x, xs)| (*x, xs.as_slice())).collect();
+        let mut outs: Vec<Vec<f32>> = vec![Vec::new(); routes.per_expert.len()];
+        for ((x, _), mut y) in chosen.iter().zip(self.experts_rows(&jobs)) {
+            for (row, &(_, wgt)) in y.chunks_mut(d).zip(&routes.per_expert[*x]) {
+                row.iter_mut().for_each(|v| *v *= wgt);
+            }
+            outs[*x] = y;
+        }
         let mut y = vec![0f32; t * d];
         for (rows, out) in routes.per_expert.iter().zip(&outs) {
             for (j, &(r, _)) in rows.iter().enumerate() {

@@ -200,10 +200,11 @@ proptest! {
     }
 }
 
-/// Several experts scheduled together ([`RoutedExperts::experts_rows`]: one parallel region
-/// per projection) equal each expert alone ([`RoutedExperts::expert_rows`], itself tested
-/// against f64 above through `forward_cpu`) bit for bit, on the int8 and f32 activation
-/// paths, with quantised experts and row counts past one batch.
+/// Several experts scheduled together ([`RoutedExperts::experts_rows`]: one parallel region,
+/// on rayon and on a spinning thread team) equal each expert alone
+/// ([`RoutedExperts::expert_rows`]) bit for bit, on the int8 and f32 activation paths, with
+/// quantised experts and row counts past one batch. (`forward_cpu`, tested against f64
+/// above, runs on the former.)
 #[test]
 fn experts_scheduled_together_equal_each_alone() {
     use quant_codecs::ops::{ActChoice, set_act_choice};
@@ -243,8 +244,14 @@ fn experts_scheduled_together_equal_each_alone() {
             set_act_choice(act);
             let jobs: Vec<(usize, &[f32])> =
                 inputs.iter().map(|(x, v)| (*x, v.as_slice())).collect();
+            let team = quant_codecs::team::Team::new(2, std::time::Duration::from_millis(1));
             let got = moe.experts_rows(&jobs);
-            for ((x, v), g) in inputs.iter().zip(&got) {
+            let on_team = moe.experts_rows_on(&team, &jobs);
+            for (((x, v), g), t) in inputs.iter().zip(&got).zip(&on_team) {
+                assert!(
+                    g.iter().zip(t).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{dtype} {act:?} expert {x}: team"
+                );
                 let want = moe.expert_rows(*x, v, v.len() / d);
                 assert_eq!(g.len(), want.len());
                 assert!(

@@ -11,6 +11,7 @@ use gpu_runtime::ops::graph::{Break, Graph, Tap};
 use gpu_runtime::readback;
 use gpu_runtime::staging::StagingRing;
 use quant_codecs::MAX_BATCH;
+use quant_codecs::team::Team;
 
 use crate::config::Qwen4ExpTextConfig;
 use crate::device::Device;
@@ -143,14 +144,8 @@ pub(crate) struct ColdPath {
     /// (`CORTIQ_WARM_POOL=1`, hardware adapters only: off by default, since it measured
     /// slower on the H200, 24.6 against 26.5 tok/s at 12G, docs/perf.md).
     warm_pool: bool,
-    /// Each cold expert's projections split over the threads in turn, the experts in
-    /// parallel (the default: measured faster on the H200's host, docs/perf.md), or with
-    /// `CORTIQ_COLD_SCHEDULE=together` every expert's gate/up rows in one parallel region and
-    /// then every down ([`RoutedExperts::experts_rows`]), kept to measure one against the
-    /// other.
-    ///
-    /// [`RoutedExperts::experts_rows`]: model_core::experts::RoutedExperts::experts_rows
-    each: bool,
+    /// Who computes a layer's cold experts ([`ColdSchedule`]).
+    schedule: ColdSchedule,
     /// With `CORTIQ_ROUTING_TRACE=FILE`: every layer's routing, one line a frame (`layer:
     /// ids...`), for replaying cache policies offline (`cortiq bench cache`).
     trace: Option<Mutex<std::io::BufWriter<std::fs::File>>>,
@@ -164,6 +159,32 @@ pub(crate) struct ColdPath {
     submit_ns: AtomicU64,
     wait_ns: AtomicU64,
     join_ns: AtomicU64,
+}
+
+/// Who computes a layer's cold experts: every expert's gate/up rows in one parallel region,
+/// then every down row in another, on a [`Team`] whose threads spin between layers (the
+/// default), or on rayon's pool (`CORTIQ_COLD_SCHEDULE=each`: each expert's projections split
+/// over the threads in turn, the experts in parallel; `together`: the team's two regions on
+/// rayon). All three give the same bits; the rayon ones are kept to measure against.
+enum ColdSchedule {
+    Team(Team),
+    Each,
+    Together,
+}
+
+impl ColdSchedule {
+    /// The schedule the environment asks for (the team: [`Team::from_env`]).
+    fn from_env(software: bool) -> ColdSchedule {
+        match std::env::var("CORTIQ_COLD_SCHEDULE").as_deref() {
+            Ok("each") => ColdSchedule::Each,
+            Ok("together") => ColdSchedule::Together,
+            _ => {
+                let team = Team::from_env(software);
+                tracing::debug!("cold experts: {team:?}");
+                ColdSchedule::Team(team)
+            }
+        }
+    }
 }
 
 /// Timestamp queries for the spans of one frame (a pair a span) and the buffers they are
@@ -266,7 +287,11 @@ impl ColdPath {
             // A software adapter's GPU is the CPU: spinning threads would take its cores.
             warm_pool: !dev.ctx.is_software()
                 && std::env::var("CORTIQ_WARM_POOL").is_ok_and(|v| v == "1"),
-            each: std::env::var("CORTIQ_COLD_SCHEDULE").map_or(true, |v| v != "together"),
+            schedule: if partial {
+                ColdSchedule::from_env(dev.ctx.is_software())
+            } else {
+                ColdSchedule::Each
+            },
             trace: std::env::var_os("CORTIQ_ROUTING_TRACE").and_then(
                 |p| match std::fs::File::create(&p) {
                     Ok(f) => Some(Mutex::new(std::io::BufWriter::new(f))),
@@ -732,17 +757,19 @@ impl GpuModel<'_> {
                 (x, slots, xs)
             })
             .collect();
-        let ys: Vec<Vec<f32>> = if self.res.cold.each {
+        let jobs = || -> Vec<(usize, &[f32])> {
             inputs
-                .par_iter()
-                .map(|(x, slots, xs)| routed.expert_rows(*x, xs, slots.len()))
-                .collect()
-        } else {
-            let jobs: Vec<(usize, &[f32])> = inputs
                 .iter()
                 .map(|(x, _, xs)| (*x, xs.as_slice()))
-                .collect();
-            routed.experts_rows(&jobs)
+                .collect()
+        };
+        let ys: Vec<Vec<f32>> = match &self.res.cold.schedule {
+            ColdSchedule::Team(team) => routed.experts_rows_on(team, &jobs()),
+            ColdSchedule::Each => inputs
+                .par_iter()
+                .map(|(x, slots, xs)| routed.expert_rows(*x, xs, slots.len()))
+                .collect(),
+            ColdSchedule::Together => routed.experts_rows(&jobs()),
         };
         let outs: Vec<(Vec<usize>, Vec<f32>)> = inputs
             .into_iter()

@@ -102,7 +102,7 @@ impl Order {
         core::array::from_fn(|e| self.pos(b, e) - base)
     }
 
-    fn of(dtype: DType) -> Order {
+    pub(crate) fn of(dtype: DType) -> Order {
         match dtype {
             DType::Q4tp | DType::Mxfp4 => Order::Pairs4,
             DType::Q2tp => Order::Quads16,
@@ -450,7 +450,7 @@ fn rows_avx512_portable<const NT: usize>(
 /// The instruction set the rows run with; `Vnni` is `Isa::Avx512` on a CPU with AVX-512 VNNI
 /// (the hand-written kernels), plain `Avx512` without it runs the portable code.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Path {
+pub(crate) enum Path {
     Portable,
     #[cfg(target_arch = "x86_64")]
     Avx2,
@@ -460,7 +460,7 @@ enum Path {
     Vnni,
 }
 
-fn rows_path<const NT: usize>(
+pub(crate) fn rows_path<const NT: usize>(
     p: Path,
     m: &Mat,
     a: &Acts,
@@ -505,7 +505,7 @@ fn run_nt<const NT: usize>(p: Path, m: &Mat, a: &Acts, order: Order, ys: &mut [f
         .for_each(|(i, mut outs)| rows_path::<NT>(p, m, a, order, i * chunk, &mut outs));
 }
 
-fn path_of(isa: Isa) -> Path {
+pub(crate) fn path_of(isa: Isa) -> Path {
     let isa = if isa.available() { isa } else { Isa::Baseline };
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -518,7 +518,7 @@ fn path_of(isa: Isa) -> Path {
     }
 }
 
-fn acts_of(m: &Mat, xs: &[f32]) -> Acts {
+pub(crate) fn acts_of(m: &Mat, xs: &[f32]) -> Acts {
     let l = &m.l;
     let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(l, m.bytes));
     let off = code_offset(l.dtype);
@@ -542,89 +542,5 @@ pub(crate) fn run(isa: Isa, l: Layout, bytes: &[u8], nt: usize, xs: &[f32], ys: 
         6 => run_nt::<6>(p, &m, &a, order, ys),
         7 => run_nt::<7>(p, &m, &a, order, ys),
         _ => run_nt::<8>(p, &m, &a, order, ys),
-    }
-}
-
-/// Bytes of weights one task of [`run_many`] reads at least: a few tens of KB keep a core's
-/// prefetchers streaming, and a layer's few experts still make dozens of tasks per thread.
-const TASK_BYTES: usize = 48 << 10;
-
-/// One product of [`run_many`]: the matrix's layout and bytes, `nt`, `xs`, `ys`.
-pub(crate) type ManyProduct<'a> = (Layout, &'a [u8], usize, &'a [f32], &'a mut [f32]);
-
-/// Several products (each `(matrix, nt, xs, ys)`, quantised dtypes, `1 <= nt <= MAX_BATCH`,
-/// lengths checked by the caller) in one parallel region: every product's rows split into
-/// tasks of about [`TASK_BYTES`] and all the tasks scheduled together, so a handful of small
-/// matrices (a layer's cold experts) costs one fork/join instead of one per matrix. Each row
-/// is computed exactly as [`run`] computes it.
-pub(crate) fn run_many(isa: Isa, products: Vec<ManyProduct<'_>>) {
-    let p = path_of(isa);
-    // Products that read the same activations with the same code layout share one
-    // quantisation (a layer's cold experts all read the MoE input); q8_2f's activations are
-    // scaled by each matrix's own column scales first, so they never share.
-    let key = |&(l, _, _, xs, _): &ManyProduct<'_>| {
-        (l.dtype != DType::Q8_2f).then(|| {
-            let order = Order::of(l.dtype);
-            (xs.as_ptr(), xs.len(), l.cols, order, code_offset(l.dtype))
-        })
-    };
-    let mut which = Vec::with_capacity(products.len());
-    let mut firsts: Vec<usize> = Vec::new();
-    for (j, prod) in products.iter().enumerate() {
-        let k = key(prod);
-        let same = k.and_then(|k| firsts.iter().position(|&f| key(&products[f]) == Some(k)));
-        which.push(same.unwrap_or_else(|| {
-            firsts.push(j);
-            firsts.len() - 1
-        }));
-    }
-    let acts: Vec<Acts> = firsts
-        .par_iter()
-        .map(|&j| {
-            let (l, bytes, _, xs, _) = products[j];
-            acts_of(&Mat { l, bytes }, xs)
-        })
-        .collect();
-    let prepared: Vec<(Mat, &Acts, usize)> = products
-        .iter()
-        .zip(&which)
-        .map(|(&(l, bytes, nt, _, _), &a)| {
-            debug_assert!(l.dtype.has_int8_kernel());
-            (Mat { l, bytes }, &acts[a], nt)
-        })
-        .collect();
-    // (product, first row, the rows' outputs per token row)
-    let mut tasks: Vec<(usize, usize, Vec<&mut [f32]>)> = Vec::new();
-    for (j, (l, bytes, nt, _, ys)) in products.into_iter().enumerate() {
-        let row_bytes = (bytes.len() / l.rows).max(1);
-        let chunk = (TASK_BYTES / row_bytes).clamp(8, l.rows.max(8));
-        let first = tasks.len();
-        for c in 0..l.rows.div_ceil(chunk) {
-            tasks.push((j, c * chunk, Vec::with_capacity(nt)));
-        }
-        for y in ys.chunks_mut(l.rows).take(nt) {
-            for (task, part) in tasks[first..].iter_mut().zip(y.chunks_mut(chunk)) {
-                task.2.push(part);
-            }
-        }
-    }
-    let work = |(j, r0, mut outs): (usize, usize, Vec<&mut [f32]>)| {
-        let (m, a, nt) = &prepared[j];
-        let order = Order::of(m.l.dtype);
-        match nt {
-            1 => rows_path::<1>(p, m, a, order, r0, &mut outs),
-            2 => rows_path::<2>(p, m, a, order, r0, &mut outs),
-            3 => rows_path::<3>(p, m, a, order, r0, &mut outs),
-            4 => rows_path::<4>(p, m, a, order, r0, &mut outs),
-            5 => rows_path::<5>(p, m, a, order, r0, &mut outs),
-            6 => rows_path::<6>(p, m, a, order, r0, &mut outs),
-            7 => rows_path::<7>(p, m, a, order, r0, &mut outs),
-            _ => rows_path::<8>(p, m, a, order, r0, &mut outs),
-        }
-    };
-    if tasks.len() == 1 {
-        tasks.into_iter().for_each(work);
-    } else {
-        tasks.into_par_iter().for_each(work);
     }
 }

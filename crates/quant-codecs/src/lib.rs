@@ -33,6 +33,7 @@ mod int8;
 #[cfg(target_arch = "x86_64")]
 mod int8_512;
 mod kernel;
+mod many;
 pub mod mxfp4;
 pub mod mxfp8;
 pub mod ops;
@@ -44,6 +45,7 @@ mod simd256;
 #[cfg(target_arch = "x86_64")]
 mod simd512;
 mod stream;
+pub mod team;
 pub mod tiered;
 
 use rayon::prelude::*;
@@ -54,6 +56,7 @@ pub use float::round_bf16;
 pub use int8::ActPath;
 use kernel::Permute;
 pub use kernel::{Isa, MAX_BATCH};
+pub use many::Between;
 pub use stream::{RowEncoder, column_maxima};
 
 /// One product of [`MatRef::matmat_many`]: `ys = w xs`, `xs` `[nt, cols]` and `ys`
@@ -65,6 +68,18 @@ pub struct Product<'a, 'b> {
     /// The activation rows.
     pub xs: &'b [f32],
     /// The outputs.
+    pub ys: &'b mut [f32],
+}
+
+/// One pair of [`MatRef::matmat_chain_on`]: `ys = second . between(first . xs)`.
+pub struct Link<'a, 'b> {
+    /// The first matrix (an expert's gate/up).
+    pub first: MatRef<'a>,
+    /// Its activation rows.
+    pub xs: &'b [f32],
+    /// The second matrix (the expert's down).
+    pub second: MatRef<'a>,
+    /// The second product's outputs.
     pub ys: &'b mut [f32],
 }
 
@@ -205,6 +220,17 @@ impl<'a> MatRef<'a> {
     /// each); on the f32 path, and for dtypes without integer kernels, one product after
     /// another. Each product's result equals its own [`MatRef::matmat_path`] bit for bit.
     pub fn matmat_many(path: ActPath, products: &mut [Product<'_, '_>]) -> Result<(), CodecError> {
+        Self::matmat_many_on(&team::Rayon, path, products)
+    }
+
+    /// [`MatRef::matmat_many`] with the int8 region's tasks (the activations' quantisation, then
+    /// the rows) run by `exec`, e.g. a [`team::Team`] whose threads are already awake. The
+    /// results are the same bits whoever runs them.
+    pub fn matmat_many_on(
+        exec: &dyn team::Parallel,
+        path: ActPath,
+        products: &mut [Product<'_, '_>],
+    ) -> Result<(), CodecError> {
         let mut many = Vec::new();
         for p in products.iter_mut() {
             let nt = p.w.batch_rows(p.xs, p.ys)?;
@@ -215,13 +241,73 @@ impl<'a> MatRef<'a> {
             }
         }
         if !many.is_empty() {
-            int8::run_many(Isa::detect(), many);
+            many::run_many(Isa::detect(), exec, many);
         }
         Ok(())
     }
 
-    fn batch_rows(&self, xs: &[f32], ys: &[f32]) -> Result<usize, CodecError> {
-        let (rows, cols) = (self.rows(), self.cols());
+    /// Pairs `ys = second . between(first . xs)` at once on `path` (a whole expert MLP per
+    /// pair: gate/up, the activation, down), `between(pair, y, x)` mapping pair `pair`'s first
+    /// outputs `y` (`nt` rows of `first.rows()`) to its second's activations `x` (`nt` rows of
+    /// `second.cols()`).
+    /// With int8 activations and integer kernels for both matrices of every pair, one
+    /// parallel region run by `exec` in which a pair's second product starts as soon as its
+    /// first is done; otherwise each pair in turn. Each `ys` equals `second.matmat_path` on
+    /// `between(first.matmat_path(xs))` bit for bit.
+    pub fn matmat_chain_on(
+        exec: &dyn team::Parallel,
+        path: ActPath,
+        links: &mut [Link<'_, '_>],
+        between: &many::Between<'_>,
+    ) -> Result<(), CodecError> {
+        let mut nts = Vec::with_capacity(links.len());
+        for l in links.iter() {
+            let nt = l.first.batch_of(l.xs)?;
+            if l.ys.len() != nt * l.second.rows() {
+                return Err(CodecError::BufferLength {
+                    what: "y",
+                    expected: nt * l.second.rows(),
+                    found: l.ys.len(),
+                });
+            }
+            nts.push(nt);
+        }
+        let int8 = path == ActPath::Int8
+            && links
+                .iter()
+                .all(|l| l.first.dtype().has_int8_kernel() && l.second.dtype().has_int8_kernel());
+        if !int8 {
+            for (j, (l, &nt)) in links.iter_mut().zip(&nts).enumerate() {
+                let mut y1 = vec![0.0f32; nt * l.first.rows()];
+                l.first.matmat_path(path, l.xs, &mut y1)?;
+                let mut mid = vec![0.0f32; nt * l.second.cols()];
+                between(j, &y1, &mut mid);
+                l.second.matmat_path(path, &mid, l.ys)?;
+            }
+            return Ok(());
+        }
+        let chain = links
+            .iter_mut()
+            .zip(&nts)
+            .map(|(l, &nt)| {
+                let first = int8::Mat {
+                    l: l.first.layout,
+                    bytes: l.first.bytes,
+                };
+                let second = int8::Mat {
+                    l: l.second.layout,
+                    bytes: l.second.bytes,
+                };
+                (first, nt, l.xs, second, &mut *l.ys)
+            })
+            .collect();
+        many::run_chain(Isa::detect(), exec, chain, between);
+        Ok(())
+    }
+
+    /// The token rows in `xs`, checked: `1..=MAX_BATCH` whole rows of `cols`.
+    fn batch_of(&self, xs: &[f32]) -> Result<usize, CodecError> {
+        let cols = self.cols();
         let nt = xs.len() / cols; // cols > 0: Layout::new refuses empty matrices
         if nt == 0 || nt > MAX_BATCH {
             return Err(CodecError::TooManyRows {
@@ -236,6 +322,12 @@ impl<'a> MatRef<'a> {
                 found: xs.len(),
             });
         }
+        Ok(nt)
+    }
+
+    fn batch_rows(&self, xs: &[f32], ys: &[f32]) -> Result<usize, CodecError> {
+        let rows = self.rows();
+        let nt = self.batch_of(xs)?;
         if ys.len() != nt * rows {
             return Err(CodecError::BufferLength {
                 what: "y",

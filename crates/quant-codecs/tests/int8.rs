@@ -346,8 +346,8 @@ fn int8_arbitrary_payloads_never_panic() {
 
 /// Several products in one parallel region equal each product's own call bit for bit, on both
 /// paths, whatever mix of dtypes, widths and row counts (rows split into tasks at other
-/// offsets than the single call's; a wrong offset or output slice shows here), and a wrong
-/// length is refused naming the buffer.
+/// offsets than the single call's; a wrong offset or output slice shows here), on rayon and
+/// on a spinning thread team, and a wrong length is refused naming the buffer.
 #[test]
 fn matmat_many_equals_each_product_alone() {
     use quant_codecs::Product;
@@ -375,7 +375,12 @@ fn matmat_many_equals_each_product_alone() {
             )
         })
         .collect();
-    for path in [ActPath::Int8, ActPath::F32] {
+    let team = quant_codecs::team::Team::new(3, std::time::Duration::from_millis(1));
+    let execs: [&dyn quant_codecs::team::Parallel; 2] = [&quant_codecs::team::Rayon, &team];
+    for (path, exec) in [ActPath::Int8, ActPath::F32]
+        .into_iter()
+        .flat_map(|p| execs.into_iter().map(move |e| (p, e)))
+    {
         let want: Vec<Vec<f32>> = mats
             .iter()
             .map(|(d, rows, cols, nt, p, xs)| {
@@ -395,7 +400,7 @@ fn matmat_many_equals_each_product_alone() {
                 ys,
             })
             .collect();
-        MatRef::matmat_many(path, &mut products).unwrap();
+        MatRef::matmat_many_on(exec, path, &mut products).unwrap();
         drop(products);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!(
@@ -476,5 +481,129 @@ fn matmat_many_shares_activations_only_where_they_match() {
             "product {i} ({:?})",
             shapes[i]
         );
+    }
+}
+
+/// Pairs `second . between(first . xs)` in one region equal the two products run one after
+/// the other with `between` applied between, bit for bit: several pairs of mixed dtypes and
+/// widths (one pair's first matrix split into many tasks, its second into one), on both
+/// paths, on rayon and on a team. A `between` that reads the wrong pair's width or a second
+/// product started before its first finished shows here. A wrong output length is refused,
+/// and a panicking `between` fails the call instead of hanging it.
+#[test]
+fn matmat_chain_equals_the_two_products_in_turn() {
+    use quant_codecs::Link;
+    use quant_codecs::team::{Parallel, Rayon, Team};
+    // (first dtype, second dtype, first rows = 2 * inner, cols, nt)
+    let shapes = [
+        (DType::Q4tp, DType::Q4tp, 2 * 640, 512, 1),
+        (DType::Mxfp4, DType::Mxfp4, 2 * 96, 256, 3),
+        (DType::Q2tp, DType::Q8_2f, 2 * 160, 320, 8),
+        (DType::Q8_2f, DType::Q4tp, 2 * 64, 96, 2),
+    ];
+    type Case = (MatRef<'static>, MatRef<'static>, Vec<f32>);
+    let leak = |v: Vec<u8>| -> &'static [u8] { Box::leak(v.into_boxed_slice()) };
+    let cases: Vec<Case> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(d1, d2, r1, cols, nt))| {
+            let s = i as u64 * 10;
+            let p1 = leak(quantize(d1, r1, cols, &weights(r1, cols, s + 1)).unwrap());
+            let p2 = leak(quantize(d2, cols, r1 / 2, &weights(cols, r1 / 2, s + 2)).unwrap());
+            (
+                MatRef::new(d1, r1, cols, p1).unwrap(),
+                MatRef::new(d2, cols, r1 / 2, p2).unwrap(),
+                activations(nt * cols, cols, s + 3),
+            )
+        })
+        .collect();
+    // Each pair's own width, from the pair index: a squared gate times the up half.
+    let widths: Vec<usize> = cases.iter().map(|c| c.1.cols()).collect();
+    let between = |j: usize, y: &[f32], x: &mut [f32]| {
+        let i = widths[j];
+        for (y, x) in y.chunks(2 * i).zip(x.chunks_mut(i)) {
+            for k in 0..i {
+                x[k] = y[k] * y[k].abs() * 0.01 + y[i + k];
+            }
+        }
+    };
+    let team = Team::new(3, std::time::Duration::from_millis(1));
+    let execs: [&dyn Parallel; 2] = [&Rayon, &team];
+    for path in [ActPath::Int8, ActPath::F32] {
+        let want: Vec<Vec<f32>> = cases
+            .iter()
+            .enumerate()
+            .map(|(j, (a, b, xs))| {
+                let nt = xs.len() / a.cols();
+                let mut y = vec![0.0f32; nt * a.rows()];
+                a.matmat_path(path, xs, &mut y).unwrap();
+                let mut x = vec![0.0f32; nt * b.cols()];
+                between(j, &y, &mut x);
+                let mut z = vec![0.0f32; nt * b.rows()];
+                b.matmat_path(path, &x, &mut z).unwrap();
+                z
+            })
+            .collect();
+        for exec in execs {
+            let mut got: Vec<Vec<f32>> = want.iter().map(|w| vec![f32::NAN; w.len()]).collect();
+            let mut links: Vec<Link<'_, '_>> = cases
+                .iter()
+                .zip(got.iter_mut())
+                .map(|((a, b, xs), ys)| Link {
+                    first: *a,
+                    xs,
+                    second: *b,
+                    ys,
+                })
+                .collect();
+            MatRef::matmat_chain_on(exec, path, &mut links, &between).unwrap();
+            drop(links);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.iter().zip(w).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{path:?} pair {i} ({:?})",
+                    shapes[i]
+                );
+            }
+        }
+    }
+    let (a, b, xs) = &cases[0];
+    let mut short = vec![0.0f32; b.rows() - 1];
+    let mut bad = [Link {
+        first: *a,
+        xs,
+        second: *b,
+        ys: &mut short,
+    }];
+    let err = MatRef::matmat_chain_on(&Rayon, ActPath::Int8, &mut bad, &between).unwrap_err();
+    assert!(
+        matches!(err, CodecError::BufferLength { what: "y", .. }),
+        "{err}"
+    );
+    for exec in execs {
+        let mut ys: Vec<Vec<f32>> = cases
+            .iter()
+            .map(|c| vec![0.0; c.2.len() / c.0.cols() * c.1.rows()])
+            .collect();
+        let mut links: Vec<Link<'_, '_>> = cases
+            .iter()
+            .zip(ys.iter_mut())
+            .map(|((a, b, xs), ys)| Link {
+                first: *a,
+                xs,
+                second: *b,
+                ys,
+            })
+            .collect();
+        let boom = |j: usize, y: &[f32], x: &mut [f32]| {
+            if j == 1 {
+                panic!("between failed");
+            }
+            between(j, y, x)
+        };
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            MatRef::matmat_chain_on(exec, ActPath::Int8, &mut links, &boom)
+        }));
+        assert!(r.is_err(), "the panic was swallowed");
     }
 }
