@@ -4,6 +4,7 @@
 //! GPU computes the resident ones), the admissions that move experts into a layer's bank
 //! through the staging ring, and the counters ([`OffloadStats`]).
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, mpsc};
 
@@ -746,21 +747,23 @@ impl GpuModel<'_> {
             .cold_bytes
             .fetch_add(bytes as u64, Ordering::Relaxed);
         let t0 = std::time::Instant::now();
-        let inputs: Vec<(usize, Vec<usize>, Vec<f32>)> = by_expert
+        // An expert on one row reads that row of `u` in place: experts on the same row then
+        // share one quantisation of it (a decoded token's cold experts all do).
+        let inputs: Vec<(usize, Vec<usize>, Cow<'_, [f32]>)> = by_expert
             .into_iter()
             .map(|(x, slots)| {
-                let mut xs = Vec::with_capacity(slots.len() * d);
-                for &slot in &slots {
-                    let r = slot / k;
-                    xs.extend_from_slice(&u[r * d..(r + 1) * d]);
-                }
+                let row = |slot: usize| &u[slot / k * d..][..d];
+                let xs = match slots.as_slice() {
+                    &[slot] => Cow::Borrowed(row(slot)),
+                    many => Cow::Owned(many.iter().flat_map(|&s| row(s)).copied().collect()),
+                };
                 (x, slots, xs)
             })
             .collect();
         let jobs = || -> Vec<(usize, &[f32])> {
             inputs
                 .iter()
-                .map(|(x, _, xs)| (*x, xs.as_slice()))
+                .map(|(x, _, xs)| (*x, xs.as_ref()))
                 .collect()
         };
         let ys: Vec<Vec<f32>> = match &self.res.cold.schedule {
