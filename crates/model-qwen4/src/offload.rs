@@ -761,10 +761,7 @@ impl GpuModel<'_> {
             })
             .collect();
         let jobs = || -> Vec<(usize, &[f32])> {
-            inputs
-                .iter()
-                .map(|(x, _, xs)| (*x, xs.as_ref()))
-                .collect()
+            inputs.iter().map(|(x, _, xs)| (*x, xs.as_ref())).collect()
         };
         let ys: Vec<Vec<f32>> = match &self.res.cold.schedule {
             ColdSchedule::Team(team) => routed.experts_rows_on(team, &jobs()),
