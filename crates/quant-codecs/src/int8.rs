@@ -150,12 +150,14 @@ pub(crate) struct Acts {
 
 impl Acts {
     /// Quantises `xs` (`nt` rows of `cols`), multiplied element-wise by `cs` first if given,
-    /// for a format whose codes are laid out in `order` and offset by `off`.
+    /// for a format whose codes are laid out in `order` and offset by `off`; wide rows of a
+    /// batch are quantised in parallel on rayon's pool if `par`.
     pub(crate) fn new(
         xs: &[f32],
         cols: usize,
         (order, off): (Order, i32),
         cs: Option<&[f32]>,
+        par: bool,
     ) -> Acts {
         let nt = xs.len() / cols;
         let nb = cols.div_ceil(ACT_BLOCK);
@@ -177,7 +179,7 @@ impl Acts {
             .chunks_mut(per)
             .zip(a.d.chunks_mut(nbp))
             .zip(a.osums.chunks_mut(nbp));
-        if nt > 1 && cols >= 2048 {
+        if par && nt > 1 && cols >= 2048 {
             it.collect::<Vec<_>>()
                 .into_par_iter()
                 .enumerate()
@@ -519,10 +521,21 @@ pub(crate) fn path_of(isa: Isa) -> Path {
 }
 
 pub(crate) fn acts_of(m: &Mat, xs: &[f32]) -> Acts {
+    acts_with(m, xs, true)
+}
+
+/// [`acts_of`] on the calling thread alone: for callers that must not enter rayon's pool
+/// (a task that other tasks of the same region may be waiting on: waiting inside the pool,
+/// it could pick up one of those and wait for itself).
+pub(crate) fn acts_serial(m: &Mat, xs: &[f32]) -> Acts {
+    acts_with(m, xs, false)
+}
+
+fn acts_with(m: &Mat, xs: &[f32], par: bool) -> Acts {
     let l = &m.l;
     let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(l, m.bytes));
     let off = code_offset(l.dtype);
-    Acts::new(xs, l.cols, (Order::of(l.dtype), off), cs.as_deref())
+    Acts::new(xs, l.cols, (Order::of(l.dtype), off), cs.as_deref(), par)
 }
 
 /// `ys[t * rows + r] = dot(row r, xs[t])` for a quantised dtype, `nt` rows. Callers have

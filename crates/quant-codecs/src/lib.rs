@@ -253,7 +253,10 @@ impl<'a> MatRef<'a> {
     /// With int8 activations and integer kernels for both matrices of every pair, one
     /// parallel region run by `exec` in which a pair's second product starts as soon as its
     /// first is done; otherwise each pair in turn. Each `ys` equals `second.matmat_path` on
-    /// `between(first.matmat_path(xs))` bit for bit.
+    /// `between(first.matmat_path(xs))` bit for bit. `between` runs inside the region, on
+    /// whichever thread finishes a pair's first product: it must not start rayon work of its
+    /// own (with `exec` on rayon, a thread waiting in the pool may take up a task that waits
+    /// for it).
     pub fn matmat_chain_on(
         exec: &dyn team::Parallel,
         path: ActPath,

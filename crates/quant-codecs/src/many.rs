@@ -9,7 +9,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
-use crate::int8::{Acts, Mat, Order, Path, acts_of, code_offset, path_of, rows_path};
+use crate::int8::{Acts, Mat, Order, Path, acts_of, acts_serial, code_offset, path_of, rows_path};
 use crate::team::Parallel;
 use crate::{DType, Isa, Layout};
 
@@ -242,8 +242,10 @@ pub(crate) fn run_chain(
                 }
                 let mut mid = vec![0.0f32; nt * second.l.cols];
                 between(j, &y1, &mut mid);
-                // The only task that gets here for pair `j` sets it; nothing else does.
-                let _ = acts2[j].set(acts_of(second, &mid));
+                // The only task that gets here for pair `j` sets it; nothing else does. Serial:
+                // stage-two tasks of this pair may be waiting for it, and inside rayon's pool
+                // this thread could take one of them up while it waits for its own helpers.
+                let _ = acts2[j].set(acts_serial(second, &mid));
             }
         } else if let Some((j, r0, mut outs)) = lock(&cells2[k - n1]).take() {
             let mut spins = 0u32;

@@ -500,6 +500,9 @@ fn matmat_chain_equals_the_two_products_in_turn() {
         (DType::Mxfp4, DType::Mxfp4, 2 * 96, 256, 3),
         (DType::Q2tp, DType::Q8_2f, 2 * 160, 320, 8),
         (DType::Q8_2f, DType::Q4tp, 2 * 64, 96, 2),
+        // DeepSeek's expert width: the second product's 8 activation rows of 2048 columns
+        // are the size a batch quantises in parallel elsewhere.
+        (DType::Q4tp, DType::Mxfp4, 2 * 2048, 64, 8),
     ];
     type Case = (MatRef<'static>, MatRef<'static>, Vec<f32>);
     let leak = |v: Vec<u8>| -> &'static [u8] { Box::leak(v.into_boxed_slice()) };
