@@ -14,7 +14,7 @@
 
 use quant_codecs::ops::{act_path, linear, silu};
 use quant_codecs::team::{Parallel, Rayon};
-use quant_codecs::{Link, MAX_BATCH, MatRef};
+use quant_codecs::{ActPath, Link, MAX_BATCH, MatRef};
 
 use crate::bind::Mat;
 
@@ -131,10 +131,17 @@ pub fn experts_mlp_on(
     act: Activation,
     jobs: &[(&MatRef<'_>, &MatRef<'_>, &[f32])],
 ) -> Vec<Vec<f32>> {
-    let Some(&(first, _, _)) = jobs.first() else {
-        return Vec::new();
-    };
-    let path = act_path(first.dtype());
+    // One region when every matrix takes the int8 path; a model whose gate/up and down got
+    // different codecs (a width the quantised codec does not divide falls back to q8_2f,
+    // which `--act auto` keeps on f32) runs each expert alone, each matrix on its own path,
+    // as `expert_mlp` does.
+    let int8 = |m: &MatRef<'_>| act_path(m.dtype()) == ActPath::Int8;
+    if !jobs.iter().all(|(gu, down, _)| int8(gu) && int8(down)) {
+        return jobs
+            .iter()
+            .map(|&(gu, down, xs)| expert_mlp(act, gu, down, xs, xs.len() / gu.cols()))
+            .collect();
+    }
     let mut out: Vec<Vec<f32>> = jobs
         .iter()
         .map(|&(gu, down, xs)| vec![0.0; xs.len() / gu.cols() * down.rows()])
@@ -159,7 +166,8 @@ pub fn experts_mlp_on(
             h.copy_from_slice(&act.apply(&row[..i], &row[i..]));
         }
     };
-    MatRef::matmat_chain_on(exec, path, &mut links, &between).expect("shapes checked at bind time");
+    MatRef::matmat_chain_on(exec, ActPath::Int8, &mut links, &between)
+        .expect("shapes checked at bind time");
     drop(links);
     out
 }

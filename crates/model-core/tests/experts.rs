@@ -29,6 +29,9 @@ fn bytes(v: &[f32]) -> Vec<u8> {
 }
 
 /// `seed`-determined values in [-1, 1).
+/// The tests that change the process-wide activation path take turns.
+static ACT_CHOICE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn values(n: usize, seed: u64) -> Vec<f32> {
     let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..n)
@@ -208,6 +211,7 @@ proptest! {
 #[test]
 fn experts_scheduled_together_equal_each_alone() {
     use quant_codecs::ops::{ActChoice, set_act_choice};
+    let _act = ACT_CHOICE.lock().unwrap_or_else(|p| p.into_inner());
     let (d, i) = (320, 96);
     for dtype in [DType::Q4tp, DType::Q2tp, DType::F16] {
         let gu: Vec<Vec<u8>> = (0..4)
@@ -262,4 +266,60 @@ fn experts_scheduled_together_equal_each_alone() {
         }
         set_act_choice(ActChoice::F32);
     }
+}
+
+/// A model whose gate/up and down got different codecs (q4tp beside q8_2f, as the converter
+/// does for a width q4tp does not divide) under `--act auto` runs each matrix on its own path
+/// (int8 for q4tp, f32 for q8_2f) when the experts are scheduled together, as each expert
+/// alone does: the same bits.
+#[test]
+fn experts_with_mixed_codecs_keep_each_matrix_path() {
+    use quant_codecs::ops::{ActChoice, set_act_choice};
+    let _act = ACT_CHOICE.lock().unwrap_or_else(|p| p.into_inner());
+    let (d, i) = (320, 96);
+    let gu: Vec<Vec<u8>> = (0..3)
+        .map(|x| quant_codecs::quantize(DType::Q4tp, 2 * i, d, &values(2 * i * d, x)).unwrap())
+        .collect();
+    let dn: Vec<Vec<u8>> = (0..3)
+        .map(|x| quant_codecs::quantize(DType::Q8_2f, d, i, &values(d * i, 70 + x)).unwrap())
+        .collect();
+    let experts = (0..3)
+        .map(|x| Expert {
+            gate_up: Mat::new(
+                format!("e{x}.gate_up"),
+                2 * x,
+                MatRef::new(DType::Q4tp, 2 * i, d, &gu[x]).unwrap(),
+            ),
+            down: Mat::new(
+                format!("e{x}.down"),
+                2 * x + 1,
+                MatRef::new(DType::Q8_2f, d, i, &dn[x]).unwrap(),
+            ),
+        })
+        .collect();
+    let moe = RoutedExperts {
+        experts,
+        hidden: d,
+        intermediate: i,
+        activation: Activation::SwiGlu { limit: None },
+    };
+    let inputs: Vec<(usize, Vec<f32>)> = [(1, 1), (0, 2), (2, 9)]
+        .iter()
+        .map(|&(x, n)| (x, values(n * d, 300 + x as u64)))
+        .collect();
+    set_act_choice(ActChoice::Auto);
+    let jobs: Vec<(usize, &[f32])> = inputs.iter().map(|(x, v)| (*x, v.as_slice())).collect();
+    let team = quant_codecs::team::Team::new(2, std::time::Duration::from_millis(1));
+    let got = moe.experts_rows(&jobs);
+    let on_team = moe.experts_rows_on(&team, &jobs);
+    for (((x, v), g), t) in inputs.iter().zip(&got).zip(&on_team) {
+        let want = moe.expert_rows(*x, v, v.len() / d);
+        for (what, y) in [("rayon", g), ("team", t)] {
+            assert!(
+                y.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "expert {x} on {what}"
+            );
+        }
+    }
+    set_act_choice(ActChoice::F32);
 }

@@ -162,11 +162,14 @@ pub(crate) struct ColdPath {
     join_ns: AtomicU64,
 }
 
-/// Who computes a layer's cold experts: every expert's gate/up rows in one parallel region,
-/// then every down row in another, on a [`Team`] whose threads spin between layers (the
-/// default), or on rayon's pool (`CORTIQ_COLD_SCHEDULE=each`: each expert's projections split
-/// over the threads in turn, the experts in parallel; `together`: the team's two regions on
-/// rayon). All three give the same bits; the rayon ones are kept to measure against.
+/// Who computes a layer's cold experts: all of them in one parallel region, each expert's
+/// down released when its own gate/up is done ([`RoutedExperts::experts_rows_on`]), on a
+/// [`Team`] whose threads spin between layers (the default), or on rayon's pool
+/// (`CORTIQ_COLD_SCHEDULE=each`: each expert's projections split over the threads in turn,
+/// the experts in parallel; `together`: the team's region on rayon). All three give the same
+/// bits; the rayon ones are kept to measure against.
+///
+/// [`RoutedExperts::experts_rows_on`]: model_core::experts::RoutedExperts::experts_rows_on
 enum ColdSchedule {
     Team(Team),
     Each,

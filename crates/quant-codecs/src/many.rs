@@ -82,10 +82,13 @@ fn shared_acts(exec: &dyn Parallel, products: &[(Mat, &[f32])]) -> (Vec<Acts>, V
             .collect();
         return (acts, which);
     }
+    // Inside the region each set is quantised on its own thread: a task that entered rayon's
+    // pool from a team thread would wait on it, and could wait for ever if the region's
+    // caller were the pool's only free thread.
     let acts: Vec<Mutex<Option<Acts>>> = firsts.iter().map(|_| Mutex::new(None)).collect();
     exec.for_each_index(firsts.len(), &|i| {
         let (m, xs) = products[firsts[i]];
-        *lock(&acts[i]) = Some(acts_of(&m, xs));
+        *lock(&acts[i]) = Some(acts_serial(&m, xs));
     });
     let acts = acts
         .into_iter()
