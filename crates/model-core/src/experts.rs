@@ -131,15 +131,21 @@ pub fn experts_mlp_on(
     act: Activation,
     jobs: &[(&MatRef<'_>, &MatRef<'_>, &[f32])],
 ) -> Vec<Vec<f32>> {
-    // One region when every matrix takes the int8 path; a model whose gate/up and down got
-    // different codecs (a width the quantised codec does not divide falls back to q8_2f,
-    // which `--act auto` keeps on f32) runs each expert alone, each matrix on its own path,
-    // as `expert_mlp` does.
+    // One region when every matrix takes the int8 path. Otherwise (float experts, q8_2f on
+    // `--act auto`'s f32 path, or a gate/up and down of different codecs) each expert runs
+    // alone, each matrix on its own path as in `expert_mlp`, the experts side by side.
     let int8 = |m: &MatRef<'_>| act_path(m.dtype()) == ActPath::Int8;
     if !jobs.iter().all(|(gu, down, _)| int8(gu) && int8(down)) {
-        return jobs
-            .iter()
-            .map(|&(gu, down, xs)| expert_mlp(act, gu, down, xs, xs.len() / gu.cols()))
+        let outs: Vec<std::sync::Mutex<Vec<f32>>> =
+            jobs.iter().map(|_| Default::default()).collect();
+        exec.for_each_index(jobs.len(), &|j| {
+            let (gu, down, xs) = jobs[j];
+            let y = expert_mlp(act, gu, down, xs, xs.len() / gu.cols());
+            *outs[j].lock().unwrap_or_else(|p| p.into_inner()) = y;
+        });
+        return outs
+            .into_iter()
+            .map(|y| y.into_inner().unwrap_or_else(|p| p.into_inner()))
             .collect();
     }
     let mut out: Vec<Vec<f32>> = jobs
