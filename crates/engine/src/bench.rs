@@ -648,6 +648,7 @@ fn cold_experts(opts: &KernelBenchOptions, dtype: DType) -> Vec<BenchRecord> {
     for n in [5usize, 10] {
         let (sets, _) = expert_id_sets(mats.len(), 1, n, 64);
         for schedule in [Schedule::Each, Schedule::Together, Schedule::Team] {
+            let _ = quant_codecs::chain_profile::report();
             let mut total = 0.0;
             let mut calls = 0usize;
             let t_end = Instant::now() + std::time::Duration::from_secs_f64(opts.seconds);
@@ -678,6 +679,9 @@ fn cold_experts(opts: &KernelBenchOptions, dtype: DType) -> Vec<BenchRecord> {
                 }
                 total += t0.elapsed().as_secs_f64();
                 calls += 1;
+            }
+            if let Some(line) = quant_codecs::chain_profile::report() {
+                eprintln!("cold_experts {} {n}: {line}", dtype.name());
             }
             let mut r = record(
                 "cold_experts",

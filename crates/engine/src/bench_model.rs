@@ -185,6 +185,8 @@ pub fn bench(
             if rep == 1 {
                 before = offload_stats(model);
                 t_decode = Instant::now();
+                // The chained regions' profile counts the timed repetitions only.
+                let _ = quant_codecs::chain_profile::report();
             }
             model.reset(&mut st);
             let script = ids(opts.decode + 1, vocab, 1000 + rep);
@@ -200,6 +202,9 @@ pub fn bench(
             if rep > 0 {
                 rates.push(opts.decode as f64 / s);
             }
+        }
+        if let Some(line) = quant_codecs::chain_profile::report() {
+            eprintln!("tg{}: {line}", opts.decode);
         }
         let (tok_s, stdev) = stats(&rates);
         let r = ModelRecord {

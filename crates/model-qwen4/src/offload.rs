@@ -459,17 +459,24 @@ impl GpuModel<'_> {
                     label: Some("frame (span)"),
                 })
         };
-        // Submits `cb` behind the copies of the uploads staged at the last layer (its
-        // admissions, and the next layer's prefetches, which must land before it routes).
-        let submit = |cb: wgpu::CommandBuffer, pending: &mut Vec<(usize, Vec<Upload>)>| {
+        // Submits `cb` behind the copies of the uploads staged so far (admissions, and the
+        // next layer's prefetches, which must land before it routes), except layer `hold`'s:
+        // its routing is on the device and its resident experts, about to run, read the slots
+        // that routing chose, so its uploads wait for a later submission.
+        let submit = |cb: wgpu::CommandBuffer,
+                      pending: &mut Vec<(usize, Vec<Upload>)>,
+                      hold: Option<usize>| {
             let _timed = Elapsed(&cp.submit_ns, std::time::Instant::now());
-            if pending.is_empty() {
+            let (now, later): (Vec<_>, Vec<_>) =
+                pending.drain(..).partition(|(il, _)| Some(*il) != hold);
+            *pending = later;
+            if now.is_empty() {
                 return ctx.queue.submit([cb]);
             }
             let ring = &cp.ring;
             let mut cbs = Vec::new();
             let mut release = Vec::new();
-            for (il, uploads) in pending.drain(..) {
+            for (il, uploads) in now {
                 let moe = &self.res.layers[il].moe;
                 let (r, ok, failed) =
                     moe.commit(&self.res.dev, ring, uploads, &cp.faults, &mut cbs);
@@ -606,23 +613,23 @@ impl GpuModel<'_> {
                     handoff.ready(&mut pending);
                     let il = match spans[i].end {
                         None => {
-                            submit(cb, &mut pending);
+                            submit(cb, &mut pending, None);
                             return Ok(());
                         }
                         Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
                         Some(Break::Read(il)) => il,
                     };
-                    let index = submit(cb, &mut pending);
+                    let index = submit(cb, &mut pending, None);
                     // The resident experts and the shared expert go right behind it (they read
                     // only the device's data); the span after the write is encoded while the GPU
                     // runs these (the cold outputs it reads go up by queued writes, which land
                     // before its submission).
                     debug_assert_eq!(spans[i + 1].end, Some(Break::Write(il)));
+                    // What the stager has finished goes up with them (off the critical path:
+                    // the GPU is busy with the span before), but this layer's.
                     let resident = span(i + 1)?;
-                    {
-                        let _timed = Elapsed(&cp.submit_ns, std::time::Instant::now());
-                        ctx.queue.submit([resident]);
-                    }
+                    handoff.ready(&mut pending);
+                    submit(resident, &mut pending, Some(il));
                     let next = span(i + 2)?;
                     let words = 2 * MAX_BATCH * k + nt * d;
                     let warm = cp.warm_pool.then(WarmPool::hold);
@@ -670,8 +677,8 @@ impl GpuModel<'_> {
                     // whatever the policy says next, so they need not wait for the cold experts.
                     // A prefetch into this layer still with the stager is committed first: its
                     // slot must not be chosen again while it might yet be taken back.
-                    if handoff.layer(il, &mut pending) {
-                        submit(encoder().finish(), &mut pending);
+                    if handoff.layer(il, &mut pending) || pending.iter().any(|(l, _)| *l == il) {
+                        submit(encoder().finish(), &mut pending, None);
                     }
                     let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
                     if !admitted.is_empty() {
@@ -693,7 +700,7 @@ impl GpuModel<'_> {
             // its staging slot must come back.
             handoff.finish(&mut pending);
             if !pending.is_empty() {
-                submit(encoder().finish(), &mut pending);
+                submit(encoder().finish(), &mut pending, None);
             }
             ran?;
             if let Some(c) = clock.as_ref().filter(|_| timed > 0) {

@@ -160,16 +160,8 @@ impl Acts {
         par: bool,
     ) -> Acts {
         let nt = xs.len() / cols;
-        let nb = cols.div_ceil(ACT_BLOCK);
-        let nbp = nb.div_ceil(LANES8) * LANES8;
-        let mut a = Acts {
-            nb,
-            nbp,
-            lines: vec![Line([0; 64]); nt * nbp * ACT_BLOCK / 64],
-            d: vec![0.0; nt * nbp],
-            osums: vec![0; nt * nbp],
-            order,
-        };
+        let mut a = Acts::zeroed(nt, cols, order);
+        let nbp = a.nbp;
         let per = nbp * ACT_BLOCK;
         let work = |(t, out): (usize, RowParts)| {
             quantize_row(&xs[t * cols..][..cols], cs, (order, off), out)
@@ -190,6 +182,31 @@ impl Acts {
         a
     }
 
+    /// `nt` rows of `cols` activations with every code, scale and sum zero (the padding
+    /// [`Acts::new`] leaves), to be filled chunk by chunk with [`ActChunk`]s.
+    pub(crate) fn zeroed(nt: usize, cols: usize, order: Order) -> Acts {
+        let nb = cols.div_ceil(ACT_BLOCK);
+        let nbp = nb.div_ceil(LANES8) * LANES8;
+        Acts {
+            nb,
+            nbp,
+            lines: vec![Line([0; 64]); nt * nbp * ACT_BLOCK / 64],
+            d: vec![0.0; nt * nbp],
+            osums: vec![0; nt * nbp],
+            order,
+        }
+    }
+
+    /// Puts `part` (chunk `c` of token row `t`) in place.
+    pub(crate) fn set_chunk(&mut self, t: usize, c: usize, part: &ActChunk) {
+        let per = self.nbp * ACT_BLOCK;
+        let q: &mut [i8] = bytemuck::cast_slice_mut(&mut self.lines);
+        q[t * per + c * CHUNK_CODES..][..CHUNK_CODES].copy_from_slice(&part.q);
+        let at = t * self.nbp + c * LANES8;
+        self.d[at..at + LANES8].copy_from_slice(&part.d);
+        self.osums[at..at + LANES8].copy_from_slice(&part.osums);
+    }
+
     /// Where block `b`'s scale and sum lie within a token row's `nbp`.
     #[inline(always)]
     pub(crate) fn slot(&self, b: usize) -> usize {
@@ -200,6 +217,50 @@ impl Acts {
     #[inline(always)]
     pub(crate) fn q(&self) -> &[i8] {
         bytemuck::cast_slice(&self.lines)
+    }
+}
+
+/// Codes per chunk of 16 blocks.
+const CHUNK_CODES: usize = LANES8 * ACT_BLOCK;
+
+/// One chunk (16 blocks) of one token row's quantised activations, as [`Acts::new`] lays it
+/// out: quantised apart, so that several threads can share a row's quantisation.
+pub(crate) struct ActChunk {
+    q: [i8; CHUNK_CODES],
+    d: [f32; LANES8],
+    osums: [i32; LANES8],
+}
+
+impl ActChunk {
+    /// Chunks in a row of `cols` activations.
+    pub(crate) fn per_row(cols: usize) -> usize {
+        cols.div_ceil(CHUNK_CODES)
+    }
+
+    /// Chunk `c` of the row `x` (all of the row's columns), scaled by the matrix's column
+    /// scales `cs` first if given, for codes in `order` offset by `off`: the same values
+    /// [`Acts::new`] puts there (a chunk's blocks sit at the same places relative to it).
+    pub(crate) fn quantize(
+        x: &[f32],
+        cs: Option<&[f32]>,
+        (order, off): (Order, i32),
+        c: usize,
+    ) -> ActChunk {
+        let mut part = ActChunk {
+            q: [0; CHUNK_CODES],
+            d: [0.0; LANES8],
+            osums: [0; LANES8],
+        };
+        let x = &x[c * CHUNK_CODES..];
+        let x = &x[..x.len().min(CHUNK_CODES)];
+        let cs = cs.map(|cs| &cs[c * CHUNK_CODES..][..x.len()]);
+        quantize_row(
+            x,
+            cs,
+            (order, off),
+            ((&mut part.q, &mut part.d), &mut part.osums),
+        );
+        part
     }
 }
 
@@ -532,10 +593,16 @@ pub(crate) fn acts_serial(m: &Mat, xs: &[f32]) -> Acts {
 }
 
 fn acts_with(m: &Mat, xs: &[f32], par: bool) -> Acts {
+    let (cs, layout) = act_params(m);
+    Acts::new(xs, m.l.cols, layout, cs.as_deref(), par)
+}
+
+/// What quantising activations for `m` takes besides them: q8_2f's column scales (its
+/// activations are multiplied by them first), and the codes' order and offset.
+pub(crate) fn act_params(m: &Mat) -> (Option<Vec<f32>>, (Order, i32)) {
     let l = &m.l;
     let cs = (l.dtype == DType::Q8_2f).then(|| q8_2f::col_scales(l, m.bytes));
-    let off = code_offset(l.dtype);
-    Acts::new(xs, l.cols, (Order::of(l.dtype), off), cs.as_deref(), par)
+    (cs, (Order::of(l.dtype), code_offset(l.dtype)))
 }
 
 /// `ys[t * rows + r] = dot(row r, xs[t])` for a quantised dtype, `nt` rows. Callers have

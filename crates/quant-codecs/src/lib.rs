@@ -26,6 +26,7 @@
 compile_error!("cortiq's formats are little-endian and the kernels read them in place");
 
 pub mod act8;
+pub mod chain_profile;
 mod dtype;
 mod error;
 pub mod float;

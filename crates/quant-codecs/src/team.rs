@@ -87,8 +87,10 @@ impl Job {
 struct Shared {
     /// Bumped for every new region (and at shutdown).
     epoch: AtomicU64,
-    /// The current region, if any.
-    job: Mutex<Option<Arc<Job>>>,
+    /// The current region, one slot per worker: each worker takes the region from its own
+    /// slot, so that a dozen workers seeing a new region at once do not queue on one lock
+    /// (they did: ~20 us before the last of them started, docs/perf.md).
+    slots: Vec<Mutex<Option<Arc<Job>>>>,
     /// How many workers are parked; new regions wake them through `wake`.
     parked: Mutex<usize>,
     wake: Condvar,
@@ -129,7 +131,7 @@ impl Team {
     pub fn new(workers: usize, spin: Duration) -> Team {
         let shared = Arc::new(Shared {
             epoch: AtomicU64::new(0),
-            job: Mutex::new(None),
+            slots: (0..workers).map(|_| Mutex::new(None)).collect(),
             parked: Mutex::new(0),
             wake: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -140,7 +142,7 @@ impl Team {
                 let s = Arc::clone(&shared);
                 std::thread::Builder::new()
                     .name(format!("cortiq-team-{i}"))
-                    .spawn(move || worker(&s))
+                    .spawn(move || worker(&s, i))
                     .map_err(|e| tracing::warn!("thread team: worker {i} not started: {e}"))
                     .ok()
             })
@@ -208,7 +210,9 @@ impl Parallel for Team {
             done: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
         });
-        *lock(&self.shared.job) = Some(Arc::clone(&job));
+        for slot in &self.shared.slots {
+            *lock(slot) = Some(Arc::clone(&job));
+        }
         self.shared.epoch.fetch_add(1, Ordering::Release);
         if *lock(&self.shared.parked) > 0 {
             self.shared.wake.notify_all();
@@ -225,7 +229,6 @@ impl Parallel for Team {
                 std::thread::yield_now();
             }
         }
-        *lock(&self.shared.job) = None;
         if job.panicked.load(Ordering::Relaxed) {
             panic!("a task of a thread team's parallel region panicked");
         }
@@ -247,9 +250,9 @@ impl Drop for Team {
     }
 }
 
-/// A worker: runs each new region's tasks, spins for `spin` after the last one, then parks
+/// Worker `me`: runs each new region's tasks, spins for `spin` after the last one, then parks
 /// until the next region (or shutdown).
-fn worker(s: &Shared) {
+fn worker(s: &Shared, me: usize) {
     let mut seen = s.epoch.load(Ordering::Acquire);
     let mut idle_since = Instant::now();
     let mut polls = 0u32;
@@ -260,7 +263,9 @@ fn worker(s: &Shared) {
         let e = s.epoch.load(Ordering::Acquire);
         if e != seen {
             seen = e;
-            let job = lock(&s.job).clone();
+            // Taken, not cloned: the slot holds no finished region for long (a worker that
+            // missed an epoch finds the latest region there, or nothing).
+            let job = lock(&s.slots[me]).take();
             if let Some(job) = job {
                 job.work();
             }
