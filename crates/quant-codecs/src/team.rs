@@ -89,7 +89,7 @@ struct Shared {
     epoch: AtomicU64,
     /// The current region, one slot per worker: each worker takes the region from its own
     /// slot, so that a dozen workers seeing a new region at once do not queue on one lock
-    /// (they did: ~20 us before the last of them started, docs/perf.md).
+    /// (with one slot they started their first task ~7 us later: docs/perf.md, seventh pass).
     slots: Vec<Mutex<Option<Arc<Job>>>>,
     /// How many workers are parked; new regions wake them through `wake`.
     parked: Mutex<usize>,
