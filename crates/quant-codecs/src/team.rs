@@ -253,7 +253,10 @@ impl Drop for Team {
 /// Worker `me`: runs each new region's tasks, spins for `spin` after the last one, then parks
 /// until the next region (or shutdown).
 fn worker(s: &Shared, me: usize) {
-    let mut seen = s.epoch.load(Ordering::Acquire);
+    // No epoch seen yet: the first look takes whatever the slot holds, so a worker that starts
+    // after a region was posted (thread start-up can take longer than posting one) still
+    // joins it instead of waiting for the next.
+    let mut seen = u64::MAX;
     let mut idle_since = Instant::now();
     let mut polls = 0u32;
     loop {

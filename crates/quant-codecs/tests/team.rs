@@ -1,5 +1,6 @@
 //! The thread team (`quant_codecs::team`): every index of a region runs exactly once, on a
-//! team awake or parked, from several callers, nested, and after a task panicked.
+//! team awake or parked, from several callers, nested, and after a task panicked; awake or
+//! parked, the workers share a region's tasks.
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::time::Duration;
@@ -48,6 +49,25 @@ fn parked_workers_wake_for_the_next_region() {
         team.for_each_index(32, &|_| {
             threads.lock().unwrap().insert(std::thread::current().id());
             std::thread::sleep(Duration::from_millis(2));
+        });
+        assert!(
+            threads.lock().unwrap().len() > 1,
+            "one thread ran every task"
+        );
+    }
+}
+
+/// Workers spinning between regions (what the cold path's layers see) take each region from
+/// their own slots and share it, from the first region on: one posted before a worker has
+/// started is still joined by it once it runs.
+#[test]
+fn spinning_workers_share_back_to_back_regions() {
+    let team = Team::new(3, Duration::from_millis(200));
+    for _ in 0..20 {
+        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+        team.for_each_index(16, &|_| {
+            threads.lock().unwrap().insert(std::thread::current().id());
+            std::thread::sleep(Duration::from_millis(1));
         });
         assert!(
             threads.lock().unwrap().len() > 1,
