@@ -18,6 +18,16 @@ fn once_each(exec: &dyn Parallel, n: usize) {
     }
 }
 
+/// Runs a region of `n` tasks of `ms` milliseconds each; how many threads ran some.
+fn threads_sharing(team: &Team, n: usize, ms: u64) -> usize {
+    let threads = std::sync::Mutex::new(std::collections::HashSet::new());
+    team.for_each_index(n, &|_| {
+        threads.lock().unwrap().insert(std::thread::current().id());
+        std::thread::sleep(Duration::from_millis(ms));
+    });
+    threads.into_inner().unwrap().len()
+}
+
 #[test]
 fn every_index_runs_once_on_rayon_and_on_teams_of_any_size() {
     let teams = [
@@ -44,14 +54,9 @@ fn parked_workers_wake_for_the_next_region() {
     let team = Team::new(3, Duration::ZERO);
     for _ in 0..5 {
         std::thread::sleep(Duration::from_millis(20));
-        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
         once_each(&team, 50);
-        team.for_each_index(32, &|_| {
-            threads.lock().unwrap().insert(std::thread::current().id());
-            std::thread::sleep(Duration::from_millis(2));
-        });
         assert!(
-            threads.lock().unwrap().len() > 1,
+            threads_sharing(&team, 32, 2) > 1,
             "one thread ran every task"
         );
     }
@@ -64,13 +69,8 @@ fn parked_workers_wake_for_the_next_region() {
 fn spinning_workers_share_back_to_back_regions() {
     let team = Team::new(3, Duration::from_millis(200));
     for _ in 0..20 {
-        let threads = std::sync::Mutex::new(std::collections::HashSet::new());
-        team.for_each_index(16, &|_| {
-            threads.lock().unwrap().insert(std::thread::current().id());
-            std::thread::sleep(Duration::from_millis(1));
-        });
         assert!(
-            threads.lock().unwrap().len() > 1,
+            threads_sharing(&team, 16, 1) > 1,
             "one thread ran every task"
         );
     }
