@@ -15,9 +15,10 @@
 
 use core::arch::x86_64::*;
 
-use crate::DType;
 use crate::act8::ACT_BLOCK;
-use crate::int8::{Acts, LANES8, MX_INT, Mat, Order, Row};
+use crate::int8::{Acts, LANES8, MX_INT, Mat, Order};
+use crate::tiered::EXP2Q_COEFFS;
+use crate::{DType, q2tp, q4tp};
 
 /// How far ahead of the bytes being decoded the weight stream is prefetched.
 const PREFETCH: usize = 4096;
@@ -89,6 +90,115 @@ fn lane_mask(order: Order, nbl: usize) -> __mmask16 {
     (0..nbl.min(LANES8)).fold(0, |m, k| m | (1 << order.lane(k)))
 }
 
+/// What a row's chunks need, built in registers by [`prep_rows`]: `Mat::row`'s fields, the q4tp/q2tp
+/// scale ladder as two vectors. (Built through `Mat::row`, a row cost a call, a 168-byte
+/// struct through memory and a 32-entry ladder in scalar code: at 1-5 chunks a row, the
+/// cold experts' shapes, about as much as its chunks.)
+#[derive(Clone, Copy)]
+struct Prep<'a> {
+    plane: &'a [u8],
+    scales: &'a [u8],
+    /// Rungs 0..16 and 16..32 (q2tp: halved, `S = scale / 2`); zero for the other formats.
+    ladder: [__m512; 2],
+    /// q8_2f: the row scale; otherwise 1.
+    rs: f32,
+}
+
+/// The 32 rungs of [`crate::tiered::scale_table`] (halved for q2tp) as two vectors: the same
+/// operations in the same order as its `exp2q`, lane by lane, so the same bits.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+fn ladder_vectors(zero_rung: bool, halve: bool, lo: f32, step: f32) -> [__m512; 2] {
+    let c = EXP2Q_COEFFS.map(f32::from_bits);
+    let first = if zero_rung { -1.0 } else { 0.0 };
+    // A loop, not `array::from_fn`: a closure does not inherit the target features.
+    let mut out = [_mm512_setzero_ps(); 2];
+    for (h, out) in out.iter_mut().enumerate() {
+        let mut k = [0.0f32; 16];
+        for (j, k) in k.iter_mut().enumerate() {
+            *k = (16 * h + j) as f32 + first;
+        }
+        // SAFETY: `k` holds 16 f32.
+        let k = unsafe { _mm512_loadu_ps(k.as_ptr()) };
+        let t = _mm512_add_ps(_mm512_set1_ps(lo), _mm512_mul_ps(k, _mm512_set1_ps(step)));
+        // `max` returns its second operand for a NaN, as `f32::max` returns -126.
+        let t = _mm512_min_ps(
+            _mm512_max_ps(t, _mm512_set1_ps(-126.0)),
+            _mm512_set1_ps(127.0),
+        );
+        let i = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+        let f = _mm512_sub_ps(t, i);
+        let mut p = _mm512_set1_ps(c[6]);
+        for &cj in c[..6].iter().rev() {
+            p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(cj));
+        }
+        let e = _mm512_slli_epi32::<23>(_mm512_add_epi32(
+            _mm512_cvttps_epi32(i),
+            _mm512_set1_epi32(127),
+        ));
+        let mut v = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+        if zero_rung && h == 0 {
+            v = _mm512_mask_mov_ps(v, 1, _mm512_setzero_ps());
+        }
+        if halve {
+            v = _mm512_mul_ps(v, _mm512_set1_ps(0.5));
+        }
+        *out = v;
+    }
+    out
+}
+
+/// Rows `r .. r + rows.len()` of `m` (16 at most), ready for their chunks. The q4tp/q2tp
+/// rows' (lo, step) pairs are contiguous: all of them convert from f16 at once (exactly, as
+/// `f16_bits_to_f32` does; a NaN's payload may differ, which the ladder's clamp hides).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c")]
+#[inline]
+fn prep_rows<'a>(m: &Mat<'a>, r: usize, rows: &mut [Prep<'a>]) {
+    let (l, bytes) = (&m.l, m.bytes);
+    match l.dtype {
+        DType::Q4tp | DType::Q2tp => {
+            let q2 = l.dtype == DType::Q2tp;
+            let tier = if q2 { q2tp::TIER } else { q4tp::TIER };
+            let per_row = l.cols * tier.bits / 8;
+            let params = &bytes[l.second + 4 * r..][..4 * rows.len()];
+            let mut pairs = [0.0f32; 2 * LANES8];
+            for (h, out) in pairs.chunks_exact_mut(LANES8).enumerate() {
+                let at = 32 * h;
+                let v = if at < params.len() {
+                    let avail = (params.len() - at).min(32) as u32;
+                    // SAFETY: the first `avail` bytes from `at` lie within `params`;
+                    // masked-off bytes are not read.
+                    unsafe {
+                        _mm256_maskz_loadu_epi8(
+                            ((1u64 << avail) - 1) as u32,
+                            params[at..].as_ptr().cast(),
+                        )
+                    }
+                } else {
+                    _mm256_setzero_si256()
+                };
+                // SAFETY: `out` holds 16 f32.
+                unsafe { _mm512_storeu_ps(out.as_mut_ptr(), _mm512_cvtph_ps(v)) };
+            }
+            for (j, row) in rows.iter_mut().enumerate() {
+                let rr = r + j;
+                row.plane = &bytes[rr * per_row..][..per_row];
+                row.scales = &bytes[l.third + rr * l.code_stride..][..l.code_stride];
+                row.ladder = ladder_vectors(tier.zero_rung, q2, pairs[2 * j], pairs[2 * j + 1]);
+                row.rs = 1.0;
+            }
+        }
+        _ => {
+            for (j, row) in rows.iter_mut().enumerate() {
+                let full = m.row(r + j);
+                row.plane = full.plane;
+                row.scales = full.scales;
+                row.rs = full.rs;
+            }
+        }
+    }
+}
+
 /// The per-row loop shared by the formats: `decode(row, c)` gives chunk `c`'s eight code
 /// vectors and its 16 factors `S_b`, both in the order's lanes; `I = N - off * sums`, the
 /// dot products' chains starting from the negated offset sums that come with the
@@ -101,7 +211,7 @@ fn drive<const NT: usize>(
     a: &Acts,
     r0: usize,
     outs: &mut [&mut [f32]],
-    mut decode: impl FnMut(&Row, usize) -> ([__m512i; 8], __m512),
+    mut decode: impl FnMut(&Prep, usize) -> ([__m512i; 8], __m512),
 ) {
     let n = outs.first().map_or(0, |o| o.len());
     let per = a.nbp * ACT_BLOCK;
@@ -112,17 +222,22 @@ fn drive<const NT: usize>(
     let back = unsafe { _mm512_loadu_si512(back.as_ptr().cast()) };
     // Each row's 16 lanes wait here until 16 rows are done, to be folded together.
     let mut held = [[[0.0f32; LANES8]; LANES8]; NT];
-    let mut rs = [1.0f32; LANES8];
     // The chunks walked per row before the next row's: with several token rows the activations
     // of a whole row (8 x 8192 columns: 80 KB of codes, offsets and scales) do not stay in a
     // core's L1, so 16 rows walk the columns a tile of about 24 KB of activations at a time,
     // their accumulators kept between tiles (each lane still adds its blocks in chunk order).
     let tile = (TILE_ACT_BYTES / (NT * (CHUNK_Q + 2 * 4 * LANES8))).max(1);
-    let mut rows = Vec::with_capacity(LANES8);
+    let none = Prep {
+        plane: &[],
+        scales: &[],
+        ladder: [_mm512_setzero_ps(); 2],
+        rs: 1.0,
+    };
+    let mut rows = [none; LANES8];
     for g0 in (0..n).step_by(LANES8) {
         let g1 = (g0 + LANES8).min(n);
-        rows.clear();
-        rows.extend((g0..g1).map(|i| m.row(r0 + i)));
+        let rows = &mut rows[..g1 - g0];
+        prep_rows(m, r0 + g0, rows);
         let mut accs = [[_mm512_setzero_ps(); NT]; LANES8];
         for c0 in (0..chunks).step_by(tile) {
             for (row, acc) in rows.iter().zip(accs.iter_mut()) {
@@ -150,19 +265,17 @@ fn drive<const NT: usize>(
                 }
             }
         }
-        for (j, (row, acc)) in rows.iter().zip(&accs).enumerate() {
-            rs[j] = row.rs;
+        for (j, acc) in accs.iter().enumerate().take(rows.len()) {
             for t in 0..NT {
                 let v = _mm512_permutexvar_ps(back, acc[t]);
                 // SAFETY: a row of `held` holds 16 f32.
                 unsafe { _mm512_storeu_ps(held[t][j].as_mut_ptr(), v) };
             }
         }
-        let last = g1 - g0 - 1;
         for t in 0..NT {
             let sums = fold16x16(&held[t]);
-            for j in 0..=last {
-                outs[t][g0 + j] = sums[j] * rs[j];
+            for (j, row) in rows.iter().enumerate() {
+                outs[t][g0 + j] = sums[j] * row.rs;
             }
         }
     }
@@ -239,7 +352,7 @@ const QUADS16_LADDER: ([u32; 16], [u32; 16]) = ladder_tables(Order::Quads16);
 /// codes (10 bytes per chunk) through its 32-rung ladder.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
 #[inline]
-fn ladder_scales(row: &Row, c: usize, (pick, shift): &([u32; 16], [u32; 16])) -> __m512 {
+fn ladder_scales(row: &Prep, c: usize, (pick, shift): &([u32; 16], [u32; 16])) -> __m512 {
     let bytes = _mm512_broadcast_i32x4(load16(row.scales, 10 * c));
     // SAFETY: both tables hold 16 i32.
     let (pick, shift) = unsafe {
@@ -252,14 +365,7 @@ fn ladder_scales(row: &Row, c: usize, (pick, shift): &([u32; 16], [u32; 16])) ->
         _mm512_srlv_epi32(_mm512_shuffle_epi8(bytes, pick), shift),
         _mm512_set1_epi32(31),
     );
-    // SAFETY: the ladder holds 32 f32; each load reads 16.
-    let (lo, hi) = unsafe {
-        (
-            _mm512_loadu_ps(row.ladder.as_ptr()),
-            _mm512_loadu_ps(row.ladder.as_ptr().add(16)),
-        )
-    };
-    _mm512_permutex2var_ps(lo, idx, hi)
+    _mm512_permutex2var_ps(row.ladder[0], idx, row.ladder[1])
 }
 
 /// Index tables of one stage of a 2-vector shuffle that swaps vector-index bit `s` with
@@ -299,7 +405,7 @@ fn swap(v: &mut [__m512i], a: usize, b: usize, s: usize) {
 fn q8_2f_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f32]]) {
     let flip = _mm512_set1_epi8(-128);
     let one = _mm512_set1_ps(1.0);
-    let decode = |row: &Row, c: usize| {
+    let decode = |row: &Prep, c: usize| {
         // Vector `v` holds blocks 2v and 2v + 1 (32-bit word `8 (k % 2) + u` of vector `k / 2`
         // is word `u` of block `k`); swapping the three vector-index bits with the three low
         // lane-index bits makes vector `u` hold word `u` of block `k` in lane `8 (k % 2) + k / 2`.
@@ -337,7 +443,7 @@ fn pairs_words(plane: &[u8], c: usize) -> [__m512i; 4] {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")]
 fn q4tp_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f32]]) {
     let low = _mm512_set1_epi8(15);
-    let decode = |row: &Row, c: usize| {
+    let decode = |row: &Prep, c: usize| {
         let o = pairs_words(row.plane, c);
         let mut w = [_mm512_setzero_si512(); 8];
         for p in 0..4 {
@@ -359,7 +465,7 @@ fn mxfp4_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f
     let to_lanes: [u8; 16] = core::array::from_fn(|l| Order::Pairs4.block_of(l) as u8);
     // SAFETY: `to_lanes` holds 16 bytes.
     let to_lanes = unsafe { _mm_loadu_si128(to_lanes.as_ptr().cast()) };
-    let decode = |row: &Row, c: usize| {
+    let decode = |row: &Prep, c: usize| {
         let o = pairs_words(row.plane, c);
         let mut w = [_mm512_setzero_si512(); 8];
         for p in 0..4 {
@@ -390,7 +496,7 @@ fn mxfp4_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f
 fn q2tp_rows<const NT: usize>(m: &Mat, a: &Acts, r0: usize, outs: &mut [&mut [f32]]) {
     // Each bit pair `u` as `2u` (the signed code is `2u - 3`), so the sums need no doubling.
     let six = _mm512_set1_epi8(6);
-    let decode = |row: &Row, c: usize| {
+    let decode = |row: &Prep, c: usize| {
         // Half `v` holds blocks 8v .. 8v + 8, two 32-bit words each (word `h` of block `k` in
         // lane `2 (k % 8) + h`); swapping vector-index bit 0 with lane-index bit 0 makes
         // vector `h` hold word `h` of block `k` in lane `2 (k % 8) + k / 8`.
