@@ -160,6 +160,9 @@ impl Routed {
     }
 }
 
+/// A layer's expert -> slot map on the device and on the host.
+pub type SlotMaps = (Vec<u32>, Vec<u32>);
+
 /// One MoE layer's weights on the device.
 pub struct MoeGpu {
     router: Arc<GpuMatrix>,
@@ -203,6 +206,30 @@ impl MoeGpu {
             Routed::Partial { cache, .. } => Some(cache.lock().unwrap_or_else(|p| p.into_inner())),
             _ => None,
         }
+    }
+
+    /// The device's expert -> slot map (`NONE_SLOT`: cold) beside the host cache's, when the
+    /// layer has a bank of which some experts are not resident.
+    pub(crate) fn slot_maps(
+        &self,
+        ctx: &gpu_runtime::GpuContext,
+    ) -> Option<Result<SlotMaps, gpu_runtime::GpuError>> {
+        let Routed::Partial {
+            banks: Some(_),
+            slot_of,
+            cache,
+        } = &self.routed
+        else {
+            return None;
+        };
+        let host: Vec<u32> = (cache.lock().unwrap_or_else(|p| p.into_inner()))
+            .slots()
+            .iter()
+            .map(|s| s.unwrap_or(NONE_SLOT))
+            .collect();
+        let device = gpu_runtime::readback::read_f32(ctx, slot_of, 0, host.len())
+            .map(|v| v.iter().map(|x| x.to_bits()).collect());
+        Some(device.map(|d| (d, host)))
     }
 
     /// Records a frame's routing (`routed`, and `cold`: the slots computed on the CPU) in the
@@ -256,7 +283,11 @@ impl MoeGpu {
             .into_iter()
             .map(|a| {
                 let x = &w.routed.experts[a.expert as usize];
-                let staged = ring.try_stage(&[x.gate_up.bytes(), x.down.bytes()]);
+                // The expert's bytes, then its map entries' words (the evicted expert's
+                // `NONE_SLOT`, its own slot), copied by the same command buffer: a queued
+                // write of 4 bytes would cost a staging buffer of its own.
+                let (none, slot) = (NONE_SLOT.to_le_bytes(), a.slot.to_le_bytes());
+                let staged = ring.try_stage(&[x.gate_up.bytes(), x.down.bytes(), &none, &slot]);
                 (a, staged)
             })
             .collect()
@@ -312,17 +343,23 @@ impl MoeGpu {
                 };
                 ring.record(&mut enc, &staged, 0, &gate_up.buffer, at);
                 ring.record(&mut enc, &staged, 1, &down.buffer, slot * down.slot_bytes);
+                ring.record(&mut enc, &staged, 2, slot_of, u64::from(a.evicted) * 4);
+                ring.record(&mut enc, &staged, 3, slot_of, u64::from(a.expert) * 4);
                 enc.finish()
             });
-            let q = &ctx.queue;
-            q.write_buffer(slot_of, u64::from(a.evicted) * 4, &NONE_SLOT.to_le_bytes());
             match cb {
                 Ok(cb) => {
-                    q.write_buffer(slot_of, u64::from(a.expert) * 4, &a.slot.to_le_bytes());
                     cbs.push(cb);
                     ok += 1;
                 }
                 Err(e) => {
+                    // Nothing of the refused buffer runs: the evicted expert's entry still
+                    // names the slot, which from here on holds nothing valid.
+                    ctx.queue.write_buffer(
+                        slot_of,
+                        u64::from(a.evicted) * 4,
+                        &NONE_SLOT.to_le_bytes(),
+                    );
                     tracing::warn!(
                         "expert {} could not go into bank slot {}; it and expert {} stay on the CPU: {e}",
                         a.expert,

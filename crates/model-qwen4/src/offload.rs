@@ -10,7 +10,7 @@ use std::sync::{Mutex, mpsc};
 
 use gpu_runtime::ops::graph::{Break, Graph, Tap};
 use gpu_runtime::readback;
-use gpu_runtime::staging::StagingRing;
+use gpu_runtime::staging::{Staged, StagingRing};
 use quant_codecs::MAX_BATCH;
 use quant_codecs::team::Team;
 
@@ -124,6 +124,10 @@ pub(crate) struct ColdPath {
     stage: Mutex<wgpu::Buffer>,
     /// Admitted experts' bytes on their way into the banks.
     ring: StagingRing,
+    /// A layer's cold outputs on their way into the expert outputs: one mapped slot a layer,
+    /// copied by the next span's submission. (`queue.write_buffer` creates, maps and later
+    /// destroys a staging buffer per call: one per cold slot, ~180 a token at 12G.)
+    outs: StagingRing,
     policy: CachePolicy,
     max_admissions: usize,
     /// Experts of the next layer prefetched per layer and frame, and what predicts them.
@@ -266,13 +270,22 @@ impl ColdPath {
         };
         let ring = if admits {
             let slots = 2 * (offload.max_admissions.max(1) + prefetch) + 2;
-            StagingRing::with_slots(&dev.ctx, slots, slot_bytes + 256)
+            // The expert's two matrices and its two map words, each at a 256-byte offset.
+            StagingRing::with_slots(&dev.ctx, slots, slot_bytes + 1024)
         } else {
             StagingRing::with_slots(&dev.ctx, 1, 256)
         };
+        // A slot is busy from a layer's cold experts until the span after them has run; the
+        // next layers' take the others (a layer finding none ready queues writes instead).
+        let outs = StagingRing::with_slots(
+            &dev.ctx,
+            if partial { 4 } else { 1 },
+            (MAX_BATCH * c.num_experts_per_tok * (c.hidden_size * 4).next_multiple_of(256)) as u64,
+        );
         ColdPath {
             stage: Mutex::new(stage),
             ring,
+            outs,
             policy: offload.policy,
             max_admissions: offload.max_admissions,
             prefetch,
@@ -463,14 +476,16 @@ impl GpuModel<'_> {
         // next layer's prefetches, which must land before it routes), except layer `hold`'s:
         // its routing is on the device and its resident experts, about to run, read the slots
         // that routing chose, so its uploads wait for a later submission.
+        // `outs`: the copies of the last layer's cold outputs, which `cb` reads.
         let submit = |cb: wgpu::CommandBuffer,
                       pending: &mut Vec<(usize, Vec<Upload>)>,
-                      hold: Option<usize>| {
+                      hold: Option<usize>,
+                      outs: Option<(wgpu::CommandBuffer, Staged)>| {
             let _timed = Elapsed(&cp.submit_ns, std::time::Instant::now());
             let (now, later): (Vec<_>, Vec<_>) =
                 pending.drain(..).partition(|(il, _)| Some(*il) != hold);
             *pending = later;
-            if now.is_empty() {
+            if now.is_empty() && outs.is_none() {
                 return ctx.queue.submit([cb]);
             }
             let ring = &cp.ring;
@@ -484,10 +499,17 @@ impl GpuModel<'_> {
                 cp.admitted.fetch_add(ok as u64, Ordering::Relaxed);
                 cp.failed.fetch_add(failed as u64, Ordering::Relaxed);
             }
+            let outs = outs.map(|(copies, staged)| {
+                cbs.push(copies);
+                staged
+            });
             cbs.push(cb);
             let index = ctx.queue.submit(cbs);
             for staged in release {
                 ring.release(staged);
+            }
+            if let Some(staged) = outs {
+                cp.outs.release(staged);
             }
             index
         };
@@ -609,17 +631,19 @@ impl GpuModel<'_> {
                 let mut last: Option<(usize, Vec<u32>)> = None;
                 let mut i = 0;
                 let mut cb = span(0)?;
+                // The copies of the last layer's cold outputs, for the next span's submission.
+                let mut outs = None;
                 loop {
                     handoff.ready(&mut pending);
                     let il = match spans[i].end {
                         None => {
-                            submit(cb, &mut pending, None);
+                            submit(cb, &mut pending, None, outs.take());
                             return Ok(());
                         }
                         Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
                         Some(Break::Read(il)) => il,
                     };
-                    let index = submit(cb, &mut pending, None);
+                    let index = submit(cb, &mut pending, None, outs.take());
                     // The resident experts and the shared expert go right behind it (they read
                     // only the device's data); the span after the write is encoded while the GPU
                     // runs these (the cold outputs it reads go up by queued writes, which land
@@ -629,7 +653,7 @@ impl GpuModel<'_> {
                     // the GPU is busy with the span before), but this layer's.
                     let resident = span(i + 1)?;
                     handoff.ready(&mut pending);
-                    submit(resident, &mut pending, Some(il));
+                    submit(resident, &mut pending, Some(il), None);
                     let next = span(i + 2)?;
                     let words = 2 * MAX_BATCH * k + nt * d;
                     let warm = cp.warm_pool.then(WarmPool::hold);
@@ -678,7 +702,7 @@ impl GpuModel<'_> {
                     // A prefetch into this layer still with the stager is committed first: its
                     // slot must not be chosen again while it might yet be taken back.
                     if handoff.layer(il, &mut pending) || pending.iter().any(|(l, _)| *l == il) {
-                        submit(encoder().finish(), &mut pending, None);
+                        submit(encoder().finish(), &mut pending, None, None);
                     }
                     let admitted = moe.decide(&routed, &cold, cp.policy, cp.max_admissions);
                     if !admitted.is_empty() {
@@ -688,7 +712,7 @@ impl GpuModel<'_> {
                     let done = self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..]);
                     cp.join_ns
                         .fetch_add(t_join.elapsed().as_nanos() as u64, Ordering::Relaxed);
-                    done?;
+                    outs = done?;
                     last = Some((il, routed));
                     cb = next;
                     i += 2;
@@ -700,7 +724,7 @@ impl GpuModel<'_> {
             // its staging slot must come back.
             handoff.finish(&mut pending);
             if !pending.is_empty() {
-                submit(encoder().finish(), &mut pending, None);
+                submit(encoder().finish(), &mut pending, None, None);
             }
             ran?;
             if let Some(c) = clock.as_ref().filter(|_| timed > 0) {
@@ -720,9 +744,15 @@ impl GpuModel<'_> {
 
     /// Computes layer `il`'s cold slots (`cold[slot]`: the expert, or `NONE_SLOT`) on the CPU
     /// from the MoE input rows `u` (`[nt, D]`, slot `i` reading row `i / k`), each expert once
-    /// over all of its rows, and writes the outputs into the slots' rows of the expert
-    /// outputs.
-    fn cold_experts(&self, il: usize, cold: &[u32], u: &[f32]) -> Result<(), ForwardError> {
+    /// over all of its rows, and stages the outputs for the slots' rows of the expert outputs:
+    /// the copies that the next submission must carry ahead of the span that reads them (or,
+    /// with no staging slot ready, queued writes, which need no carrying).
+    fn cold_experts(
+        &self,
+        il: usize,
+        cold: &[u32],
+        u: &[f32],
+    ) -> Result<Option<(wgpu::CommandBuffer, Staged)>, ForwardError> {
         use rayon::prelude::*;
         let c = &self.model.config;
         let (k, d, ne) = (c.num_experts_per_tok, c.hidden_size, c.num_experts);
@@ -788,17 +818,37 @@ impl GpuModel<'_> {
             .collect();
         let ns = t0.elapsed().as_nanos() as u64;
         self.res.cold.cold_ns.fetch_add(ns, Ordering::Relaxed);
-        let q = &self.res.dev.ctx.queue;
-        for (slots, y) in &outs {
-            for (slot, row) in slots.iter().zip(y.chunks(d)) {
-                let at = (slot * d * 4) as u64;
-                q.write_buffer(&self.res.scratch.expert_out, at, bytemuck::cast_slice(row));
-            }
+        let rows: Vec<(usize, &[f32])> = outs
+            .iter()
+            .flat_map(|(slots, y)| slots.iter().copied().zip(y.chunks(d)))
+            .collect();
+        if rows.is_empty() {
+            return Ok(None);
         }
-        Ok(())
+        let ctx = &self.res.dev.ctx;
+        let dst = &self.res.scratch.expert_out;
+        let parts: Vec<&[u8]> = rows.iter().map(|(_, r)| bytemuck::cast_slice(r)).collect();
+        if let Some(staged) = self.res.cold.outs.try_stage(&parts) {
+            let mut enc = ctx
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("cold outputs"),
+                });
+            for (part, &(slot, _)) in rows.iter().enumerate() {
+                self.res
+                    .cold
+                    .outs
+                    .record(&mut enc, &staged, part, dst, (slot * d * 4) as u64);
+            }
+            return Ok(Some((enc.finish(), staged)));
+        }
+        for (slot, row) in rows {
+            ctx.queue
+                .write_buffer(dst, (slot * d * 4) as u64, bytemuck::cast_slice(row));
+        }
+        Ok(None)
     }
 
-    /// Counts a frame's routed slots (`nt` rows through every layer).
     pub(crate) fn count_routed(&self, nt: usize) {
         let c = &self.model.config;
         let n = nt * c.num_experts_per_tok * c.num_hidden_layers;
@@ -854,6 +904,21 @@ impl GpuModel<'_> {
             .filter_map(|l| l.moe.cache().map(|c| c.slots().len() - c.resident()))
             .sum();
         (all - cold, all)
+    }
+
+    /// Per layer with a bank and experts on the CPU, the device's expert -> slot map
+    /// (`u32::MAX`: computed on the CPU) beside the host's, read back: after every frame they
+    /// agree, or an admission did not reach the device (a check for tests and `doctor`-style
+    /// diagnostics, not for the token path).
+    pub fn slot_maps(&self) -> Result<Vec<crate::moe::SlotMaps>, ForwardError> {
+        let ctx = &self.res.dev.ctx;
+        let mut out = Vec::new();
+        for l in &self.res.layers {
+            if let Some(maps) = l.moe.slot_maps(ctx) {
+                out.push(maps.map_err(|e| unsupported(format!("reading a slot map: {e}")))?);
+            }
+        }
+        Ok(out)
     }
 
     /// Per layer, each routed expert's learned score (empty rows for layers whose experts are

@@ -223,6 +223,13 @@ fn admissions_while_running_keep_the_answers() {
             // Prefetches land before their layer routes: the answers above are the proof.
             assert_eq!(stats.prefetched > 0, prefetch > 0, "{stats:?}");
             assert_eq!(g.resident_experts(), (ne / 2 * nl, ne * nl));
+            // Every admission reached the device's map, and every eviction: an expert the
+            // device still counted cold would only cost speed, so the answers cannot show it.
+            let maps = g.slot_maps().expect("slot maps");
+            assert_eq!(maps.len(), nl);
+            for (il, (device, host)) in maps.iter().enumerate() {
+                assert_eq!(device, host, "{what}: layer {il}'s slot map");
+            }
             let scores = g.expert_scores();
             assert_eq!(scores.len(), nl);
             assert!(
