@@ -109,6 +109,12 @@ pub struct OffloadRecord {
     pub gpu_routing_ms: f64,
     /// The host's milliseconds per token in submissions (with the admissions' commits).
     pub submit_ms: f64,
+    /// Of those, the submissions of spans ending at a routing (the critical path).
+    pub route_submit_ms: f64,
+    /// Of all, the time inside `queue.submit`.
+    pub queue_submit_ms: f64,
+    /// Submissions per token.
+    pub submissions: f64,
     /// The host's milliseconds per token waiting for layers' readbacks.
     pub wait_ms: f64,
     /// The host's milliseconds per token from each readback to the cold outputs' writes.
@@ -231,6 +237,9 @@ pub fn bench(
                 gpu_ms: 1e3 * (b.gpu_seconds - a.gpu_seconds) / tokens,
                 gpu_routing_ms: 1e3 * (b.gpu_routing_seconds - a.gpu_routing_seconds) / tokens,
                 submit_ms: 1e3 * (b.submit_seconds - a.submit_seconds) / tokens,
+                route_submit_ms: 1e3 * (b.route_submit_seconds - a.route_submit_seconds) / tokens,
+                queue_submit_ms: 1e3 * (b.queue_submit_seconds - a.queue_submit_seconds) / tokens,
+                submissions: (b.submissions - a.submissions) as f64 / tokens,
                 wait_ms: 1e3 * (b.wait_seconds - a.wait_seconds) / tokens,
                 join_ms: 1e3 * (b.join_seconds - a.join_seconds) / tokens,
             })
@@ -449,10 +458,15 @@ impl ModelReport {
             writeln!(
                 w,
                 "host per token: {:.2} ms waiting for readbacks, {:.2} ms in the cold experts \
-                 (from readbacks to their outputs), {:.2} ms submitting, {:.2} ms the rest",
+                 (from readbacks to their outputs), {:.2} ms submitting ({:.1} submissions; \
+                 {:.2} ms in queue.submit; {:.2} ms submitting the spans up to a routing), \
+                 {:.2} ms the rest",
                 o.wait_ms,
                 o.join_ms,
                 o.submit_ms,
+                o.submissions,
+                o.queue_submit_ms,
+                o.route_submit_ms,
                 o.token_ms - o.wait_ms - o.join_ms - o.submit_ms
             )?;
             if o.gpu_ms > 0.0 {

@@ -99,6 +99,13 @@ pub struct OffloadStats {
     pub gpu_routing_seconds: f64,
     /// The host's seconds in the frames' submissions (with the admissions' commits).
     pub submit_seconds: f64,
+    /// Of those, the submissions of spans that end at a layer's routing (each made after the
+    /// layer before it had its cold outputs: on the token's critical path).
+    pub route_submit_seconds: f64,
+    /// Of all, the seconds inside `queue.submit` itself (the rest: committing admissions).
+    pub queue_submit_seconds: f64,
+    /// Submissions made.
+    pub submissions: u64,
     /// The host's seconds waiting for layers' readbacks.
     pub wait_seconds: f64,
     /// The host's seconds in the cold experts with the admission decision beside them (from
@@ -162,6 +169,9 @@ pub(crate) struct ColdPath {
     gpu_ns: AtomicU64,
     gpu_routing_ns: AtomicU64,
     submit_ns: AtomicU64,
+    route_submit_ns: AtomicU64,
+    queue_submit_ns: AtomicU64,
+    submissions: AtomicU64,
     wait_ns: AtomicU64,
     join_ns: AtomicU64,
 }
@@ -325,6 +335,9 @@ impl ColdPath {
             gpu_ns: AtomicU64::new(0),
             gpu_routing_ns: AtomicU64::new(0),
             submit_ns: AtomicU64::new(0),
+            route_submit_ns: AtomicU64::new(0),
+            queue_submit_ns: AtomicU64::new(0),
+            submissions: AtomicU64::new(0),
             wait_ns: AtomicU64::new(0),
             join_ns: AtomicU64::new(0),
         }
@@ -485,8 +498,13 @@ impl GpuModel<'_> {
             let (now, later): (Vec<_>, Vec<_>) =
                 pending.drain(..).partition(|(il, _)| Some(*il) != hold);
             *pending = later;
+            let queue_submit = |cbs: Vec<wgpu::CommandBuffer>| {
+                let _timed = Elapsed(&cp.queue_submit_ns, std::time::Instant::now());
+                cp.submissions.fetch_add(1, Ordering::Relaxed);
+                ctx.queue.submit(cbs)
+            };
             if now.is_empty() && outs.is_none() {
-                return ctx.queue.submit([cb]);
+                return queue_submit(vec![cb]);
             }
             let ring = &cp.ring;
             let mut cbs = Vec::new();
@@ -504,7 +522,7 @@ impl GpuModel<'_> {
                 staged
             });
             cbs.push(cb);
-            let index = ctx.queue.submit(cbs);
+            let index = queue_submit(cbs);
             for staged in release {
                 ring.release(staged);
             }
@@ -643,7 +661,10 @@ impl GpuModel<'_> {
                         Some(Break::Write(_)) => unreachable!("a layer's write follows its read"),
                         Some(Break::Read(il)) => il,
                     };
-                    let index = submit(cb, &mut pending, None, outs.take());
+                    let index = {
+                        let _timed = Elapsed(&cp.route_submit_ns, std::time::Instant::now());
+                        submit(cb, &mut pending, None, outs.take())
+                    };
                     // The resident experts and the shared expert go right behind it (they read
                     // only the device's data); the span after the write is encoded while the GPU
                     // runs these (the cold outputs it reads go up by queued writes, which land
@@ -887,6 +908,9 @@ impl GpuModel<'_> {
             gpu_seconds: r.gpu_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             gpu_routing_seconds: r.gpu_routing_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             submit_seconds: r.submit_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            route_submit_seconds: r.route_submit_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            queue_submit_seconds: r.queue_submit_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            submissions: r.submissions.load(Ordering::Relaxed),
             wait_seconds: r.wait_ns.load(Ordering::Relaxed) as f64 * 1e-9,
             join_seconds: r.join_ns.load(Ordering::Relaxed) as f64 * 1e-9,
         }
