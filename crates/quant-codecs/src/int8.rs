@@ -581,6 +581,20 @@ pub(crate) fn path_of(isa: Isa) -> Path {
     }
 }
 
+/// Whether `isa` runs hand-written integer kernels (AVX-512 VNNI); elsewhere the int8 path is
+/// the portable reference, exact but about 15x slower than the f32 kernels.
+pub(crate) fn has_fast_kernels(isa: Isa) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        path_of(isa) == Path::Vnni
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = isa;
+        false
+    }
+}
+
 pub(crate) fn acts_of(m: &Mat, xs: &[f32]) -> Acts {
     acts_with(m, xs, true)
 }

@@ -57,8 +57,35 @@ pub enum Isa {
 }
 
 impl Isa {
-    /// The widest instruction set this CPU supports.
+    /// The widest instruction set this CPU supports, or a narrower one named by
+    /// `CORTIQ_ISA` (`baseline`, `avx2`, `avx512`: to measure, or to test, the kernels a
+    /// smaller CPU runs; a set the CPU lacks, or an unknown name, is ignored with a warning).
     pub fn detect() -> Isa {
+        static CHOSEN: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *CHOSEN.get_or_init(|| {
+            let widest = Isa::widest();
+            let Ok(name) = std::env::var("CORTIQ_ISA") else {
+                return widest;
+            };
+            match [Isa::Baseline, Isa::Avx2, Isa::Avx512]
+                .into_iter()
+                .find(|i| i.name() == name)
+            {
+                Some(isa) if isa.available() => isa,
+                _ => {
+                    tracing::warn!(
+                        "CORTIQ_ISA={name}: not one this CPU runs (baseline, avx2, avx512 up to \
+                         {}); using {}",
+                        widest.name(),
+                        widest.name()
+                    );
+                    widest
+                }
+            }
+        })
+    }
+
+    fn widest() -> Isa {
         #[cfg(target_arch = "x86_64")]
         {
             if Isa::Avx512.available() {

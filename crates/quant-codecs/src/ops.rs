@@ -23,7 +23,9 @@ pub enum ActChoice {
     /// int8 where it is faster: q4tp, q2tp and mxfp4, whose f32 kernels decode each weight to
     /// f32 and are compute-bound; f32 for q8_2f, whose f32 kernel already reads near the
     /// bandwidth ceiling and whose int8 calls cost more than they save at decode sizes
-    /// (docs/perf.md, the model-level CPU benches).
+    /// (docs/perf.md, the model-level CPU benches). On a CPU without the hand-written integer
+    /// kernels (no AVX-512 VNNI: AVX2-only x86, ARM) f32 for every format: there the int8
+    /// path is the portable reference, 14-60x slower per weight than the f32 kernels.
     Auto,
 }
 
@@ -41,6 +43,13 @@ pub fn act_choice() -> ActChoice {
     }
 }
 
+/// Whether this CPU runs the hand-written int8 kernels (AVX-512 VNNI, within `CORTIQ_ISA`);
+/// elsewhere the int8 path is the portable reference, exact but 14-60x slower per weight than
+/// the f32 kernels (docs/perf.md), so [`ActChoice::Auto`] takes f32 there.
+pub fn fast_int8() -> bool {
+    crate::int8::has_fast_kernels(crate::Isa::detect())
+}
+
 /// The path [`linear`] takes for a matrix of `dtype`.
 pub fn act_path(dtype: DType) -> ActPath {
     match act_choice() {
@@ -49,6 +58,7 @@ pub fn act_path(dtype: DType) -> ActPath {
         _ if !dtype.has_int8_kernel() => ActPath::F32,
         ActChoice::Int8 => ActPath::Int8,
         ActChoice::Auto if dtype == DType::Q8_2f => ActPath::F32,
+        ActChoice::Auto if !fast_int8() => ActPath::F32,
         ActChoice::Auto => ActPath::Int8,
     }
 }
