@@ -123,9 +123,9 @@ pub struct ComputeArgs {
     #[arg(short = 't', long, value_name = "N", value_parser = threads, allow_negative_numbers = true)]
     pub threads: Option<usize>,
     /// Activations of the quantised projections: auto (int8 for q4tp, q2tp and mxfp4, f32 for
-    /// q8_2f: the faster path of each; f32 for all on a CPU without AVX-512 VNNI, whose int8
-    /// path is the slow portable reference), int8 (quantised per 32-block, integer dot
-    /// products) or f32 (the exact reference path). Float matrices always take f32.
+    /// q8_2f: the faster path of each; f32 for all on a CPU without AVX2, whose int8 path is
+    /// the slow portable reference), int8 (quantised per 32-block, integer dot products) or
+    /// f32 (the exact reference path). Float matrices always take f32.
     #[arg(long, value_enum, default_value_t = Act::Auto)]
     pub act: Act,
     /// auto (a hardware GPU when there is one and the model fits its budget, else the CPU),

@@ -10,7 +10,7 @@
 //! * q8_2f multiplies the folded sum by the row scale last.
 //!
 //! The portable code here is the reference; `int8_512` computes the same thing with AVX-512
-//! VNNI, 16 blocks per vector, and the AVX2 path is the portable code compiled for AVX2.
+//! VNNI, 16 blocks per vector, and `int8_256` with AVX2, 8 blocks per vector.
 
 // Accumulator arrays are indexed by token row and block lane on purpose.
 #![allow(clippy::needless_range_loop)]
@@ -492,26 +492,8 @@ fn rows_portable<const NT: usize>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c,bmi2")]
-fn rows_avx2<const NT: usize>(m: &Mat, a: &Acts, order: Order, r0: usize, outs: &mut [&mut [f32]]) {
-    rows_portable::<NT>(m, a, order, r0, outs)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c,bmi2")]
-fn rows_avx512_portable<const NT: usize>(
-    m: &Mat,
-    a: &Acts,
-    order: Order,
-    r0: usize,
-    outs: &mut [&mut [f32]],
-) {
-    rows_portable::<NT>(m, a, order, r0, outs)
-}
-
 /// The instruction set the rows run with; `Vnni` is `Isa::Avx512` on a CPU with AVX-512 VNNI
-/// (the hand-written kernels), plain `Avx512` without it runs the portable code.
+/// (`int8_512`); `Avx2`, and plain `Avx512` without VNNI, run `int8_256`.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Path {
     Portable,
@@ -535,10 +517,11 @@ pub(crate) fn rows_path<const NT: usize>(
         Path::Portable => rows_portable::<NT>(m, a, order, r0, outs),
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `run` picks Avx2 only after `Isa::available` confirmed the features.
-        Path::Avx2 => unsafe { rows_avx2::<NT>(m, a, order, r0, outs) },
+        Path::Avx2 => unsafe { crate::int8_256::rows::<NT>(m, a, r0, outs) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `run` picks Avx512 only after `Isa::available` confirmed the features.
-        Path::Avx512 => unsafe { rows_avx512_portable::<NT>(m, a, order, r0, outs) },
+        // SAFETY: `run` picks Avx512 only after `Isa::available` confirmed the features (AVX2
+        // and FMA among them).
+        Path::Avx512 => unsafe { crate::int8_256::rows::<NT>(m, a, r0, outs) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `run` picks Vnni only after confirming AVX-512 F/BW/VL and VNNI.
         Path::Vnni => unsafe { crate::int8_512::rows::<NT>(m, a, r0, outs) },
@@ -581,18 +564,10 @@ pub(crate) fn path_of(isa: Isa) -> Path {
     }
 }
 
-/// Whether `isa` runs hand-written integer kernels (AVX-512 VNNI); elsewhere the int8 path is
-/// the portable reference, exact but about 15x slower than the f32 kernels.
+/// Whether `isa` runs hand-written integer kernels (AVX-512 VNNI, or AVX2); elsewhere the
+/// int8 path is the portable reference, exact but about 10x slower than the f32 kernels.
 pub(crate) fn has_fast_kernels(isa: Isa) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        path_of(isa) == Path::Vnni
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = isa;
-        false
-    }
+    path_of(isa) != Path::Portable
 }
 
 pub(crate) fn acts_of(m: &Mat, xs: &[f32]) -> Acts {

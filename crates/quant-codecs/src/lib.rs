@@ -32,6 +32,8 @@ mod error;
 pub mod float;
 mod int8;
 #[cfg(target_arch = "x86_64")]
+mod int8_256;
+#[cfg(target_arch = "x86_64")]
 mod int8_512;
 mod kernel;
 mod many;

@@ -23,9 +23,9 @@ pub enum ActChoice {
     /// int8 where it is faster: q4tp, q2tp and mxfp4, whose f32 kernels decode each weight to
     /// f32 and are compute-bound; f32 for q8_2f, whose f32 kernel already reads near the
     /// bandwidth ceiling and whose int8 calls cost more than they save at decode sizes
-    /// (docs/perf.md, the model-level CPU benches). On a CPU without the hand-written integer
-    /// kernels (no AVX-512 VNNI: AVX2-only x86, ARM) f32 for every format: there the int8
-    /// path is the portable reference, 14-60x slower per weight than the f32 kernels.
+    /// (docs/perf.md, the model-level CPU benches). On a CPU without hand-written integer
+    /// kernels (ARM, x86 before AVX2) f32 for every format: there the int8 path is the
+    /// portable reference, about 10x slower per weight than the f32 kernels.
     Auto,
 }
 
@@ -43,9 +43,10 @@ pub fn act_choice() -> ActChoice {
     }
 }
 
-/// Whether this CPU runs the hand-written int8 kernels (AVX-512 VNNI, within `CORTIQ_ISA`);
-/// elsewhere the int8 path is the portable reference, exact but 14-60x slower per weight than
-/// the f32 kernels (docs/perf.md), so [`ActChoice::Auto`] takes f32 there.
+/// Whether this CPU runs hand-written int8 kernels (AVX-512 VNNI or AVX2, within
+/// `CORTIQ_ISA`); elsewhere (ARM, x86 before AVX2) the int8 path is the portable reference,
+/// exact but about 10x slower per weight than the f32 kernels (docs/perf.md), so
+/// [`ActChoice::Auto`] takes f32 there.
 pub fn fast_int8() -> bool {
     crate::int8::has_fast_kernels(crate::Isa::detect())
 }

@@ -610,3 +610,66 @@ fn matmat_chain_equals_the_two_products_in_turn() {
         assert!(r.is_err(), "the panic was swallowed");
     }
 }
+
+/// Every instruction set at every batch size, at the codes' extremes: the largest code
+/// magnitudes against activations all at +-127, which overflow a 16-bit partial sum in a
+/// kernel that adds too many products before widening (the AVX2 kernels add several
+/// `vpmaddubsw` results first, as many as each format's codes allow), and mxfp4's E8M0 byte 0.
+#[test]
+fn int8_at_the_codes_extremes_on_every_instruction_set() {
+    for dtype in [DType::Q8_2f, DType::Q4tp, DType::Q2tp, DType::Mxfp4] {
+        let (rows, cols) = (19, 640);
+        let mut p = quant_codecs::synthetic_payload(dtype, rows, cols, 9).unwrap();
+        let l = *MatRef::new(dtype, rows, cols, &p).unwrap().layout();
+        let row_bytes = l.codes_len / rows;
+        for (r, row) in p[..l.codes_len].chunks_mut(row_bytes).enumerate() {
+            let fill = match dtype {
+                // Codes -128 and 127.
+                DType::Q8_2f if r % 2 == 0 => 0x80,
+                DType::Q8_2f => 0x7F,
+                // Both E2M1 codes 6.0, the largest unsigned code `2 * 6 + 12`.
+                DType::Mxfp4 => 0x77,
+                // The largest nibble, the largest bit pairs.
+                _ => 0xFF,
+            };
+            row.fill(fill);
+        }
+        if dtype == DType::Mxfp4 {
+            for (i, s) in p[l.second..l.third].iter_mut().enumerate() {
+                // Row 0 all at byte 0 (2^-127: its sums stay far from zero in f32).
+                *s = if i < cols / ACT_BLOCK || i % 3 == 0 {
+                    0
+                } else {
+                    127
+                };
+            }
+        }
+        let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+        let xs: Vec<f32> = (0..8 * cols)
+            .map(|i| match (i / cols) % 3 {
+                0 => 1.0,
+                1 => -1.0,
+                _ if i % 2 == 0 => 1.0,
+                _ => -1.0,
+            })
+            .collect();
+        for nt in [1, 3, 8] {
+            let x = &xs[..nt * cols];
+            let mut want = vec![f32::NAN; nt * rows];
+            m.matmat_path_with(Isa::Baseline, ActPath::Int8, x, &mut want)
+                .unwrap();
+            assert!(want.iter().all(|v| v.is_finite()), "{dtype}");
+            for isa in [Isa::Avx2, Isa::Avx512] {
+                let mut got = vec![f32::NAN; nt * rows];
+                m.matmat_path_with(isa, ActPath::Int8, x, &mut got).unwrap();
+                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        g.to_bits(),
+                        w.to_bits(),
+                        "{dtype} {isa:?} T={nt} [{i}]: {g} vs {w}"
+                    );
+                }
+            }
+        }
+    }
+}
