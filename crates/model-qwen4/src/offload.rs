@@ -198,8 +198,8 @@ impl ColdSchedule {
             Ok("together") => ColdSchedule::Together,
             // Without the integer kernels the experts take the f32 path, one expert a task,
             // each splitting its rows over rayon's pool: a team spinning beside that pool
-            // only takes its cores (2-core box, AVX2 kernels: 10 experts 6.2 ms on the team,
-            // 4.4 ms each on rayon).
+            // only takes its cores (2-core box, the f32 kernels: 10 experts 6.2 ms on the
+            // team, 4.4 ms each on rayon).
             _ if !quant_codecs::ops::fast_int8() => ColdSchedule::Each,
             _ => {
                 let team = Team::from_env(software);
