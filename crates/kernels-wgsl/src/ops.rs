@@ -1,9 +1,10 @@
 //! The op kernels: the small steps of a model forward between the matvecs (norms, the
 //! hyper-connection mixes, the Gated DeltaNet conv and recurrence, attention with the QSA
-//! block choice, MoE routing, PLE, greedy argmax). Each is one WGSL module (the shared prelude
-//! and its file) with entry [`Op::ENTRY`] and the one bind group layout of the prelude: binding
-//! 0 the op's parameters ([`Op::PARAM_WORDS`] words), binding 1 the frame's per-token values
-//! ([`FRAME_WORDS`] words), bindings 2..=9 storage buffers.
+//! block choice, MoE routing, PLE, greedy argmax; DeepSeek's mHC, router and clamped SwiGLU).
+//! Each is one WGSL module (the shared prelude and its file) with entry [`Op::ENTRY`] and the
+//! one bind group layout of the prelude: binding 0 the op's parameters ([`Op::PARAM_WORDS`]
+//! words), binding 1 the frame's per-token values ([`FRAME_WORDS`] words), bindings 2..=9
+//! storage buffers.
 
 const PRELUDE: &str = include_str!("../wgsl/ops/prelude.wgsl");
 
@@ -81,6 +82,16 @@ ops! {
     PleConv => "ple_conv",
     /// Greedy argmax.
     Argmax => "argmax",
+    /// DeepSeek's mHC maps and collapse, and the block's norm (or the head's collapse).
+    MhcPre => "mhc_pre",
+    /// DeepSeek's mHC after a block.
+    MhcPost => "mhc_post",
+    /// DeepSeek's router: scores, hash or top-k, weights.
+    DsRoute => "ds_route",
+    /// A clamped SwiGLU.
+    SwigluClamp => "swiglu_clamp",
+    /// A MoE block's weighted routed slots plus the shared expert.
+    MoeSum => "moe_sum",
 }
 
 impl Op {

@@ -169,7 +169,7 @@ pub fn encode(
 ) -> Result<(), GpuError> {
     let s = e.s;
     match pending {
-        Some(y) => e.rms_norm_injected(x, &w.norm, &s.xn, nt * h, d, eps, y, h)?,
+        Some(y) => e.rms_norm_injected(x, &w.norm, &s.xn, nt * h, d, eps, y, &s.inj, h)?,
         None => e.rms_norm(x, &w.norm, &s.xn, nt * h, d, eps)?,
     }
     let hf = (h as f32).to_bits();

@@ -7,7 +7,8 @@
 // With `inject` = 1 (a hyper-connection site's norm of the streams, `h` of them per token row,
 // one group each) the previous block's output is injected first, in place:
 // `x[g, :] += inj[g] * blk[g / h, :]` (the streams then hold what `hc_inject` would have left),
-// so the injection costs no dispatch of its own.
+// so the injection costs no dispatch of its own. `wmode` picks the weight: 0 `(1 + w)` (Qwen's
+// norms), 1 `w` (DeepSeek's), 2 none (DeepSeek's unweighted norms; `w` is bound but not read).
 struct Params {
     groups: u32,
     group: u32,
@@ -15,6 +16,7 @@ struct Params {
     eps: u32,
     inject: u32,
     h: u32,
+    wmode: u32,
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
@@ -37,6 +39,17 @@ fn injected(g: u32, base: u32, i: u32) -> f32 {
         return x[base + i] + inj[g] * blk[(g / P.h) * P.group + i];
     }
     return 0.0;
+}
+
+// The factor of weight `v` under `wmode` (a uniform branch).
+fn wt(v: f32) -> f32 {
+    if (P.wmode == 0u) {
+        return 1.0 + v;
+    }
+    if (P.wmode == 1u) {
+        return v;
+    }
+    return 1.0;
 }
 
 fn store_x(base: u32, i: u32, v: f32) {
@@ -129,28 +142,28 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let v7 = at(base, i + 7u * WG);
         let w7 = w[(base + i + 7u * WG) % P.w_len];
         if (i + 0u * WG < P.group) {
-            y[base + i + 0u * WG] = v0 * r * (1.0 + w0);
+            y[base + i + 0u * WG] = v0 * r * wt(w0);
         }
         if (i + 1u * WG < P.group) {
-            y[base + i + 1u * WG] = v1 * r * (1.0 + w1);
+            y[base + i + 1u * WG] = v1 * r * wt(w1);
         }
         if (i + 2u * WG < P.group) {
-            y[base + i + 2u * WG] = v2 * r * (1.0 + w2);
+            y[base + i + 2u * WG] = v2 * r * wt(w2);
         }
         if (i + 3u * WG < P.group) {
-            y[base + i + 3u * WG] = v3 * r * (1.0 + w3);
+            y[base + i + 3u * WG] = v3 * r * wt(w3);
         }
         if (i + 4u * WG < P.group) {
-            y[base + i + 4u * WG] = v4 * r * (1.0 + w4);
+            y[base + i + 4u * WG] = v4 * r * wt(w4);
         }
         if (i + 5u * WG < P.group) {
-            y[base + i + 5u * WG] = v5 * r * (1.0 + w5);
+            y[base + i + 5u * WG] = v5 * r * wt(w5);
         }
         if (i + 6u * WG < P.group) {
-            y[base + i + 6u * WG] = v6 * r * (1.0 + w6);
+            y[base + i + 6u * WG] = v6 * r * wt(w6);
         }
         if (i + 7u * WG < P.group) {
-            y[base + i + 7u * WG] = v7 * r * (1.0 + w7);
+            y[base + i + 7u * WG] = v7 * r * wt(w7);
         }
     }
 }
