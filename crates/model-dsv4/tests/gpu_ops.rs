@@ -79,6 +79,18 @@ fn run(ctx: &GpuContext, g: &Graph, bufs: &[(&wgpu::Buffer, usize)]) -> Vec<Vec<
         .collect()
 }
 
+/// A frame encoder over no scratch (the tests bind their own buffers).
+fn enc<'a>(g: &'a mut Graph, dev: &'a Device, frame: &'a wgpu::Buffer, nt: usize) -> Enc<'a, ()> {
+    Enc {
+        g,
+        dev,
+        s: &(),
+        frame,
+        nt,
+        traced: false,
+    }
+}
+
 /// `|got - want| <= tol * max|want|` everywhere.
 fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
     assert_eq!(got.len(), want.len(), "{what}: length");
@@ -136,14 +148,7 @@ fn mhc_sites_and_the_head_match_the_cpu() {
             let base = dev.vec("base", &site.base);
             let norm = dev.vec("norm", &lw.input_layernorm);
             let mut g = Graph::new();
-            let mut e = Enc {
-                g: &mut g,
-                dev: &dev,
-                s: &(),
-                frame: &frame,
-                nt: t,
-                traced: false,
-            };
+            let mut e = enc(&mut g, &dev, &frame, t);
             e.rms_norm_unweighted(&x, &xn, t, n * d, eps).unwrap();
             e.matvec(&fn_, &xn, &mix, t, Epilogue::None).unwrap();
             let s = &site.scale;
@@ -173,14 +178,7 @@ fn mhc_sites_and_the_head_match_the_cpu() {
             close(&format!("layer {il} block input"), &got, &want, TOL);
 
             let mut g = Graph::new();
-            let mut e = Enc {
-                g: &mut g,
-                dev: &dev,
-                s: &(),
-                frame: &frame,
-                nt: t,
-                traced: false,
-            };
+            let mut e = enc(&mut g, &dev, &frame, t);
             let p = [(t * d) as u32, n as u32, d as u32];
             e.op_lanes(Op::MhcPost, &p, &[&x, &y, &maps], t * d)
                 .unwrap();
@@ -197,14 +195,7 @@ fn mhc_sites_and_the_head_match_the_cpu() {
         let base = dev.vec("base", &hw.base);
         let norm = dev.vec("norm", &w.norm);
         let mut g = Graph::new();
-        let mut e = Enc {
-            g: &mut g,
-            dev: &dev,
-            s: &(),
-            frame: &frame,
-            nt: t,
-            traced: false,
-        };
+        let mut e = enc(&mut g, &dev, &frame, t);
         e.rms_norm_unweighted(&x, &xn, t, n * d, eps).unwrap();
         e.matvec(&fn_, &xn, &mix, t, Epilogue::None).unwrap();
         let p = [
@@ -289,14 +280,7 @@ fn moe_blocks_match_the_cpu_with_hash_and_scored_routing() {
                 dev.mat(&mw.sh_down).unwrap(),
             );
             let mut g = Graph::new();
-            let mut e = Enc {
-                g: &mut g,
-                dev: &dev,
-                s: &(),
-                frame: &frame,
-                nt: t,
-                traced: false,
-            };
+            let mut e = enc(&mut g, &dev, &frame, t);
             e.matvec(&router, &u, &logits, t, Epilogue::None).unwrap();
             let scoring = match c.scoring_func {
                 model_dsv4::ScoringFunc::Softmax => 0u32,
