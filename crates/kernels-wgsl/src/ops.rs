@@ -92,6 +92,16 @@ ops! {
     SwigluClamp => "swiglu_clamp",
     /// A MoE block's weighted routed slots plus the shared expert.
     MoeSum => "moe_sum",
+    /// DeepSeek's caches: token rows into a ring by position.
+    DsStore => "ds_store",
+    /// DeepSeek's interleaved trailing RoPE (and its inverse) from a host table.
+    DsRope => "ds_rope",
+    /// DeepSeek's KV compressors: the entries of the windows a frame completes.
+    DsCompress => "ds_compress",
+    /// DeepSeek's lightning indexer: entry scores and the top-k mask.
+    DsIndex => "ds_index",
+    /// DeepSeek's attention over the sliding window, the compressed entries and the sink.
+    DsAttend => "ds_attend",
 }
 
 impl Op {

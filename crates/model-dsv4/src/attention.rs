@@ -234,3 +234,198 @@ pub(crate) fn grouped_out(
     }
     linear(&w.o_b, &mid, t)
 }
+
+/// A layer's attention on the device: the query path (`q_a`, its norm, `q_b`, the per-head
+/// unweighted norm, RoPE), the K = V latent into the window ring, the compressor and indexer,
+/// `ds_attend`, V's RoPE undone, and the grouped output projection (`o_a`'s groups as a bank
+/// of the grouped kernel: slot `(row, g)` reads the row's group `g` of heads), then `o_b`.
+pub struct AttnGpu {
+    q_a: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    q_a_norm: (wgpu::Buffer, usize),
+    q_b: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    kv: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    kv_norm: (wgpu::Buffer, usize),
+    o_a: gpu_runtime::ops::experts::ExpertBank,
+    o_b: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    sinks: wgpu::Buffer,
+    comp: Option<crate::compressor::CompGpu>,
+    index: Option<crate::indexer::IndexGpu>,
+    kind: AttnKind,
+    rate: usize,
+}
+
+/// A layer's caches for one sequence on the device.
+pub struct AttnDeviceState {
+    /// The K = V latents of the last positions `[window ring, Dh]` (by position).
+    pub window: wgpu::Buffer,
+    /// The CSA/HCA compressor's.
+    pub comp: Option<crate::compressor::CompDeviceState>,
+    /// The CSA indexer's.
+    pub index: Option<crate::compressor::CompDeviceState>,
+}
+
+impl AttnDeviceState {
+    /// Its buffers in a fixed order (what a snapshot copies).
+    pub fn buffers(&self) -> Vec<&wgpu::Buffer> {
+        let mut out = vec![&self.window];
+        for c in self.comp.iter().chain(&self.index) {
+            out.extend([&c.kv, &c.gate, &c.entries]);
+        }
+        out
+    }
+}
+
+impl AttnGpu {
+    /// Uploads layer `w` of kind `kind`.
+    pub fn new(
+        dev: &crate::device::Device,
+        w: &AttnWeights<'_>,
+        c: &DeepseekV4Config,
+        kind: AttnKind,
+    ) -> Result<AttnGpu, gpu_runtime::GpuError> {
+        let rate = c.rate(kind).unwrap_or(1);
+        let eps = c.rms_norm_eps as f32;
+        let comp = match &w.compressor {
+            Some(cw) => {
+                let dims = CompDims {
+                    rate,
+                    head: c.head_dim,
+                    overlap: kind == AttnKind::Csa,
+                    eps,
+                };
+                Some(crate::compressor::CompGpu::new(dev, cw, dims)?)
+            }
+            None => None,
+        };
+        let index = match &w.indexer {
+            Some(iw) => Some(crate::indexer::IndexGpu::new(dev, iw, c, rate)?),
+            None => None,
+        };
+        let groups: Vec<model_core::Mat<'_>> = (0..w.o_a.groups())
+            .map(|g| {
+                model_core::Mat::new(format!("{}#{g}", w.o_a.name()), usize::MAX, w.o_a.group(g))
+            })
+            .collect();
+        let refs: Vec<&model_core::Mat<'_>> = groups.iter().collect();
+        Ok(AttnGpu {
+            q_a: dev.mat(&w.q_a)?,
+            q_a_norm: (dev.vec("q_a_norm", &w.q_a_norm), w.q_a_norm.len()),
+            q_b: dev.mat(&w.q_b)?,
+            kv: dev.mat(&w.kv)?,
+            kv_norm: (dev.vec("kv_norm", &w.kv_norm), w.kv_norm.len()),
+            o_a: dev.bank(&refs)?,
+            o_b: dev.mat(&w.o_b)?,
+            sinks: dev.vec("sinks", &w.sinks),
+            comp,
+            index,
+            kind,
+            rate,
+        })
+    }
+
+    /// An empty cache for contexts of `ctx_len`.
+    pub fn state(
+        &self,
+        ctx: &gpu_runtime::GpuContext,
+        c: &DeepseekV4Config,
+        ctx_len: usize,
+    ) -> AttnDeviceState {
+        let ring = crate::device::window_ring(c);
+        AttnDeviceState {
+            window: gpu_runtime::ops::graph::storage(ctx, "window ring", ring * c.head_dim),
+            comp: self.comp.as_ref().map(|x| x.state(ctx, ctx_len)),
+            index: self.index.as_ref().map(|x| x.comp.state(ctx, ctx_len)),
+        }
+    }
+
+    /// The layer on `e.s.u` (`nt` rows at the frame's position) into `e.s.y`.
+    pub fn encode(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        c: &DeepseekV4Config,
+        ropes: &crate::device::RopeGpu,
+        st: &AttnDeviceState,
+        nt: usize,
+        ctx_len: usize,
+    ) -> Result<(), gpu_runtime::GpuError> {
+        use crate::config::AttnKind::*;
+        use gpu_runtime::Epilogue;
+        use kernels_wgsl::Op;
+        let s = e.s;
+        let (nh, dh) = (c.num_attention_heads, c.head_dim);
+        let eps = c.rms_norm_eps as f32;
+        let plain = model_core::device::NormWeight::Plain;
+        let (cs, pairs) = ropes.of(self.kind);
+        // `o` holds the raw projections until attention writes it.
+        e.matvec(&self.q_a, &s.u, &s.o, nt, Epilogue::None)?;
+        let (qn, ql) = (&self.q_a_norm.0, self.q_a_norm.1);
+        e.rms_norm_kind(&s.o, (qn, ql), &s.q_res, nt, ql, eps, plain)?;
+        e.matvec(&self.q_b, &s.q_res, &s.o, nt, Epilogue::None)?;
+        e.rms_norm_unweighted(&s.o, &s.q, nt * nh, dh, eps)?;
+        e.matvec(&self.kv, &s.u, &s.ckv, nt, Epilogue::None)?;
+        let (kn, kl) = (&self.kv_norm.0, self.kv_norm.1);
+        e.rms_norm_kind(&s.ckv, (kn, kl), &s.kv, nt, kl, eps, plain)?;
+        let p = [
+            (nt * nh * pairs) as u32,
+            nh as u32,
+            dh as u32,
+            pairs as u32,
+            0,
+        ];
+        e.op_lanes(Op::DsRope, &p, &[&s.q, cs], nt * nh * pairs)?;
+        let p = [(nt * pairs) as u32, 1, dh as u32, pairs as u32, 0];
+        e.op_lanes(Op::DsRope, &p, &[&s.kv, cs], nt * pairs)?;
+        let ring = crate::device::window_ring(c);
+        let p = [(nt * dh) as u32, dh as u32, ring as u32];
+        e.op_lanes(Op::DsStore, &p, &[&s.kv, &st.window], nt * dh)?;
+
+        let compress = ropes.of(Csa);
+        if let (Some(cg), Some(cst)) = (&self.comp, &st.comp) {
+            cg.encode(e, cst, compress, nt, ctx_len)?;
+        }
+        if let (Some(ig), Some(ist)) = (&self.index, &st.index) {
+            ig.encode(e, ist, compress, nt, ctx_len)?;
+        }
+        let mode = match self.kind {
+            Sliding => 0u32,
+            Hca => 1,
+            Csa => 2,
+        };
+        let maxe = crate::device::max_entries(ctx_len, self.rate).max(1);
+        let p = [
+            nh as u32,
+            dh as u32,
+            c.sliding_window as u32,
+            ring as u32,
+            mode,
+            self.rate as u32,
+            maxe as u32,
+            (c.sliding_window + s.maxe) as u32,
+            (dh as f32).powf(-0.5).to_bits(),
+        ];
+        let ent = st.comp.as_ref().map_or(&s.scores, |x| &x.entries);
+        let bufs = [&s.q, &st.window, ent, &s.sel, &self.sinks, &s.lg, &s.o];
+        e.op(Op::DsAttend, &p, &bufs, (nh as u32, nt as u32))?;
+        let p = [
+            (nt * nh * pairs) as u32,
+            nh as u32,
+            dh as u32,
+            pairs as u32,
+            1,
+        ];
+        e.op_lanes(Op::DsRope, &p, &[&s.o, cs], nt * nh * pairs)?;
+        let groups = self.o_a.count;
+        let slots = nt * groups;
+        e.grouped(
+            &self.o_a,
+            &s.o,
+            slots,
+            &s.o_ids,
+            &s.o_mid,
+            slots,
+            1,
+            Epilogue::None,
+        )?;
+        e.matvec(&self.o_b, &s.o_mid, &s.y, nt, Epilogue::None)
+    }
+}

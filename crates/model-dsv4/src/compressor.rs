@@ -127,3 +127,95 @@ pub fn pool(slots: &[(&[f32], &[f32])], hd: usize) -> Vec<f32> {
 pub fn visible(p: usize, rate: usize) -> usize {
     (p + 1) / rate
 }
+
+/// A compressor on the device: its kv/gate projections go into rings by position
+/// (`ds_store`), and `ds_compress` emits the entries of the windows each frame completes.
+pub struct CompGpu {
+    kv: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    gate: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    bias: wgpu::Buffer,
+    norm: wgpu::Buffer,
+    dims: CompDims,
+    width: usize,
+}
+
+/// A compressor's cache for one sequence on the device.
+pub struct CompDeviceState {
+    /// The kv projections of the last positions `[ring, width]` (by position).
+    pub kv: wgpu::Buffer,
+    /// Their gate projections (without `position_bias`).
+    pub gate: wgpu::Buffer,
+    /// The entries `[max entries, head]`.
+    pub entries: wgpu::Buffer,
+}
+
+impl CompGpu {
+    /// Uploads `w` for `dims`.
+    pub fn new(
+        dev: &crate::device::Device,
+        w: &CompressorWeights<'_>,
+        dims: CompDims,
+    ) -> Result<CompGpu, gpu_runtime::GpuError> {
+        Ok(CompGpu {
+            kv: dev.mat(&w.kv)?,
+            gate: dev.mat(&w.gate)?,
+            bias: dev.vec("position bias", &w.position_bias),
+            norm: dev.vec("compressor norm", &w.norm),
+            dims,
+            width: w.kv.rows(),
+        })
+    }
+
+    /// Tokens per entry.
+    pub fn rate(&self) -> usize {
+        self.dims.rate
+    }
+
+    /// An empty cache for contexts of `ctx_len`.
+    pub fn state(&self, ctx: &gpu_runtime::GpuContext, ctx_len: usize) -> CompDeviceState {
+        let ring = crate::device::comp_ring(self.dims.rate);
+        let maxe = crate::device::max_entries(ctx_len, self.dims.rate).max(1);
+        let s = |l: &str, n: usize| gpu_runtime::ops::graph::storage(ctx, l, n);
+        CompDeviceState {
+            kv: s("compressor kv ring", ring * self.width),
+            gate: s("compressor gate ring", ring * self.width),
+            entries: s("compressed entries", maxe * self.dims.head),
+        }
+    }
+
+    /// Feeds the frame's attention inputs `e.s.u` (`nt` rows) and emits the entries they
+    /// complete into `st.entries`; `cs` is the "compress" RoPE table and its pairs.
+    pub fn encode(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        st: &CompDeviceState,
+        (cs, pairs): (&wgpu::Buffer, usize),
+        nt: usize,
+        ctx_len: usize,
+    ) -> Result<(), gpu_runtime::GpuError> {
+        use kernels_wgsl::Op;
+        let s = e.s;
+        let (rate, w) = (self.dims.rate, self.width);
+        let ring = crate::device::comp_ring(rate);
+        e.matvec(&self.kv, &s.u, &s.ckv, nt, gpu_runtime::Epilogue::None)?;
+        e.matvec(&self.gate, &s.u, &s.cgate, nt, gpu_runtime::Epilogue::None)?;
+        let p = [(nt * w) as u32, w as u32, ring as u32];
+        e.op_lanes(Op::DsStore, &p, &[&s.ckv, &st.kv], nt * w)?;
+        e.op_lanes(Op::DsStore, &p, &[&s.cgate, &st.gate], nt * w)?;
+        let maxe = crate::device::max_entries(ctx_len, rate).max(1);
+        let p = [
+            nt as u32,
+            rate as u32,
+            self.dims.head as u32,
+            w as u32,
+            self.dims.overlap as u32,
+            ring as u32,
+            self.dims.eps.to_bits(),
+            pairs as u32,
+            maxe as u32,
+        ];
+        let bufs = [&st.kv, &st.gate, &self.bias, &self.norm, cs, &st.entries];
+        // A frame of `nt` rows completes at most `nt / rate + 1` windows.
+        e.op(Op::DsCompress, &p, &bufs, ((nt / rate + 1) as u32, 1))
+    }
+}

@@ -25,6 +25,19 @@ pub enum ForwardError {
     /// The sequence state was made for a different model (or its caches were altered).
     #[error("the sequence state does not belong to this model: {0}")]
     StateMismatch(String),
+    /// The sequence would outgrow the context a device state was allocated for.
+    #[error(
+        "the sequence needs {needed} tokens of context, the device state holds {ctx} (raise --ctx)"
+    )]
+    Context {
+        /// Tokens the sequence would hold.
+        needed: usize,
+        /// The context allocated.
+        ctx: usize,
+    },
+    /// The device failed (lost, out of memory, a kernel rejected).
+    #[error("GPU: {0}")]
+    Gpu(#[from] gpu_runtime::GpuError),
 }
 
 /// Called with every named intermediate: `(name, layer index, data [t, width])`, with the

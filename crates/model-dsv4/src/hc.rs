@@ -185,3 +185,105 @@ pub fn head(w: &HeadHcWeights<'_>, x: &[f32], t: usize, dims: &HcDims) -> Vec<f3
         .collect();
     collapse(x, &pre, t, n, dims.d)
 }
+
+/// An mHC site on the device (a layer's `attn_hc`/`ffn_hc` with the block's norm after it, or
+/// the head's collapse with the final norm): `mhc_pre` computes the maps with Sinkhorn, the
+/// collapse and the norm in one workgroup per row; `mhc_post` updates the streams.
+pub struct HcGpu {
+    fn_: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    base: wgpu::Buffer,
+    norm: wgpu::Buffer,
+    /// `mhc_pre`'s parameters after the row count.
+    params: [u32; 9],
+}
+
+impl HcGpu {
+    /// A layer's site `w` followed by the norm `norm`.
+    pub fn site(
+        dev: &crate::device::Device,
+        w: &HcWeights<'_>,
+        norm: &[f32],
+        dims: &HcDims,
+    ) -> Result<HcGpu, gpu_runtime::GpuError> {
+        let s = &w.scale;
+        Ok(HcGpu {
+            fn_: dev.mat(&w.fn_)?,
+            base: dev.vec("mhc base", &w.base),
+            norm: dev.vec("block norm", norm),
+            params: [
+                dims.n as u32,
+                dims.d as u32,
+                0,
+                dims.iters as u32,
+                dims.hc_eps.to_bits(),
+                dims.norm_eps.to_bits(),
+                s[0].to_bits(),
+                s[1].to_bits(),
+                s[2].to_bits(),
+            ],
+        })
+    }
+
+    /// The head's collapse `w` followed by the final norm `norm`.
+    pub fn head(
+        dev: &crate::device::Device,
+        w: &HeadHcWeights<'_>,
+        norm: &[f32],
+        dims: &HcDims,
+    ) -> Result<HcGpu, gpu_runtime::GpuError> {
+        Ok(HcGpu {
+            fn_: dev.mat(&w.fn_)?,
+            base: dev.vec("mhc head base", &w.base),
+            norm: dev.vec("final norm", norm),
+            params: [
+                dims.n as u32,
+                dims.d as u32,
+                1,
+                0,
+                dims.hc_eps.to_bits(),
+                dims.norm_eps.to_bits(),
+                w.scale.to_bits(),
+                0,
+                0,
+            ],
+        })
+    }
+
+    /// The site on the streams `x` `[nt, N*D]`: the block's (normed) input into `e.s.u`, the
+    /// maps into `e.s.maps` for [`HcGpu::encode_post`].
+    pub fn encode_pre(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        x: &wgpu::Buffer,
+        nt: usize,
+    ) -> Result<(), gpu_runtime::GpuError> {
+        let (n, d) = (self.params[0] as usize, self.params[1] as usize);
+        let eps = f32::from_bits(self.params[5]);
+        let s = e.s;
+        e.rms_norm_unweighted(x, &s.xn, nt, n * d, eps)?;
+        e.matvec(&self.fn_, &s.xn, &s.mix, nt, gpu_runtime::Epilogue::None)?;
+        let mut p = vec![nt as u32];
+        p.extend(self.params);
+        let bufs = [&s.mix, &self.base, &s.maps, x, &self.norm, &s.u];
+        e.op(kernels_wgsl::Op::MhcPre, &p, &bufs, (nt as u32, 1))
+    }
+
+    /// The streams' update after the block: `x` `[nt, N*D]` in place with the block output
+    /// `e.s.y`, from the maps [`HcGpu::encode_pre`] left.
+    pub fn encode_post(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        x: &wgpu::Buffer,
+        nt: usize,
+    ) -> Result<(), gpu_runtime::GpuError> {
+        let (n, d) = (self.params[0], self.params[1]);
+        let s = e.s;
+        let p = [nt as u32 * d, n, d];
+        e.op_lanes(
+            kernels_wgsl::Op::MhcPost,
+            &p,
+            &[x, &s.y, &s.maps],
+            nt * d as usize,
+        )
+    }
+}

@@ -84,6 +84,85 @@ pub fn top_entries(scores: &[f32], k: usize) -> Vec<usize> {
     idx
 }
 
+/// The indexer on the device: its compressor (the keys), its queries from `q_res`, its head
+/// weights, and `ds_index` (scores and the top-k mask into `e.s.sel`).
+pub struct IndexGpu {
+    /// The compressor whose entries are the keys.
+    pub comp: compressor::CompGpu,
+    q_b: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    weights_proj: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    ni: usize,
+    di: usize,
+    topk: usize,
+}
+
+impl IndexGpu {
+    /// Uploads `w` for a CSA layer of `rate`.
+    pub fn new(
+        dev: &crate::device::Device,
+        w: &IndexerWeights<'_>,
+        c: &DeepseekV4Config,
+        rate: usize,
+    ) -> Result<IndexGpu, gpu_runtime::GpuError> {
+        let dims = CompDims {
+            rate,
+            head: c.index_head_dim,
+            overlap: true,
+            eps: c.rms_norm_eps as f32,
+        };
+        Ok(IndexGpu {
+            comp: compressor::CompGpu::new(dev, &w.comp, dims)?,
+            q_b: dev.mat(&w.q_b)?,
+            weights_proj: dev.mat(&w.weights_proj)?,
+            ni: c.index_n_heads,
+            di: c.index_head_dim,
+            topk: c.index_topk,
+        })
+    }
+
+    /// Feeds the frame (attention inputs `e.s.u`, `q_res` in `e.s.q_res`) and selects, per
+    /// row, the entries its query attends (`e.s.sel`).
+    pub fn encode(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        st: &compressor::CompDeviceState,
+        rope: (&wgpu::Buffer, usize),
+        nt: usize,
+        ctx_len: usize,
+    ) -> Result<(), gpu_runtime::GpuError> {
+        use gpu_runtime::Epilogue;
+        use kernels_wgsl::Op;
+        let s = e.s;
+        let (ni, di) = (self.ni, self.di);
+        self.comp.encode(e, st, rope, nt, ctx_len)?;
+        e.matvec(&self.q_b, &s.q_res, &s.qi, nt, Epilogue::None)?;
+        let (cs, pairs) = rope;
+        let p = [
+            (nt * ni * pairs) as u32,
+            ni as u32,
+            di as u32,
+            pairs as u32,
+            0,
+        ];
+        e.op_lanes(Op::DsRope, &p, &[&s.qi, cs], nt * ni * pairs)?;
+        e.matvec(&self.weights_proj, &s.u, &s.iw, nt, Epilogue::None)?;
+        let rate = self.comp.rate();
+        let maxe = crate::device::max_entries(ctx_len, rate).max(1);
+        let p = [
+            nt as u32,
+            ni as u32,
+            di as u32,
+            rate as u32,
+            self.topk as u32,
+            maxe as u32,
+            (ni as f32).powf(-0.5).to_bits(),
+            (di as f32).powf(-0.5).to_bits(),
+        ];
+        let bufs = [&s.qi, &s.iw, &st.entries, &s.scores, &s.sel];
+        e.op(Op::DsIndex, &p, &bufs, (nt as u32, 1))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::top_entries;

@@ -35,8 +35,10 @@ pub mod attention;
 pub mod compressor;
 pub mod config;
 pub mod config_v41;
+pub mod device;
 pub mod engram;
 pub mod forward;
+pub mod gpu;
 pub mod hc;
 pub mod indexer;
 pub mod moe;
@@ -50,6 +52,7 @@ pub use config::{
 };
 pub use config_v41::{DeepseekV41Config, V41ConfigError};
 pub use forward::{ForwardError, Model, Trace};
+pub use gpu::{GpuModel, GpuState, Unplaced};
 pub use model_core::{BindError, CausalLm, InputError};
 pub use state::SeqState;
 pub use weights::{WeightError, Weights};

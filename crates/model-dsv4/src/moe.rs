@@ -100,3 +100,121 @@ pub fn forward_cpu(
     }
     y
 }
+
+/// A MoE block on the device, every routed expert resident: the router matvec, `ds_route`
+/// (scores, hash or biased top-k, renormalised weights), the routed experts through the
+/// grouped kernels over the layer's banks with the clamped SwiGLU between them, the shared
+/// expert, and `moe_sum`.
+pub struct MoeGpu {
+    router: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    bias: wgpu::Buffer,
+    table: wgpu::Buffer,
+    gate_up: gpu_runtime::ops::experts::ExpertBank,
+    down: gpu_runtime::ops::experts::ExpertBank,
+    sh_gate: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    sh_up: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    sh_down: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    /// `ds_route`'s parameters.
+    route: [u32; 6],
+    limit: f32,
+    inter: usize,
+    hidden: usize,
+}
+
+impl MoeGpu {
+    /// Uploads the block `w` of a model routed by `rt`.
+    pub fn new(
+        dev: &crate::device::Device,
+        w: &MoeWeights<'_>,
+        rt: &Router,
+        hidden: usize,
+        inter: usize,
+    ) -> Result<MoeGpu, gpu_runtime::GpuError> {
+        let (hash, table, bias) = match &w.routing {
+            Routing::Hash(tab) => (1u32, dev.words("tid2eid", tab), dev.vec("bias", &[0.0])),
+            Routing::Scored(b) => (0u32, dev.words("tid2eid", &[0]), dev.vec("bias", b)),
+        };
+        let scoring = match rt.scoring {
+            ScoringFunc::Softmax => 0u32,
+            ScoringFunc::Sigmoid => 1,
+            ScoringFunc::SqrtSoftplus => 2,
+        };
+        let gu: Vec<_> = w.routed.experts.iter().map(|x| &x.gate_up).collect();
+        let dn: Vec<_> = w.routed.experts.iter().map(|x| &x.down).collect();
+        Ok(MoeGpu {
+            router: dev.mat(&w.gate)?,
+            bias,
+            table,
+            gate_up: dev.bank(&gu)?,
+            down: dev.bank(&dn)?,
+            sh_gate: dev.mat(&w.sh_gate)?,
+            sh_up: dev.mat(&w.sh_up)?,
+            sh_down: dev.mat(&w.sh_down)?,
+            route: [
+                rt.n_experts as u32,
+                rt.top_k as u32,
+                scoring,
+                hash,
+                rt.temp.to_bits(),
+                rt.scale.to_bits(),
+            ],
+            limit: rt.swiglu_limit,
+            inter,
+            hidden,
+        })
+    }
+
+    /// The block on `e.s.u` (the frame's token ids in `e.s.tokens`) into `e.s.y`.
+    pub fn encode(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        nt: usize,
+    ) -> Result<(), gpu_runtime::GpuError> {
+        use gpu_runtime::Epilogue;
+        use kernels_wgsl::Op;
+        let s = e.s;
+        let (k, i, d) = (self.route[1] as usize, self.inter, self.hidden);
+        e.matvec(&self.router, &s.u, &s.logits_e, nt, Epilogue::None)?;
+        let bufs = [
+            &s.logits_e,
+            &self.bias,
+            &self.table,
+            &s.tokens,
+            &s.ids,
+            &s.wts,
+        ];
+        e.op(Op::DsRoute, &self.route, &bufs, (nt as u32, 1))?;
+        let slots = nt * k;
+        let lim = self.limit.to_bits();
+        e.grouped(
+            &self.gate_up,
+            &s.u,
+            nt,
+            &s.ids,
+            &s.mid2,
+            slots,
+            k,
+            Epilogue::None,
+        )?;
+        let (i2, iu) = ((2 * i) as u32, i as u32);
+        let p = [(slots * i) as u32, iu, i2, i2, iu, lim, 1];
+        e.op_lanes(Op::SwigluClamp, &p, &[&s.mid2, &s.sg, &s.mid], slots * i)?;
+        e.grouped(
+            &self.down,
+            &s.mid,
+            slots,
+            &s.ids,
+            &s.eo,
+            slots,
+            1,
+            Epilogue::None,
+        )?;
+        e.matvec(&self.sh_gate, &s.u, &s.sg, nt, Epilogue::None)?;
+        e.matvec(&self.sh_up, &s.u, &s.su, nt, Epilogue::None)?;
+        let p = [(nt * i) as u32, iu, iu, iu, 0, lim, 0];
+        e.op_lanes(Op::SwigluClamp, &p, &[&s.sg, &s.su, &s.sm], nt * i)?;
+        e.matvec(&self.sh_down, &s.sm, &s.so, nt, Epilogue::None)?;
+        let p = [(nt * d) as u32, k as u32, d as u32];
+        e.op_lanes(Op::MoeSum, &p, &[&s.eo, &s.wts, &s.so, &s.y], nt * d)
+    }
+}

@@ -141,7 +141,8 @@ pub fn compare_blocks(cases: &[&str], profile: Profile, banks: bool, tol: f32) -
             let mut names = 0;
             for (si, step) in steps.iter().enumerate() {
                 let what = format!("{case} step {si}");
-                let (n, f) = common::compare_step(&what, &c, &mut sc, &g, &mut sg, step, tol);
+                let (n, f) =
+                    test_support::harness::compare_step(&what, &c, &mut sc, &g, &mut sg, step, tol);
                 names += n;
                 failures.extend(f);
             }

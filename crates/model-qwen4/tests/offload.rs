@@ -279,7 +279,8 @@ fn every_block_matches_the_cpu_with_half_the_experts_on_the_cpu() {
         let mut names = 0;
         for (si, step) in [&ids[..13], &ids[13..14]].into_iter().enumerate() {
             let what = format!("step {si}");
-            let (n, f) = common::compare_step(&what, &c, &mut sc, &g, &mut sg, step, BOUND);
+            let (n, f) =
+                test_support::harness::compare_step(&what, &c, &mut sc, &g, &mut sg, step, BOUND);
             names += n;
             failures.extend(f);
         }

@@ -250,6 +250,58 @@ pub fn bad_tokens_are_refused<M: CausalLm>(model: &M) -> Vec<String> {
     failures
 }
 
+/// A traced forward's intermediates in order: (name, layer, values).
+pub type Traced = Vec<(String, usize, Vec<f32>)>;
+
+/// Feeds `step` to a reference model `c` (the CPU forward) and a model under test `g` (a
+/// device forward), traced, and compares every intermediate: those off by more than
+/// `tol x max|reference value|` (or of another length, or a different list of names) as
+/// lines naming `what`; and how many were compared.
+pub fn compare_step<A: CausalLm, B: CausalLm>(
+    what: &str,
+    c: &A,
+    sc: &mut A::State,
+    g: &B,
+    sg: &mut B::State,
+    step: &[u32],
+    tol: f32,
+) -> (usize, Vec<String>)
+where
+    A::Error: std::fmt::Debug,
+    B::Error: std::fmt::Debug,
+{
+    let mut want: Traced = Vec::new();
+    c.forward_traced(step, sc, &mut |n, l, d| {
+        want.push((n.to_string(), l, d.to_vec()))
+    })
+    .unwrap();
+    let mut got: Traced = Vec::new();
+    g.forward_traced(step, sg, &mut |n, l, d| {
+        got.push((n.to_string(), l, d.to_vec()))
+    })
+    .unwrap();
+    let wn: Vec<_> = want.iter().map(|w| (&w.0, w.1)).collect();
+    let gn: Vec<_> = got.iter().map(|w| (&w.0, w.1)).collect();
+    if wn != gn {
+        return (0, vec![format!("{what}: trace names {gn:?} != {wn:?}")]);
+    }
+    let mut failures = Vec::new();
+    for (w, gv) in want.iter().zip(&got) {
+        let scale = max_abs(&w.2).max(1e-3);
+        let err = max_abs_diff(&w.2, &gv.2);
+        if w.2.len() != gv.2.len() || err > tol * scale {
+            failures.push(format!(
+                "{what} {} layer {}: max|diff| {err:.3e} (scale {scale:.3e}, len {} vs {})",
+                w.0,
+                w.1,
+                gv.2.len(),
+                w.2.len()
+            ));
+        }
+    }
+    (want.len(), failures)
+}
+
 /// The parity tests every architecture runs, as `#[test]` functions: prefill, cached decode and
 /// greedy against transformers, snapshot/restore, chunked prefill, every prefill split, and
 /// `forward_last`. Invoke in a test file with the crate's fixture cases, its tolerance, a

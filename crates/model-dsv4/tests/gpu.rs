@@ -1,0 +1,179 @@
+//! The deepseek_v4 device forward ([`GpuModel`]) on every fixture: f32 logits against
+//! transformers (prefill, cached decode, greedy), every intermediate against the CPU forward
+//! block by block (prompts long enough that every sliding window wraps, every compressor
+//! emits and the indexer's top-k drops entries), chunked prefill, snapshot/restore, and the
+//! typed refusals. On lavapipe in CI: a missing adapter fails these tests.
+
+mod common;
+
+use std::sync::{Arc, OnceLock};
+
+use cmf_format::Cmf;
+use common::{CASES, TOL};
+use gpu_runtime::{GpuContext, GpuOptions};
+use model_dsv4::{CausalLm, ForwardError, GpuModel, Model, Weights};
+use test_support::Profile;
+use test_support::harness as h;
+
+const CTX: usize = 160;
+
+fn ctx() -> Arc<GpuContext> {
+    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
+    CTX.get_or_init(|| {
+        let opts = GpuOptions {
+            pipeline_cache_dir: None,
+            ..GpuOptions::default()
+        };
+        match GpuContext::new(&opts) {
+            Ok(c) => {
+                eprintln!("adapter: {}", c.describe());
+                Some(Arc::new(c))
+            }
+            Err(e) => {
+                eprintln!("no GPU adapter: {e}");
+                None
+            }
+        }
+    })
+    .clone()
+    .expect("a GPU adapter (lavapipe in CI): these tests have nothing to run without one")
+}
+
+fn cpu(cmf: &Cmf) -> Model<'_> {
+    let (config, weights) = Weights::bind(cmf).unwrap();
+    Model::new(config, weights)
+}
+
+fn bind(cmf: &Cmf) -> GpuModel<'_> {
+    GpuModel::new(cpu(cmf), ctx(), CTX).unwrap_or_else(|u| panic!("upload: {}", u.error))
+}
+
+fn each(mut f: impl FnMut(&str, &Cmf) -> Vec<String>) -> Vec<String> {
+    let mut failures = Vec::new();
+    for case in CASES {
+        h::with_converted(case, Profile::F32, |cmf| failures.extend(f(case, cmf)));
+    }
+    failures
+}
+
+#[test]
+fn f32_prefill_matches_transformers() {
+    h::assert_none(&each(|case, cmf| h::prefill_parity(case, &bind(cmf), TOL)));
+}
+
+#[test]
+fn f32_cached_decode_and_greedy_match_transformers() {
+    h::assert_none(&each(|case, cmf| {
+        h::decode_and_greedy_parity(case, &bind(cmf), TOL)
+    }));
+}
+
+/// Mid-window for every cache (prompt 1 of deepseek_v4_a at 21 tokens).
+#[test]
+fn snapshot_restore_forgets_the_extra_tokens() {
+    let failures = h::with_converted("deepseek_v4_a", Profile::F32, |cmf| {
+        h::snapshot_restore_parity("deepseek_v4_a", &bind(cmf), 1, 21, &[1, 2, 3, 503, 7], TOL)
+    });
+    h::assert_none(&failures);
+}
+
+/// Chunks of 7: every chunk starts mid-window, and frames of 7 and 8 rows complete several
+/// compressor windows each.
+#[test]
+fn chunked_prefill_matches_one_shot() {
+    h::assert_none(&each(|case, cmf| {
+        h::chunked_prefill_parity(case, &bind(cmf), 7, TOL)
+    }));
+}
+
+#[test]
+fn forward_last_is_the_last_row_of_forward() {
+    h::assert_none(&each(|case, cmf| {
+        h::forward_last_is_last_row(case, &bind(cmf))
+    }));
+}
+
+#[test]
+fn bad_tokens_are_errors() {
+    let failures = h::with_converted("deepseek_v4_a", Profile::F32, |cmf| {
+        h::bad_tokens_are_refused(&bind(cmf))
+    });
+    h::assert_none(&failures);
+}
+
+/// Every traced intermediate (the mHC sites' block inputs, attention and MoE outputs, the
+/// streams after each block, the head, the logits), GPU against CPU, over a 13-token prefill
+/// in frames of 8 and 5 and then single-token decode steps up to position 40: past the
+/// sliding window (8 or 16), several HCA entries, and CSA queries that see more entries than
+/// `index_topk`.
+fn compare_blocks(cases: &[&str], profile: Profile, tol: f32) -> Vec<String> {
+    let mut failures = Vec::new();
+    for &case in cases {
+        h::with_converted(case, profile, |cmf| {
+            let c = cpu(cmf);
+            let g = bind(cmf);
+            g.set_tracing(true);
+            let ids = test_support::ids(case, 0);
+            let mut steps: Vec<Vec<u32>> = vec![ids[..13].to_vec()];
+            steps.extend((13..40).map(|p| vec![ids[p % ids.len()]]));
+            let (mut sc, mut sg) = (c.new_state(), g.new_state());
+            let mut names = 0;
+            for (si, step) in steps.iter().enumerate() {
+                let what = format!("{case} {profile:?} step {si}");
+                let (n, f) = h::compare_step(&what, &c, &mut sc, &g, &mut sg, step, tol);
+                names += n;
+                failures.extend(f);
+            }
+            eprintln!("{case} {profile:?}: {names} intermediates compared");
+        });
+    }
+    failures
+}
+
+#[test]
+fn every_block_matches_the_cpu_forward() {
+    h::assert_none(&compare_blocks(&CASES, Profile::F32, 2e-5));
+}
+
+/// The steady decode loop creates nothing: after the first step of each shape, no frame is
+/// recorded again.
+#[test]
+fn steady_decode_records_no_new_frames() {
+    h::with_converted("deepseek_v4_a", Profile::F32, |cmf| {
+        let g = bind(cmf);
+        let mut st = g.new_state();
+        g.forward_last(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], &mut st)
+            .unwrap();
+        g.forward_last(&[4], &mut st).unwrap();
+        let after_warmup = st.recorded_frames();
+        for t in 0..16 {
+            g.forward_last(&[t + 5], &mut st).unwrap();
+        }
+        assert_eq!(st.recorded_frames(), after_warmup);
+        // Frames of 8 rows (no head) and 3 rows (the last row's logits), then the decode frame.
+        assert_eq!(after_warmup, 3);
+    });
+}
+
+/// Past the allocated context, a state from another model: typed errors, nothing run.
+#[test]
+fn context_overflow_and_foreign_states_are_refused() {
+    h::with_converted("deepseek_v4_a", Profile::F32, |cmf| {
+        let g = bind(cmf);
+        let other = bind(cmf);
+        let mut st = g.new_state();
+        let long = vec![1u32; CTX + 1];
+        match g.forward(&long, &mut st) {
+            Err(ForwardError::Context { needed, ctx }) => {
+                assert_eq!((needed, ctx), (CTX + 1, CTX))
+            }
+            r => panic!("expected a context error, got {:?}", r.map(|v| v.len())),
+        }
+        assert_eq!(st.pos, 0, "a refused forward must not advance the state");
+        let mut foreign = other.new_state();
+        assert!(matches!(
+            g.forward(&[1, 2], &mut foreign),
+            Err(ForwardError::StateMismatch(_))
+        ));
+    });
+}
