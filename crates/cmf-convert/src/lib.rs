@@ -409,6 +409,7 @@ pub fn convert(
         let (dtype, bytes, was_verbatim) = encode_job(&ckpt, job, opts.profile)?;
         if job.shape.len() == 2
             && dtype.is_quantized()
+            && opts.profile != Profile::Source
             && dtype != opts.profile.dtype_for(job.role, &[job.shape[0], 1 << 20])
         {
             fallbacks += 1;
@@ -556,7 +557,7 @@ fn stream_job(
     if !decode::is_float(meta.dtype) || rows * cols * 4 <= stream_above {
         return Ok(false);
     }
-    let dtype = profile.dtype_for(job.role, &job.shape);
+    let dtype = job_dtype(ckpt, job, profile);
     let t = ckpt.get(name, &job.name)?;
     let src_row = t.bytes.len() / rows;
     let block = (BLOCK_F32_BYTES / (cols * 4)).max(1);
@@ -632,13 +633,32 @@ impl<I: Iterator<Item = Result<Vec<u8>, ConvertError>>> std::io::Read for BlockR
     }
 }
 
+/// The dtype `profile` gives `job`: the profile's choice for its role and shape, or for
+/// [`Profile::Source`], the one its source tensors' dtypes keep exactly.
+fn job_dtype(ckpt: &Checkpoint, job: &Job, profile: Profile) -> DType {
+    if profile != Profile::Source {
+        return profile.dtype_for(job.role, &job.shape);
+    }
+    fn leaves(src: &Src, ckpt: &Checkpoint, out: &mut Vec<Dtype>) {
+        match src {
+            Src::Tensor(n) | Src::Slice { name: n, .. } | Src::Mxfp8(n) => {
+                out.extend(ckpt.meta(n).map(|m| m.dtype));
+            }
+            Src::Rows(parts) => parts.iter().for_each(|p| leaves(p, ckpt, out)),
+        }
+    }
+    let mut dtypes = Vec::new();
+    leaves(&job.src, ckpt, &mut dtypes);
+    Profile::source_dtype(job.role, &job.shape, &dtypes)
+}
+
 /// Converts one job: (dtype, payload, copied verbatim).
 fn encode_job(
     ckpt: &Checkpoint,
     job: &Job,
     profile: Profile,
 ) -> Result<(DType, Vec<u8>, bool), ConvertError> {
-    let dtype = profile.dtype_for(job.role, &job.shape);
+    let dtype = job_dtype(ckpt, job, profile);
     if dtype == DType::Mxfp4
         && let Some(bytes) = fp4_verbatim(ckpt, job)?
     {

@@ -50,11 +50,17 @@ pub enum Profile {
     Q2,
     /// As q4 but routed experts mxfp4 (DeepSeek FP4 experts copied verbatim).
     Fp4,
+    /// Every tensor in its checkpoint precision, nothing rounded: f32 stays f32, bf16 bf16,
+    /// f16 f16, FP4 experts mxfp4 verbatim, FP8 E4M3 matrices with power-of-two block scales
+    /// bf16 (exact: 3 mantissa bits into 7, the scale into the exponent). What exactness
+    /// against the reference is judged on for DeepSeek, whose release keeps the mHC and a few
+    /// other tensors in f32 (bf16 would move the logits by ~2e-3 relative).
+    Source,
 }
 
 impl Profile {
     /// Every profile.
-    pub const ALL: [Profile; 7] = [
+    pub const ALL: [Profile; 8] = [
         Profile::F32,
         Profile::F16,
         Profile::Bf16,
@@ -62,6 +68,7 @@ impl Profile {
         Profile::Q4,
         Profile::Q2,
         Profile::Fp4,
+        Profile::Source,
     ];
 
     /// The command-line name.
@@ -74,6 +81,7 @@ impl Profile {
             Profile::Q4 => "q4",
             Profile::Q2 => "q2",
             Profile::Fp4 => "fp4",
+            Profile::Source => "source",
         }
     }
 
@@ -89,6 +97,8 @@ impl Profile {
             Profile::F32 => return DType::F32,
             Profile::F16 => return DType::F16,
             Profile::Bf16 => return DType::BF16,
+            // The source's own dtype decides ([`Profile::source_dtype`]); f32 where unknown.
+            Profile::Source => return DType::F32,
             _ => {}
         }
         if !is_matrix || role == Role::Vector {
@@ -111,6 +121,33 @@ impl Profile {
             },
             Role::Vector | Role::Integer => DType::F32,
             Role::EngramTable => DType::Mxfp8,
+        }
+    }
+
+    /// The dtype [`Profile::Source`] gives a tensor of `role` and logical `shape` whose source
+    /// tensors have the dtypes `sources` (several for a fused matrix): the widest float among
+    /// them; FP4 experts mxfp4 (where the rows fit groups of 32); FP8 bf16.
+    pub fn source_dtype(role: Role, shape: &[usize], sources: &[safetensors::Dtype]) -> DType {
+        use safetensors::Dtype as S;
+        let is_matrix = shape.len() == 2 && shape.iter().all(|&d| d > 0);
+        if role == Role::Integer {
+            return DType::F32;
+        }
+        if role == Role::EngramTable && is_matrix {
+            return DType::Mxfp8;
+        }
+        let fits = shape.get(1).is_some_and(|c| c.is_multiple_of(GROUP));
+        let has = |d: S| sources.contains(&d);
+        if has(S::F32) || has(S::F64) || sources.is_empty() {
+            DType::F32
+        } else if has(S::I8) && is_matrix && fits {
+            DType::Mxfp4
+        } else if has(S::BF16) || has(S::F8_E4M3) || has(S::F8_E5M2) || has(S::I8) {
+            if has(S::F16) { DType::F32 } else { DType::BF16 }
+        } else if has(S::F16) {
+            DType::F16
+        } else {
+            DType::F32
         }
     }
 
@@ -137,7 +174,9 @@ impl std::str::FromStr for Profile {
             .into_iter()
             .find(|p| p.name() == s)
             .ok_or_else(|| {
-                format!("unknown profile {s:?} (expected one of f32, f16, bf16, q8, q4, q2, fp4)")
+                format!(
+                    "unknown profile {s:?} (expected one of f32, f16, bf16, q8, q4, q2, fp4, source)"
+                )
             })
     }
 }

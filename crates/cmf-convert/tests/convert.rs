@@ -1113,8 +1113,8 @@ fn deepseek_v41_engram_tables_are_mxfp8_copies_gatherable_by_row() {
                 tables += 1;
             }
             assert_eq!(tables, 2, "{case} {profile}");
-            // The tables (and under fp4 the experts) are the verbatim copies.
-            let experts = if profile == Profile::Fp4 {
+            // The tables (and under fp4 and source the experts) are the verbatim copies.
+            let experts = if matches!(profile, Profile::Fp4 | Profile::Source) {
                 cmf.tensors()
                     .iter()
                     .filter(|t| t.name.contains(".mlp.experts."))

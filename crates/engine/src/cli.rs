@@ -193,7 +193,8 @@ pub struct ConvertArgs {
     /// The CMF file to write (written to a temporary file beside it, renamed when complete).
     #[arg(short, long, value_name = "OUT.cmf")]
     pub output: PathBuf,
-    /// Quantisation profile: f32, f16, bf16, q8, q4, q2 or fp4 (docs/convert.md).
+    /// Quantisation profile: f32, f16, bf16, q8, q4, q2, fp4, or source (every tensor in its
+    /// checkpoint precision) (docs/convert.md).
     #[arg(long, value_name = "PROFILE", default_value = "q4")]
     pub quant: String,
     /// No progress bar.

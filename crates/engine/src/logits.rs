@@ -33,6 +33,9 @@ pub struct Logits {
     pub vocab: usize,
     /// Row-major `[rows, vocab]`.
     pub data: Vec<f32>,
+    /// Where the forward ran: `gpu` or `cpu` (a device that refused the model leaves it on
+    /// the CPU with a warning).
+    pub backend: &'static str,
 }
 
 /// Why no logits came out.
@@ -101,5 +104,6 @@ pub fn logits_cmf(cmf: &Cmf, opts: &LogitsOptions) -> Result<Logits, LogitsError
         rows: t,
         vocab: model.vocab_size(),
         data,
+        backend: model.backend_name(),
     })
 }

@@ -123,6 +123,8 @@ pub enum AnyModel<'a> {
     Dsv41(Box<model_dsv4::v41::Model<'a>>),
     /// Qwen3.8-Flash-Next, resident on the GPU.
     Qwen4Gpu(Box<model_qwen4::GpuModel<'a>>),
+    /// DeepSeek-V4-Flash, resident on the GPU.
+    Dsv4Gpu(Box<model_dsv4::GpuModel<'a>>),
 }
 
 /// The sequence state of an [`AnyModel`]; `Clone` is the snapshot.
@@ -136,6 +138,8 @@ pub enum AnyState {
     Dsv41(Box<model_dsv4::v41::SeqState>),
     /// For [`AnyModel::Qwen4Gpu`]: the caches on the device.
     Qwen4Gpu(Box<model_qwen4::GpuState>),
+    /// For [`AnyModel::Dsv4Gpu`]: the caches on the device.
+    Dsv4Gpu(Box<model_dsv4::GpuState>),
 }
 
 impl<'a> AnyModel<'a> {
@@ -169,14 +173,85 @@ impl<'a> AnyModel<'a> {
         if place.backend == BackendChoice::Cpu {
             return Ok(cpu);
         }
-        let AnyModel::Qwen4(model) = cpu else {
-            tracing::warn!(
-                "running on the CPU: no GPU forward for {} yet",
-                cmf.header().architecture
-            );
-            return Ok(cpu);
+        match cpu {
+            AnyModel::Qwen4(model) => Self::place_qwen4(model, place),
+            AnyModel::Dsv4(model) => Self::place_dsv4(model, place),
+            cpu => {
+                tracing::warn!(
+                    "running on the CPU: no GPU forward for {} yet",
+                    cmf.header().architecture
+                );
+                Ok(cpu)
+            }
+        }
+    }
+
+    /// The device `place` asks for: `None` (with a warning saying why) where the model runs
+    /// on the CPU instead; an error only for `--backend wgpu` without an adapter.
+    fn device_for(place: &Placement) -> Result<Option<Box<gpu_runtime::GpuContext>>, BindError> {
+        let mut opts = GpuOptions::from_env()?;
+        opts.backend = place.backend;
+        if place.vram.is_some() {
+            opts.vram_budget = place.vram;
+        }
+        let ctx = match gpu_runtime::select(&opts) {
+            Ok(Selected::Gpu(ctx)) => ctx,
+            Ok(Selected::Cpu(why)) => {
+                tracing::warn!("running on the CPU: {why}");
+                return Ok(None);
+            }
+            Err(e) if place.backend == BackendChoice::Wgpu => return Err(e.into()),
+            Err(e) => {
+                tracing::warn!("running on the CPU: {e}");
+                return Ok(None);
+            }
         };
-        Self::place_qwen4(model, place)
+        if ctx.is_software() && place.backend == BackendChoice::Auto {
+            tracing::warn!(
+                "running on the CPU: the only adapter is a software one ({}; --backend wgpu uses it)",
+                ctx.info.name
+            );
+            return Ok(None);
+        }
+        Ok(Some(ctx))
+    }
+
+    /// Places a bound deepseek_v4 model as `place` asks (see [`AnyModel::bind_on`]): every
+    /// weight resident (the expert bank with cold experts on the CPU is still to come, so
+    /// `--cpu-moe` and budgets below the model keep it on the CPU, with a warning).
+    pub fn place_dsv4(
+        model: model_dsv4::Model<'a>,
+        place: &Placement,
+    ) -> Result<AnyModel<'a>, BindError> {
+        if place.backend == BackendChoice::Cpu {
+            return Ok(AnyModel::Dsv4(model));
+        }
+        if place.cpu_moe.is_some() {
+            tracing::warn!(
+                "running on the CPU: deepseek_v4 on the GPU keeps every expert resident (no --cpu-moe yet)"
+            );
+            return Ok(AnyModel::Dsv4(model));
+        }
+        let Some(ctx) = Self::device_for(place)? else {
+            return Ok(AnyModel::Dsv4(model));
+        };
+        let ctx_len = place.ctx.unwrap_or(DEFAULT_DEVICE_CTX).max(1);
+        match model_dsv4::GpuModel::new(model, Arc::from(ctx), ctx_len) {
+            Ok(g) => {
+                tracing::info!(
+                    "on the GPU: {} MiB of weights resident, context {ctx_len}",
+                    g.resident_bytes() >> 20
+                );
+                Ok(AnyModel::Dsv4Gpu(Box::new(g)))
+            }
+            Err(u) => {
+                tracing::warn!(
+                    "running on the CPU: the GPU did not take the model: {}",
+                    u.error
+                );
+                Ok(AnyModel::Dsv4(u.model))
+            }
+        }
     }
 
     /// Places a bound qwen4_exp model as `place` asks (see [`AnyModel::bind_on`]).
@@ -187,30 +262,9 @@ impl<'a> AnyModel<'a> {
         if place.backend == BackendChoice::Cpu {
             return Ok(AnyModel::Qwen4(model));
         }
-        let mut opts = GpuOptions::from_env()?;
-        opts.backend = place.backend;
-        if place.vram.is_some() {
-            opts.vram_budget = place.vram;
-        }
-        let ctx = match gpu_runtime::select(&opts) {
-            Ok(Selected::Gpu(ctx)) => ctx,
-            Ok(Selected::Cpu(why)) => {
-                tracing::warn!("running on the CPU: {why}");
-                return Ok(AnyModel::Qwen4(model));
-            }
-            Err(e) if place.backend == BackendChoice::Wgpu => return Err(e.into()),
-            Err(e) => {
-                tracing::warn!("running on the CPU: {e}");
-                return Ok(AnyModel::Qwen4(model));
-            }
-        };
-        if ctx.is_software() && place.backend == BackendChoice::Auto {
-            tracing::warn!(
-                "running on the CPU: the only adapter is a software one ({}; --backend wgpu uses it)",
-                ctx.info.name
-            );
+        let Some(ctx) = Self::device_for(place)? else {
             return Ok(AnyModel::Qwen4(model));
-        }
+        };
         let ctx_len = place.ctx.unwrap_or(DEFAULT_DEVICE_CTX).max(1);
         let residency = match place.cpu_moe {
             Some(n) => {
@@ -276,7 +330,7 @@ impl<'a> AnyModel<'a> {
         let m = match self {
             AnyModel::Qwen4(m) => m,
             AnyModel::Qwen4Gpu(g) => &g.model,
-            AnyModel::Dsv4(_) | AnyModel::Dsv41(_) => return None,
+            AnyModel::Dsv4(_) | AnyModel::Dsv41(_) | AnyModel::Dsv4Gpu(_) => return None,
         };
         Some(m.weights.bytes_per_token(m.config.num_experts_per_tok))
     }
@@ -285,6 +339,7 @@ impl<'a> AnyModel<'a> {
     pub fn device(&self) -> String {
         match self {
             AnyModel::Qwen4Gpu(g) => g.ctx().info.name.clone(),
+            AnyModel::Dsv4Gpu(g) => g.ctx().info.name.clone(),
             _ => format!("CPU ({} threads)", rayon::current_num_threads()),
         }
     }
@@ -319,7 +374,7 @@ impl<'a> AnyModel<'a> {
     /// `gpu` or `cpu`: where the forward runs.
     pub fn backend_name(&self) -> &'static str {
         match self {
-            AnyModel::Qwen4Gpu(_) => "gpu",
+            AnyModel::Qwen4Gpu(_) | AnyModel::Dsv4Gpu(_) => "gpu",
             _ => "cpu",
         }
     }
@@ -331,6 +386,7 @@ impl<'a> AnyModel<'a> {
             AnyModel::Dsv4(m) => m.config.vocab_size,
             AnyModel::Dsv41(m) => m.config.vocab_size,
             AnyModel::Qwen4Gpu(m) => m.model.config.vocab_size,
+            AnyModel::Dsv4Gpu(m) => m.model.config.vocab_size,
         }
     }
 
@@ -341,6 +397,7 @@ impl<'a> AnyModel<'a> {
             AnyModel::Dsv4(m) => AnyState::Dsv4(model_dsv4::SeqState::new(&m.config)),
             AnyModel::Dsv41(m) => AnyState::Dsv41(Box::new(m.new_state())),
             AnyModel::Qwen4Gpu(m) => AnyState::Qwen4Gpu(Box::new(m.new_state())),
+            AnyModel::Dsv4Gpu(m) => AnyState::Dsv4Gpu(Box::new(m.new_state())),
         }
     }
 
@@ -351,6 +408,7 @@ impl<'a> AnyModel<'a> {
             (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => Ok(m.forward(tokens, s)?),
             (AnyModel::Dsv41(m), AnyState::Dsv41(s)) => Ok(m.forward(tokens, s)?),
             (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => Ok(m.forward(tokens, s)?),
+            (AnyModel::Dsv4Gpu(m), AnyState::Dsv4Gpu(s)) => Ok(m.forward(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
     }
@@ -367,6 +425,7 @@ impl<'a> AnyModel<'a> {
             (AnyModel::Dsv4(m), AnyState::Dsv4(s)) => Ok(m.forward_last(tokens, s)?),
             (AnyModel::Dsv41(m), AnyState::Dsv41(s)) => Ok(m.forward_last(tokens, s)?),
             (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => Ok(m.forward_last(tokens, s)?),
+            (AnyModel::Dsv4Gpu(m), AnyState::Dsv4Gpu(s)) => Ok(m.forward_last(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
     }
@@ -421,6 +480,7 @@ impl<'a> AnyModel<'a> {
     pub fn snapshot(&self, st: &AnyState) -> Result<AnyState, ForwardError> {
         match st {
             AnyState::Qwen4Gpu(s) => Ok(AnyState::Qwen4Gpu(Box::new(s.try_clone()?))),
+            AnyState::Dsv4Gpu(s) => Ok(AnyState::Dsv4Gpu(Box::new(s.try_clone()?))),
             st => Ok(st.clone()),
         }
     }
@@ -430,7 +490,8 @@ impl<'a> AnyModel<'a> {
     pub fn restore(&self, st: &mut AnyState, snap: &AnyState) -> Result<(), ForwardError> {
         match (&mut *st, snap) {
             (AnyState::Qwen4Gpu(s), AnyState::Qwen4Gpu(snap)) => Ok(s.restore(snap)?),
-            (AnyState::Qwen4Gpu(_), _) => Err(ForwardError::StateMismatch),
+            (AnyState::Dsv4Gpu(s), AnyState::Dsv4Gpu(snap)) => Ok(s.restore(snap)?),
+            (AnyState::Qwen4Gpu(_) | AnyState::Dsv4Gpu(_), _) => Err(ForwardError::StateMismatch),
             _ => {
                 *st = snap.clone();
                 Ok(())
@@ -452,6 +513,7 @@ impl AnyState {
             AnyState::Dsv4(s) => s.pos,
             AnyState::Dsv41(s) => s.pos,
             AnyState::Qwen4Gpu(s) => s.pos,
+            AnyState::Dsv4Gpu(s) => s.pos,
         }
     }
 
@@ -462,6 +524,7 @@ impl AnyState {
             AnyState::Dsv4(s) => s.bytes() as u64,
             AnyState::Dsv41(s) => s.bytes() as u64,
             AnyState::Qwen4Gpu(s) => s.bytes(),
+            AnyState::Dsv4Gpu(s) => s.bytes(),
         }
     }
 }

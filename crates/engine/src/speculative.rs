@@ -260,9 +260,9 @@ pub fn drafter<'m>(
         crate::model::AnyModel::Qwen4(_) | crate::model::AnyModel::Qwen4Gpu(_) => {
             "the model file has no MTP head (mtp.* tensors)"
         }
-        crate::model::AnyModel::Dsv4(_) | crate::model::AnyModel::Dsv41(_) => {
-            "drafting is built for qwen4_exp models only"
-        }
+        crate::model::AnyModel::Dsv4(_)
+        | crate::model::AnyModel::Dsv41(_)
+        | crate::model::AnyModel::Dsv4Gpu(_) => "drafting is built for qwen4_exp models only",
     };
     match mode {
         MtpMode::Auto => {

@@ -218,12 +218,14 @@ fn logits_of_a_deepseek_v4_model_match_transformers() {
     );
 }
 
-/// `cortiq logits --backend wgpu` on a `--quant bf16` conversion of each qwen4_exp fixture
-/// (exact weights: the checkpoints are bf16) against transformers' f32 logits within
-/// 1e-4 x max|logit|, prefill and `--decode-from K`. Needs a GPU (lavapipe in CI; skipped
+/// `cortiq logits --backend wgpu` on a conversion that keeps every weight exact (`--quant
+/// bf16` for the qwen4_exp fixtures, whose checkpoints are bf16; `--quant source` for the
+/// deepseek_v4 ones, whose release layout mixes FP8, FP4, bf16 and f32) against
+/// transformers' f32 logits within 1e-4 x max|logit|, prefill and `--decode-from K`; the
+/// model must have run on the device (the backend named in the placement). Needs a GPU (lavapipe in CI; skipped
 /// without one unless `CORTIQ_REQUIRE_GPU=1`).
 #[test]
-fn gpu_logits_on_bf16_conversions_match_transformers() {
+fn gpu_logits_on_exact_conversions_match_transformers() {
     let opts = engine::gpu_runtime::GpuOptions {
         pipeline_cache_dir: None,
         ..Default::default()
@@ -241,10 +243,18 @@ fn gpu_logits_on_bf16_conversions_match_transformers() {
         ..Default::default()
     };
     let dir = tempfile::tempdir().unwrap();
-    for case in ["qwen4_exp_a", "qwen4_exp_b", "qwen4_exp_c"] {
+    let cases = [
+        ("qwen4_exp_a", Profile::Bf16),
+        ("qwen4_exp_b", Profile::Bf16),
+        ("qwen4_exp_c", Profile::Bf16),
+        ("deepseek_v4_a", Profile::Source),
+        ("deepseek_v4_b", Profile::Source),
+        ("deepseek_v4_c", Profile::Source),
+    ];
+    for (case, profile) in cases {
         let cmf = dir.path().join(format!("{case}.cmf"));
         convert(
-            &ConvertOptions::new(fixture(case).join("hf"), cmf.clone(), Profile::Bf16),
+            &ConvertOptions::new(fixture(case).join("hf"), cmf.clone(), profile),
             &mut |_| {},
         )
         .unwrap();
@@ -272,6 +282,7 @@ fn gpu_logits_on_bf16_conversions_match_transformers() {
                 .zip(&want)
                 .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
             assert_eq!(l.data.len(), want.len());
+            assert_eq!(l.backend, "gpu", "{case}: the device refused the model");
             assert!(
                 err <= tol,
                 "{case} decode_from {decode_from:?}: {err:.3e} > {tol:.3e}"

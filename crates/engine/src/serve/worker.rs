@@ -628,7 +628,7 @@ impl<'r> Scheduler<'r> {
         // that fed nothing holds what the cache already has.
         let reusable = !failed && held.len() > cached && held.len() == state.pos();
         match state {
-            AnyState::Qwen4Gpu(_) => {
+            AnyState::Qwen4Gpu(_) | AnyState::Dsv4Gpu(_) => {
                 if reusable && self.cache.takes(state.bytes()) {
                     // A snapshot the device cannot make is only a lost shortcut.
                     if let Ok(snap) = self.model().snapshot(&state) {
