@@ -177,3 +177,64 @@ fn context_overflow_and_foreign_states_are_refused() {
         ));
     });
 }
+
+/// The trained demo model (fixtures/deepseek_v4_shakespeare, whose logits are far from tied):
+/// the device's greedy continuation of a held-out prompt is the CPU's, token for token, on the
+/// fp4 conversion users run (mxfp4 experts, q8_2f projections, f16 mHC and router) and on the
+/// exact `source` one.
+#[test]
+fn trained_demo_greedy_text_matches_the_cpu() {
+    let case = "deepseek_v4_shakespeare";
+    // `<i4` ids after the .npy header (the harness's reader takes i64 and f32 only).
+    let path = test_support::fixture(case).join("expected/heldout_ids.npy");
+    let bytes = std::fs::read(path).unwrap();
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let prompt: Vec<u32> = bytes[10 + hlen..]
+        .chunks_exact(4)
+        .take(24)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    for profile in [Profile::Fp4, Profile::Source] {
+        h::with_converted(case, profile, |cmf| {
+            let c = cpu(cmf);
+            let g = bind(cmf);
+            let greedy = |m: &dyn Fn(&[u32]) -> Vec<f32>| -> Vec<u32> {
+                let mut out = Vec::new();
+                let mut next = test_support::argmax(&m(&prompt)) as u32;
+                for _ in 0..32 {
+                    out.push(next);
+                    next = test_support::argmax(&m(&[next])) as u32;
+                }
+                out
+            };
+            let sc = std::cell::RefCell::new(c.new_state());
+            let want = greedy(&|t| c.forward_last(t, &mut sc.borrow_mut()).unwrap());
+            let sg = std::cell::RefCell::new(g.new_state());
+            let got = greedy(&|t| g.forward_last(t, &mut sg.borrow_mut()).unwrap());
+            assert_eq!(got, want, "{profile:?}");
+            let distinct: std::collections::BTreeSet<_> = want.iter().collect();
+            assert!(
+                distinct.len() > 4,
+                "{profile:?}: a degenerate continuation {want:?}"
+            );
+        });
+    }
+}
+
+/// The quantised and exact-source profiles (q8_2f, q4tp, q2tp, mxfp4 experts; f16 mHC and
+/// router; bf16 from FP8), f32 activations on both sides: the device decoders against the
+/// CPU's, block by block.
+#[test]
+fn quantised_profiles_match_the_cpu_forward_block_by_block() {
+    let mut failures = Vec::new();
+    for profile in [
+        Profile::Q8,
+        Profile::Q4,
+        Profile::Q2,
+        Profile::Fp4,
+        Profile::Source,
+    ] {
+        failures.extend(compare_blocks(&["deepseek_v4_a"], profile, 2e-5));
+    }
+    h::assert_none(&failures);
+}
