@@ -524,3 +524,43 @@ impl<'a, S> Enc<'a, S> {
         }
     }
 }
+
+/// A buffer the host maps to read `floats` values back (a frame's logits, a token).
+pub fn readback_buffer(ctx: &GpuContext, floats: usize) -> wgpu::Buffer {
+    ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("readback"),
+        size: (floats.max(4) * 4) as u64,
+        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
+}
+
+/// A traced forward's taps gathered over its frames: per tap position, its name, layer and
+/// rows so far (each frame's taps come in the same order; a frame without a head has fewer).
+#[derive(Default)]
+pub struct Traces(Vec<(&'static str, usize, Vec<f32>)>);
+
+impl Traces {
+    /// Reads one frame's `taps` back and appends their rows.
+    pub fn add(
+        &mut self,
+        ctx: &GpuContext,
+        taps: Vec<(graph::Tap, wgpu::Buffer)>,
+    ) -> Result<(), GpuError> {
+        for (j, (tap, buf)) in taps.into_iter().enumerate() {
+            let data = gpu_runtime::readback::read_mapped(ctx, &buf, tap.count)?;
+            match self.0.get_mut(j) {
+                Some(t) if t.0 == tap.name && t.1 == tap.layer => t.2.extend(data),
+                _ => self.0.push((tap.name, tap.layer, data)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Hands every intermediate to `trace`, in order.
+    pub fn emit(&self, trace: &mut crate::Trace<'_>) {
+        for (name, layer, data) in &self.0 {
+            trace(name, *layer, data);
+        }
+    }
+}

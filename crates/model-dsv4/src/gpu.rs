@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use gpu_runtime::ops::graph::{self, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, readback};
+use model_core::device::readback_buffer;
 use model_core::trace::{
     ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
 };
@@ -355,7 +356,7 @@ impl GpuState {
             pos: 0,
             layers,
             frame: graph::frame_buffer(ctx),
-            stage: crate::gpu::readback_buffer(ctx, MAX_BATCH * c.vocab_size),
+            stage: readback_buffer(ctx, MAX_BATCH * c.vocab_size),
             graphs: HashMap::new(),
             recorded: 0,
         }
@@ -450,16 +451,6 @@ impl Clone for GpuState {
     }
 }
 
-/// A buffer the host maps to read `floats` values back.
-pub(crate) fn readback_buffer(ctx: &GpuContext, floats: usize) -> wgpu::Buffer {
-    ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("readback"),
-        size: (floats.max(4) * 4) as u64,
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    })
-}
-
 impl CausalLm for GpuModel<'_> {
     type State = GpuState;
     type Error = ForwardError;
@@ -483,8 +474,7 @@ impl CausalLm for GpuModel<'_> {
         let traced = self.traced.load(Ordering::Relaxed);
         let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
         let mut logits = Vec::new();
-        // Per tap position: (name, layer, rows so far).
-        let mut traces: Vec<(&'static str, usize, Vec<f32>)> = Vec::new();
+        let mut traces = model_core::device::Traces::default();
         for (i, f) in frames.iter().enumerate() {
             let head = match (last_only, i + 1 == frames.len()) {
                 (false, _) => Head::All,
@@ -493,17 +483,9 @@ impl CausalLm for GpuModel<'_> {
             };
             let mut taps = Vec::new();
             logits.extend(self.frame(f, st, head, traced.then_some(&mut taps))?);
-            for (j, (tap, buf)) in taps.into_iter().enumerate() {
-                let data = readback::read_mapped(&self.res.dev.ctx, &buf, tap.count)?;
-                match traces.get_mut(j) {
-                    Some(t) if t.0 == tap.name && t.1 == tap.layer => t.2.extend(data),
-                    _ => traces.push((tap.name, tap.layer, data)),
-                }
-            }
+            traces.add(&self.res.dev.ctx, taps)?;
         }
-        for (name, layer, data) in &traces {
-            trace(name, *layer, data);
-        }
+        traces.emit(trace);
         Ok(logits)
     }
 }

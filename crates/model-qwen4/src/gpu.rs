@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use gpu_runtime::ops::graph::{self, Granularity, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, readback};
+pub(crate) use model_core::device::readback_buffer;
 use model_core::trace::{
     ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
     PLE_STREAMS,
@@ -1007,16 +1008,6 @@ pub(crate) fn encode_argmax(e: &mut Enc<'_>, v: usize) -> Result<(), GpuError> {
     e.op(kernels_wgsl::Op::Argmax, &p, &bufs, (1, 1))
 }
 
-/// A buffer of `floats` f32 the host maps to read what a frame copied into it.
-pub(crate) fn readback_buffer(ctx: &GpuContext, floats: usize) -> wgpu::Buffer {
-    ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("logits readback"),
-        size: (floats * 4) as u64,
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    })
-}
-
 enum FrameOut {
     Nothing,
     Logits(Vec<f32>),
@@ -1372,8 +1363,7 @@ impl CausalLm for GpuModel<'_> {
         let traced = self.traced.load(Ordering::Relaxed);
         let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
         let mut logits = Vec::new();
-        // Per tap position: (name, layer, rows so far).
-        let mut traces: Vec<(&'static str, usize, Vec<f32>)> = Vec::new();
+        let mut traces = model_core::device::Traces::default();
         for (i, f) in frames.iter().enumerate() {
             let last = i + 1 == frames.len();
             let head = match (last_only, last) {
@@ -1386,17 +1376,9 @@ impl CausalLm for GpuModel<'_> {
             if let FrameOut::Logits(l) = out {
                 logits.extend(l);
             }
-            for (j, (tap, buf)) in taps.into_iter().enumerate() {
-                let data = readback::read_mapped(&self.res.dev.ctx, &buf, tap.count)?;
-                match traces.get_mut(j) {
-                    Some(t) if t.0 == tap.name && t.1 == tap.layer => t.2.extend(data),
-                    _ => traces.push((tap.name, tap.layer, data)),
-                }
-            }
+            traces.add(&self.res.dev.ctx, taps)?;
         }
-        for (name, layer, data) in &traces {
-            trace(name, *layer, data);
-        }
+        traces.emit(trace);
         Ok(logits)
     }
 }
