@@ -247,6 +247,13 @@ pub struct GpuContext {
     pub(crate) grouped_i8_layout:
         std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) op_dummies: std::sync::OnceLock<Vec<wgpu::Buffer>>,
+    /// The grouped kernels' layouts over segmented banks, by (int8 path, binding).
+    pub(crate) segmented_layouts: Mutex<
+        std::collections::HashMap<
+            (bool, kernels_wgsl::Segments),
+            (wgpu::BindGroupLayout, wgpu::PipelineLayout),
+        >,
+    >,
     /// Errors no scope caught (logged; the last few kept for `doctor`).
     pub uncaptured: Arc<Mutex<Vec<String>>>,
 }
@@ -393,6 +400,7 @@ impl GpuContext {
             grouped_layout: std::sync::OnceLock::new(),
             grouped_i8_layout: std::sync::OnceLock::new(),
             op_dummies: std::sync::OnceLock::new(),
+            segmented_layouts: Mutex::new(Default::default()),
             uncaptured,
         };
         tracing::info!("{}", ctx.describe());

@@ -63,6 +63,20 @@ impl GpuContext {
             .get_or_init(|| ops::experts::layout(self, true))
     }
 
+    /// The grouped kernels' layout over a bank bound as `segments` ([`kernels_wgsl::Segments`]
+    /// other than `One`).
+    pub(crate) fn segmented_layout(
+        &self,
+        int8: bool,
+        segments: kernels_wgsl::Segments,
+    ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.segmented_layouts
+            .lock()
+            .entry((int8, segments))
+            .or_insert_with(|| ops::experts::segmented_layout(self, int8, segments))
+            .clone()
+    }
+
     pub(crate) fn op_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         self.op_layout.get_or_init(|| ops::graph::op_layout(self))
     }

@@ -8,7 +8,8 @@ use std::fmt::Write;
 use crate::{Codec, Epilogue, Matvec};
 
 /// Lines shared by both paths' bodies: the row group's rows and accumulators.
-fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32, grouped: bool) {
+fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32, k: &Matvec) {
+    let grouped = k.grouped;
     let _ = writeln!(
         b,
         "fn matvec_body(wid: vec3<u32>, li: u32, sg_size: u32, sg_lane: u32) {{"
@@ -17,7 +18,14 @@ fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32, grouped: bool) {
         // The grid's y is the slot; its expert's payload starts `ids[slot] * slot_bytes` in.
         let _ = writeln!(b, "    let slot = wid.y;");
         let _ = writeln!(b, "    let wg = wid.x;");
-        let _ = writeln!(b, "    sb4 = ids[slot] * (P.slot_bytes / 4u);");
+        if k.segments == crate::Segments::One {
+            let _ = writeln!(b, "    sb4 = ids[slot] * (P.slot_bytes / 4u);");
+        } else {
+            // A segmented bank: slot `id` is local slot `id % P.a` of segment `id / P.a`.
+            let _ = writeln!(b, "    let id = ids[slot];");
+            let _ = writeln!(b, "    seg = id / P.a;");
+            let _ = writeln!(b, "    sb4 = (id - seg * P.a) * (P.slot_bytes / 4u);");
+        }
         let _ = writeln!(b, "    sb16 = sb4 / 4u;");
         let _ = writeln!(b, "    let xrow = slot / P.x_div;");
     } else {
@@ -212,7 +220,7 @@ pub(crate) fn body_f32(k: &Matvec) -> String {
     let (pair, nr, nt) = shape(k);
     let kv = k.codec.chunk_vec4();
     let mut b = String::new();
-    prelude(&mut b, pair, nr, nt, k.grouped);
+    prelude(&mut b, pair, nr, nt, k);
     let _ = writeln!(b, "    let x_row = P.cols / 4u;");
     let inner = {
         let mut b = String::new();
@@ -305,7 +313,7 @@ pub(crate) fn body_i8(k: &Matvec) -> String {
             256 * k.lut_copies.clamp(1, 32).next_power_of_two()
         );
     }
-    prelude(&mut b, pair, nr, nt, k.grouped);
+    prelude(&mut b, pair, nr, nt, k);
     if codec == Codec::Mxfp4 {
         lut_fill(&mut b, k);
     }

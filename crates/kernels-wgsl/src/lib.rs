@@ -8,7 +8,7 @@
 //! ```
 //! use kernels_wgsl::{Caps, Codec, Epilogue, Matvec, Path, Reduce, Specialization, validate};
 //!
-//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None, path: Path::Int8, grouped: false, lut_copies: 1 };
+//! let k = Matvec { codec: Codec::Q4tp, reduce: Reduce::SharedMemory, nt: 8, rows: 4, epilogue: Epilogue::None, path: Path::Int8, grouped: false, segments: kernels_wgsl::Segments::One, lut_copies: 1 };
 //! assert_eq!(k.name(), "matvec_q4tp_i8_smem_t8_r4");
 //! validate(&k.name(), &k.source(), Caps::LAVAPIPE, &Specialization::matvec(256, 64)).unwrap();
 //! ```
@@ -245,6 +245,8 @@ pub struct Matvec {
     /// the expert `ids[s]` of an expert bank (binding 6; every expert's payload at
     /// `ids[s] * slot_bytes`), activation row `s / x_div`, output row `s`. `nt` must be 1.
     pub grouped: bool,
+    /// How the grouped variant's bank is bound (plain kernels: [`Segments::One`]).
+    pub segments: Segments,
     /// mxfp4 on the int8 path: copies of the byte -> int8-pair table in workgroup memory
     /// (a power of two, 1..=32), lane `l` reading copy `l % lut_copies` (entry `byte *
     /// lut_copies + copy`, so with 32 copies the 32 lanes of a subgroup read 32 different banks
@@ -258,9 +260,92 @@ const GROUPED_DECL: &str = "@group(0) @binding(6) var<storage, read> ids: array<
 var<private> sb4: u32;
 var<private> sb16: u32;";
 
+/// How a grouped kernel's expert bank is bound: one buffer, or segments of slots (a bank larger
+/// than one storage binding, or a global bank shared by every layer; seed-spec.md §5.4).
+/// Slot `id` of a segmented bank is local slot `id % P.a` of segment `id / P.a`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Segments {
+    /// One buffer at bindings 0 (16-byte chunks) and 1 (words).
+    #[default]
+    One,
+    /// `n` buffers at bindings 8 .. 8 + n, each read as 16-byte chunks, chosen per load by a
+    /// switch on the slot's segment (uniform across the workgroup): any adapter, at the cost
+    /// of `n` storage bindings.
+    Fixed(u32),
+    /// `n` buffers as one `binding_array` at binding 8 (adapters with storage binding arrays).
+    Array(u32),
+}
+
+impl Segments {
+    /// The fixed set a bank of `n` (2..=16) segments binds: 8 or 16 (the bindings past its
+    /// segments repeat segment 0, never read).
+    pub fn bound(n: usize) -> Segments {
+        if n <= 8 {
+            Segments::Fixed(8)
+        } else {
+            Segments::Fixed(16)
+        }
+    }
+
+    /// Segment buffers bound (1 for [`Segments::One`]).
+    pub fn count(self) -> u32 {
+        match self {
+            Segments::One => 1,
+            Segments::Fixed(n) | Segments::Array(n) => n,
+        }
+    }
+
+    fn suffix(self) -> String {
+        match self {
+            Segments::One => String::new(),
+            Segments::Fixed(n) => format!("_seg{n}"),
+            Segments::Array(n) => format!("_segarr{n}"),
+        }
+    }
+
+    /// The declarations of a segmented bank and its loads `wv_seg` (a 16-byte chunk) and
+    /// `ww_seg` (a word, taken from its chunk).
+    fn declarations(self) -> String {
+        let mut d = String::from("var<private> seg: u32;\n");
+        match self {
+            Segments::One => return String::new(),
+            Segments::Fixed(n) => {
+                for i in 0..n {
+                    d += &format!(
+                        "@group(0) @binding({}) var<storage, read> seg{i}: array<vec4<u32>>;\n",
+                        8 + i
+                    );
+                }
+                d += "fn wv_seg(i: u32) -> vec4<u32> {\n    switch seg {\n";
+                for i in 0..n.saturating_sub(1) {
+                    d += &format!("        case {i}u: {{ return seg{i}[i]; }}\n");
+                }
+                d += &format!(
+                    "        default: {{}}\n    }}\n    return seg{}[i];\n}}\n",
+                    n.saturating_sub(1)
+                );
+            }
+            Segments::Array(n) => {
+                d += "struct Seg { v: array<vec4<u32>>, }\n";
+                d += &format!(
+                    "@group(0) @binding(8) var<storage, read> segs: binding_array<Seg, {n}>;\n"
+                );
+                d += "fn wv_seg(i: u32) -> vec4<u32> {\n    return segs[seg].v[i];\n}\n";
+            }
+        }
+        d += "fn ww_seg(i: u32) -> u32 {\n    return wv_seg(i >> 2u)[i & 3u];\n}\n";
+        d
+    }
+}
+
 /// Rewrites every `name[e]` of `src` as `name[base + (e)]` (brackets matched, so nested
 /// indexing and any operator precedence inside `e` are kept).
 fn offset_index(src: &str, name: &str, base: &str) -> String {
+    rewrite_index(src, name, &|e| format!("{name}[{base} + ({e})]"))
+}
+
+/// Rewrites every whole `name[e]` of `src` as `f(e)` (brackets matched).
+fn rewrite_index(src: &str, name: &str, f: &dyn Fn(&str) -> String) -> String {
     let open = format!("{name}[");
     let mut out = String::with_capacity(src.len() + 256);
     let mut rest = src;
@@ -270,11 +355,13 @@ fn offset_index(src: &str, name: &str, base: &str) -> String {
             .chars()
             .last()
             .is_none_or(|c| !(c.is_alphanumeric() || c == '_'));
-        out.push_str(&rest[..at + open.len()]);
-        rest = &rest[at + open.len()..];
         if !whole {
+            out.push_str(&rest[..at + open.len()]);
+            rest = &rest[at + open.len()..];
             continue;
         }
+        out.push_str(&rest[..at]);
+        rest = &rest[at + open.len()..];
         let mut depth = 1;
         let end = rest
             .char_indices()
@@ -287,8 +374,8 @@ fn offset_index(src: &str, name: &str, base: &str) -> String {
                 depth == 0
             })
             .map_or(rest.len(), |(i, _)| i);
-        out.push_str(&format!("{base} + ({})", &rest[..end]));
-        rest = &rest[end..];
+        out.push_str(&f(&rest[..end]));
+        rest = rest.get(end + 1..).unwrap_or("");
     }
     out.push_str(rest);
     out
@@ -382,7 +469,7 @@ impl Matvec {
     /// Systematic name, e.g. `matvec_q4tp_sg_t8_r4`.
     pub fn name(&self) -> String {
         format!(
-            "matvec_{}{}_{}_t{}_r{}{}{}{}",
+            "matvec_{}{}_{}_t{}_r{}{}{}{}{}",
             self.codec.name(),
             self.path.suffix(),
             self.reduce.suffix(),
@@ -390,6 +477,7 @@ impl Matvec {
             self.rows,
             self.epilogue.suffix(),
             if self.grouped { "_grouped" } else { "" },
+            self.segments.suffix(),
             if self.has_lut() {
                 format!("_lut{}", self.lut_copies)
             } else {
@@ -411,8 +499,29 @@ impl Matvec {
         }
         // Every weight load goes through `wv` or `ww`; the slot's base offset is added to
         // each, so the codecs' decoders read the chosen expert unchanged.
-        let src = offset_index(&offset_index(&src, "wv", "sb16"), "ww", "sb4");
-        format!("{GROUPED_DECL}\n{src}")
+        if self.segments == Segments::One {
+            let src = offset_index(&offset_index(&src, "wv", "sb16"), "ww", "sb4");
+            return format!("{GROUPED_DECL}\n{src}");
+        }
+        // A segmented bank: the loads go to the slot's segment, the one-buffer bindings go.
+        let src = src
+            .replace(
+                "@group(0) @binding(0) var<storage, read> wv: array<vec4<u32>>;",
+                "",
+            )
+            .replace(
+                "@group(0) @binding(1) var<storage, read> ww: array<u32>;",
+                "",
+            );
+        let src = rewrite_index(&src, "wv", &|e| format!("wv_seg(sb16 + ({e}))"));
+        let src = rewrite_index(&src, "ww", &|e| format!("ww_seg(sb4 + ({e}))"));
+        let enable = if matches!(self.segments, Segments::Array(_)) {
+            "enable wgpu_binding_array;\n"
+        } else {
+            ""
+        };
+        let decl = self.segments.declarations();
+        format!("{enable}{GROUPED_DECL}\n{decl}\n{src}")
     }
 
     fn plain_source(&self) -> String {
@@ -495,7 +604,7 @@ impl Matvec {
     pub fn needs(&self) -> Caps {
         Caps {
             subgroups: self.needs_subgroups(),
-            binding_arrays: false,
+            binding_arrays: matches!(self.segments, Segments::Array(_)),
             shader_f16: false,
             f16_in_f32: self.path == Path::HwF16,
         }
@@ -593,6 +702,7 @@ pub fn registry() -> Vec<ModuleSpec> {
                             epilogue,
                             path,
                             grouped,
+                            segments: Segments::One,
                             lut_copies,
                         };
                         let specializations = match reduce {
@@ -605,13 +715,35 @@ pub fn registry() -> Vec<ModuleSpec> {
                                 Specialization::matvec(256, 64),
                             ],
                         };
-                        out.push(ModuleSpec {
-                            name: k.name(),
-                            source: Cow::Owned(k.source()),
-                            entries: &[Matvec::ENTRY],
-                            needs: k.needs(),
-                            specializations,
-                        });
+                        // A grouped kernel over a segmented bank, both bindings (q8_2f's
+                        // int8 path quantises per slot from the bank: one buffer only).
+                        // Only the shapes the experts run (the chunked gate/up and the plain
+                        // down projection; mxfp4's table in the grouped kernels' 16 copies).
+                        let segmented = grouped
+                            && !(codec == Codec::Q8_2f && path == Path::Int8)
+                            && matches!(epilogue, Epilogue::None | Epilogue::SiluGateUp)
+                            && (lut_copies == 1 || lut_copies == 16);
+                        let banks: &[Segments] = if segmented {
+                            &[
+                                Segments::One,
+                                Segments::Fixed(8),
+                                Segments::Fixed(16),
+                                Segments::Array(8),
+                                Segments::Array(16),
+                            ]
+                        } else {
+                            &[Segments::One]
+                        };
+                        for &segments in banks {
+                            let k = Matvec { segments, ..k };
+                            out.push(ModuleSpec {
+                                name: k.name(),
+                                source: Cow::Owned(k.source()),
+                                entries: &[Matvec::ENTRY],
+                                needs: k.needs(),
+                                specializations: specializations.clone(),
+                            });
+                        }
                     }
                 }
             }

@@ -48,6 +48,7 @@ fn subgroup_variants_are_refused_without_subgroups() {
         epilogue: Epilogue::None,
         path: Path::F32,
         grouped: false,
+        segments: kernels_wgsl::Segments::One,
         lut_copies: 1,
     };
     assert!(
@@ -79,7 +80,13 @@ fn registry_names_are_systematic_and_unique() {
         2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 8)
             + 2
             + kernels_wgsl::Op::ALL.len()
+            // Grouped kernels over segmented banks (fixed and array bindings, 8 and 16
+            // segments): the 3 plain shapes and the gate/up pair of every codec and path but
+            // q8_2f's int8 and mxfp4's extra table copies.
+            + 2 * (Codec::ALL.len() + 1 + 3 + 3 - 2) * 4 * 4
     );
+    assert!(names.contains(&"matvec_mxfp4_i8_sg_t1_r2_gateup_grouped_segarr16_lut16".to_string()));
+    assert!(names.contains(&"matvec_q4tp_i8_smem_t1_r4_grouped_seg8".to_string()));
     assert!(names.contains(&"matvec_f16_hw_sg_t8_r4_hcread".to_string()));
     assert!(names.contains(&"matvec_q8_2f_i8_sg_t8_r2_gateup2".to_string()));
     assert!(names.contains(&"matvec_q4tp_i8_smem_t1_r2_pair2".to_string()));
@@ -120,6 +127,7 @@ fn chunk_sizes_agree_between_rust_and_wgsl() {
             epilogue: Epilogue::None,
             path: Path::F32,
             grouped: false,
+            segments: kernels_wgsl::Segments::One,
             lut_copies: 1,
         };
         let want = format!("const CHUNK_VEC4: u32 = {}u;", codec.chunk_vec4());
@@ -137,6 +145,7 @@ fn the_generated_body_names_every_accumulator_once() {
         epilogue: Epilogue::None,
         path: Path::F32,
         grouped: false,
+        segments: kernels_wgsl::Segments::One,
         lut_copies: 1,
     };
     let body = k.body();
@@ -176,6 +185,7 @@ fn the_int8_path_needs_no_optional_capability_and_hw_f16_needs_its_own() {
         epilogue: Epilogue::None,
         path,
         grouped: false,
+        segments: kernels_wgsl::Segments::One,
         lut_copies: 1,
     };
     let i8 = k(Codec::Q2tp, Path::Int8);

@@ -336,13 +336,11 @@ impl MoeGpu {
                     .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                         label: Some("expert admission"),
                     });
-                let at = if faulty {
-                    gate_up.buffer.size()
-                } else {
-                    slot * gate_up.slot_bytes
-                };
-                ring.record(&mut enc, &staged, 0, &gate_up.buffer, at);
-                ring.record(&mut enc, &staged, 1, &down.buffer, slot * down.slot_bytes);
+                let (gu_buf, gu_at) = gate_up.slot_at(slot as usize);
+                let at = if faulty { gu_buf.size() } else { gu_at };
+                ring.record(&mut enc, &staged, 0, gu_buf, at);
+                let (dn_buf, dn_at) = down.slot_at(slot as usize);
+                ring.record(&mut enc, &staged, 1, dn_buf, dn_at);
                 ring.record(&mut enc, &staged, 2, slot_of, u64::from(a.evicted) * 4);
                 ring.record(&mut enc, &staged, 3, slot_of, u64::from(a.expert) * 4);
                 enc.finish()

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use kernels_wgsl::{Codec, Epilogue, Matvec, Path};
+use kernels_wgsl::{Codec, Epilogue, Matvec, Path, Segments};
 use quant_codecs::{DType, Layout, MatRef};
 
 use crate::arena::kernel_codec;
@@ -13,8 +13,11 @@ use crate::ops::matvec::{Bufs, Plan, Prepared, Step, bind_matvec};
 use crate::staging::StagingRing;
 use crate::{GpuContext, GpuError};
 
-/// A layer's experts on the device: expert `e`'s payload at byte `e * slot_bytes` of one
-/// buffer (one storage binding).
+/// Routed experts on the device (one layer's, or every layer's in a global bank): slot `s`'s
+/// payload at byte `(s % segment_slots) * slot_bytes` of segment `s / segment_slots`. A bank
+/// that fits one storage binding is one segment (bound once, as it always was); a larger one is
+/// split into segments of at most one binding each, up to [`MAX_SEGMENTS`], bound as a binding
+/// array where the adapter has them and as a fixed set of bindings where it does not.
 #[derive(Debug)]
 pub struct ExpertBank {
     /// The experts' dtype.
@@ -23,26 +26,61 @@ pub struct ExpertBank {
     pub rows: usize,
     /// Columns of each expert matrix.
     pub cols: usize,
-    /// Experts.
+    /// Slots.
     pub count: usize,
     /// Bytes per slot (the payload, padded to 16).
     pub slot_bytes: u64,
     /// One expert's section layout.
     pub layout: Layout,
-    /// The slots.
-    pub buffer: wgpu::Buffer,
+    /// Slots per segment (the last may hold fewer).
+    pub segment_slots: usize,
+    /// The segments.
+    pub segments: Vec<wgpu::Buffer>,
+    /// Bind a segmented bank as a fixed set even where the adapter has binding arrays (to
+    /// measure or test that path there; `CORTIQ_BANK_BINDING=fixed` sets it).
+    pub fixed: bool,
 }
 
+/// Segments a bank may have: the grouped kernels bind 8 or 16 (seed-spec.md §5.4).
+pub const MAX_SEGMENTS: usize = 16;
+
 impl ExpertBank {
-    /// Uploads `experts` (all of one dtype and shape) into one bank; a bank larger than one
-    /// storage binding is refused ([`GpuError::BindingTooLarge`]).
+    /// Uploads `experts` (all of one dtype and shape) into a bank of as many slots, in one
+    /// segment when it fits one storage binding.
     pub fn upload(ctx: &GpuContext, experts: &[MatRef<'_>]) -> Result<ExpertBank, GpuError> {
         let first = experts.first().ok_or(GpuError::BadLength {
             what: "experts in a bank",
             expected: 1,
             found: 0,
         })?;
-        let (dtype, rows, cols) = (first.dtype(), first.rows(), first.cols());
+        let bank = ExpertBank::empty(
+            ctx,
+            first.dtype(),
+            first.rows(),
+            first.cols(),
+            experts.len(),
+            None,
+        )?;
+        let mut ring = StagingRing::new(ctx);
+        for (e, m) in experts.iter().enumerate() {
+            bank.write(ctx, &mut ring, e, m)?;
+        }
+        ring.flush(ctx)?;
+        Ok(bank)
+    }
+
+    /// A bank of `slots` slots for `rows x cols` experts of `dtype`, contents undefined:
+    /// segments of `segment_slots` slots (tests force small ones), else of as many as one
+    /// storage binding holds. More than [`MAX_SEGMENTS`] segments, or more storage bindings
+    /// than the adapter has for a fixed set, is refused ([`GpuError::BindingTooLarge`]).
+    pub fn empty(
+        ctx: &GpuContext,
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        slots: usize,
+        segment_slots: Option<usize>,
+    ) -> Result<ExpertBank, GpuError> {
         let codec = kernel_codec(dtype).ok_or(GpuError::UnsupportedDtype { dtype })?;
         if cols % codec.col_multiple() != 0 {
             return Err(GpuError::UnsupportedShape {
@@ -52,59 +90,135 @@ impl ExpertBank {
                 multiple: codec.col_multiple(),
             });
         }
-        for m in experts {
-            if (m.dtype(), m.rows(), m.cols()) != (dtype, rows, cols) {
-                return Err(GpuError::UnsupportedFusion {
-                    epilogue: "expert bank",
-                    reason: format!(
-                        "experts differ: {:?} {}x{} and {:?} {}x{}",
-                        dtype,
-                        rows,
-                        cols,
-                        m.dtype(),
-                        m.rows(),
-                        m.cols()
-                    ),
-                });
-            }
-        }
         let layout = Layout::new(dtype, rows, cols)?;
         let slot_bytes = (layout.nbytes as u64).next_multiple_of(16);
-        let size = slot_bytes * experts.len() as u64;
-        if size > ctx.max_binding() || slot_bytes > u32::MAX as u64 {
-            return Err(GpuError::BindingTooLarge {
-                dtype,
-                cols,
-                requested: size,
-                max: ctx.max_binding(),
-            });
+        let too_large = |requested: u64| GpuError::BindingTooLarge {
+            dtype,
+            cols,
+            requested,
+            max: ctx.max_binding() * MAX_SEGMENTS as u64,
+        };
+        let fit = (ctx.max_binding() / slot_bytes) as usize;
+        let per = segment_slots.unwrap_or(fit).min(fit).max(1);
+        let slots = slots.max(1);
+        let n = slots.div_ceil(per);
+        let bindings = ctx.limits.max_storage_buffers_per_shader_stage as usize;
+        // A fixed set binds every segment apart, beside x, y, the ids and the int8 scales.
+        let fixed_ok = ctx.caps.binding_arrays
+            || n == 1
+            || Segments::bound(n).count() as usize + 4 <= bindings;
+        if slot_bytes > u32::MAX as u64 || n > MAX_SEGMENTS || !fixed_ok {
+            return Err(too_large(slot_bytes * slots as u64));
         }
-        let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("expert bank"),
-            size,
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut ring = StagingRing::new(ctx);
-        for (e, m) in experts.iter().enumerate() {
-            ring.upload(ctx, &buffer, e as u64 * slot_bytes, m.bytes())?;
-        }
-        ring.flush(ctx)?;
+        let segments = (0..n)
+            .map(|i| {
+                let here = per.min(slots - i * per);
+                ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("expert bank"),
+                    size: slot_bytes * here as u64,
+                    usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            })
+            .collect();
         Ok(ExpertBank {
             dtype,
             rows,
             cols,
-            count: experts.len(),
+            count: slots,
             slot_bytes,
             layout,
-            buffer,
+            segment_slots: per,
+            segments,
+            fixed: std::env::var("CORTIQ_BANK_BINDING").is_ok_and(|v| v == "fixed"),
         })
+    }
+
+    /// Where slot `slot` lives: its segment and the byte offset there.
+    pub fn slot_at(&self, slot: usize) -> (&wgpu::Buffer, u64) {
+        let seg = slot / self.segment_slots;
+        let local = slot - seg * self.segment_slots;
+        (&self.segments[seg], local as u64 * self.slot_bytes)
+    }
+
+    /// Uploads expert `m` into slot `slot` through `ring` (flushed by the caller).
+    pub fn write(
+        &self,
+        ctx: &GpuContext,
+        ring: &mut StagingRing,
+        slot: usize,
+        m: &MatRef<'_>,
+    ) -> Result<(), GpuError> {
+        if (m.dtype(), m.rows(), m.cols()) != (self.dtype, self.rows, self.cols) {
+            return Err(GpuError::UnsupportedFusion {
+                epilogue: "expert bank",
+                reason: format!(
+                    "experts differ: {:?} {}x{} and {:?} {}x{}",
+                    self.dtype,
+                    self.rows,
+                    self.cols,
+                    m.dtype(),
+                    m.rows(),
+                    m.cols()
+                ),
+            });
+        }
+        if slot >= self.count {
+            return Err(GpuError::BadLength {
+                what: "expert bank slot",
+                expected: self.count,
+                found: slot,
+            });
+        }
+        let (buffer, at) = self.slot_at(slot);
+        ring.upload(ctx, buffer, at, m.bytes())
     }
 
     /// Device bytes held.
     pub fn bytes(&self) -> u64 {
-        self.buffer.size()
+        self.segments.iter().map(wgpu::Buffer::size).sum()
     }
+
+    /// How the grouped kernels bind this bank on `ctx`.
+    pub fn binding(&self, ctx: &GpuContext) -> Segments {
+        let n = self.segments.len();
+        if n == 1 {
+            return Segments::One;
+        }
+        match Segments::bound(n) {
+            Segments::Fixed(k) if ctx.caps.binding_arrays && !self.fixed => Segments::Array(k),
+            s => s,
+        }
+    }
+}
+
+/// The grouped kernels over a segmented bank: binding 2 params, 3 x (the int8 path's codes),
+/// 4 y, 5 the int8 path's block scales, 6 the slots' ids; the segments at 8 (an array) or
+/// 8.. (a fixed set).
+pub(crate) fn segmented_layout(
+    ctx: &GpuContext,
+    int8: bool,
+    segments: Segments,
+) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    use crate::ops::matvec::{bind_layout, storage_entry, uniform_entry};
+    let mut entries = vec![
+        uniform_entry(2),
+        storage_entry(3, true),
+        storage_entry(4, false),
+        storage_entry(6, true),
+    ];
+    if int8 {
+        entries.push(storage_entry(5, true));
+    }
+    match segments {
+        Segments::Array(n) => {
+            let mut e = storage_entry(8, true);
+            e.count = std::num::NonZeroU32::new(n);
+            entries.push(e);
+        }
+        s => entries.extend((0..s.count()).map(|i| storage_entry(8 + i, true))),
+    }
+    bind_layout(ctx, "grouped_segmented", &entries)
 }
 
 /// The grouped kernels' layouts: the matvec layouts plus binding 6, the slots' expert ids.
@@ -142,7 +256,13 @@ pub fn prepare_grouped(
         });
     }
     let codec = kernel_codec(bank.dtype).ok_or(GpuError::UnsupportedDtype { dtype: bank.dtype })?;
-    let path = plan.effective_path(ctx, codec, bank.cols);
+    let segments = bank.binding(ctx);
+    let mut path = plan.effective_path(ctx, codec, bank.cols);
+    // q8_2f's int8 path quantises each slot's activations with its expert's column scales,
+    // read from a bank of one buffer: a segmented q8_2f bank runs the f32 path.
+    if segments != Segments::One && codec == Codec::Q8_2f && path == Path::Int8 {
+        path = Path::F32;
+    }
     let mut plan = plan.with_path(path);
     if path == Path::Int8 {
         // An expert row at decode shapes is only 20-80 int8 blocks: with a subgroup per row
@@ -190,11 +310,18 @@ pub fn prepare_grouped(
     let plan = plan.for_codec(ctx, codec, 1, true);
     let mut k: Matvec = plan.fused_kernel(codec, 1, epilogue);
     k.grouped = true;
+    k.segments = segments;
     k.lut_copies = plan.lut_copies(ctx, &k);
-    let (bgl, pl) = if int8 {
-        ctx.grouped_i8_layout()
+    let seg_layout;
+    let (bgl, pl) = if segments != Segments::One {
+        seg_layout = ctx.segmented_layout(int8, segments);
+        (&seg_layout.0, &seg_layout.1)
+    } else if int8 {
+        let (a, b) = ctx.grouped_i8_layout();
+        (a, b)
     } else {
-        ctx.grouped_layout()
+        let (a, b) = ctx.grouped_layout();
+        (a, b)
     };
     let pipe: Arc<wgpu::ComputePipeline> = ctx.pipelines.get(
         &ctx.device,
@@ -214,7 +341,7 @@ pub fn prepare_grouped(
                 ctx,
                 x,
                 &acts,
-                &bank.buffer,
+                &bank.segments[0],
                 bank.layout.third as u64,
                 bank.slot_bytes,
                 ids,
@@ -253,7 +380,8 @@ pub fn prepare_grouped(
         (bank.rows / 2) as u32,
         bank.slot_bytes as u32,
         x_div as u32,
-        0,
+        // The segmented kernels' slots per segment (P.a).
+        bank.segment_slots as u32,
     ];
     let bufs = Bufs {
         x,
@@ -263,11 +391,62 @@ pub fn prepare_grouped(
         ids: Some(ids),
         aux: None,
     };
-    let bg = bind_matvec(ctx, bgl, &bank.buffer, &params, bufs);
+    let bg = if segments == Segments::One {
+        bind_matvec(ctx, bgl, &bank.segments[0], &params, bufs)
+    } else {
+        bind_segmented(ctx, bgl, bank, segments, &params, bufs)
+    };
     let label = format!(
         "grouped {codec:?} {}x{} slots {slots} {path:?} {epilogue:?}",
         bank.rows, bank.cols
     );
     steps.push(Step::new(pipe, vec![(bg, n as u32, slots as u32)], label));
     Ok(Prepared::from_steps(steps, path))
+}
+
+/// The bind group of a grouped kernel over a segmented bank ([`segmented_layout`]).
+fn bind_segmented(
+    ctx: &GpuContext,
+    bgl: &wgpu::BindGroupLayout,
+    bank: &ExpertBank,
+    segments: Segments,
+    params: &[u32; 12],
+    b: Bufs<'_>,
+) -> wgpu::BindGroup {
+    use crate::ops::matvec::{entry, params_buffer, slice_entry};
+    let ubuf = params_buffer(ctx, "grouped params", params);
+    let mut entries = vec![
+        entry(2, &ubuf),
+        match b.acts {
+            Some(a) => slice_entry(3, &a.xq, a.xq_offset, a.xq_bytes()),
+            None => entry(3, b.x),
+        },
+        entry(4, b.y),
+    ];
+    if let Some(a) = b.acts {
+        entries.push(slice_entry(5, &a.xd, a.xd_offset, a.xd_bytes()));
+    }
+    if let Some(ids) = b.ids {
+        entries.push(entry(6, ids));
+    }
+    // Bindings past the bank's segments repeat its first (the kernel never reads them).
+    let seg = |i: usize| &bank.segments[if i < bank.segments.len() { i } else { 0 }];
+    let array: Vec<wgpu::BufferBinding<'_>> = match segments {
+        Segments::Array(n) => (0..n as usize)
+            .map(|i| seg(i).as_entire_buffer_binding())
+            .collect(),
+        _ => Vec::new(),
+    };
+    match segments {
+        Segments::Array(_) => entries.push(wgpu::BindGroupEntry {
+            binding: 8,
+            resource: wgpu::BindingResource::BufferArray(&array),
+        }),
+        s => entries.extend((0..s.count()).map(|i| entry(8 + i, seg(i as usize)))),
+    }
+    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("grouped (segmented)"),
+        layout: bgl,
+        entries: &entries,
+    })
 }

@@ -226,6 +226,7 @@ impl Plan {
             epilogue,
             path: self.path,
             grouped: false,
+            segments: kernels_wgsl::Segments::One,
             lut_copies: 1,
         }
     }
