@@ -226,20 +226,33 @@ impl<'a> AnyModel<'a> {
         if place.backend == BackendChoice::Cpu {
             return Ok(AnyModel::Dsv4(model));
         }
-        if place.cpu_moe.is_some() {
-            tracing::warn!(
-                "running on the CPU: deepseek_v4 on the GPU keeps every expert resident (no --cpu-moe yet)"
-            );
-            return Ok(AnyModel::Dsv4(model));
-        }
         let Some(ctx) = Self::device_for(place)? else {
             return Ok(AnyModel::Dsv4(model));
         };
         let ctx_len = place.ctx.unwrap_or(DEFAULT_DEVICE_CTX).max(1);
-        match model_dsv4::GpuModel::new(model, Arc::from(ctx), ctx_len) {
+        // `--n-cpu-moe N`: the first N layers' experts on the CPU, the rest resident (the
+        // static split llama.cpp offers); else as many per layer as the budget holds.
+        let residency = match place.cpu_moe {
+            Some(n) => {
+                let (nl, ne) = (
+                    model.config.num_hidden_layers,
+                    model.config.n_routed_experts,
+                );
+                model_dsv4::Residency::PerLayer(
+                    (0..nl).map(|l| if l < n { 0 } else { ne }).collect(),
+                )
+            }
+            None => model_dsv4::Residency::Budget,
+        };
+        let experts = model_dsv4::ExpertPlacement {
+            residency,
+            segment_slots: None,
+        };
+        match model_dsv4::GpuModel::with_experts(model, Arc::from(ctx), ctx_len, &experts) {
             Ok(g) => {
+                let (hot, all) = g.resident_experts();
                 tracing::info!(
-                    "on the GPU: {} MiB of weights resident, context {ctx_len}",
+                    "on the GPU: {} MiB of weights resident ({hot} of {all} routed experts; the rest on the CPU), context {ctx_len}",
                     g.resident_bytes() >> 20
                 );
                 Ok(AnyModel::Dsv4Gpu(Box::new(g)))

@@ -194,6 +194,30 @@ impl Device {
         Ok(bank)
     }
 
+    /// An empty bank of `slots` slots for `rows x cols` experts of `dtype` (a global bank,
+    /// filled slot by slot), within the VRAM budget; `segment_slots` forces small segments.
+    pub fn empty_bank(
+        &self,
+        dtype: quant_codecs::DType,
+        (rows, cols): (usize, usize),
+        slots: usize,
+        segment_slots: Option<usize>,
+    ) -> Result<ExpertBank, GpuError> {
+        let bank = ExpertBank::empty(&self.ctx, dtype, rows, cols, slots, segment_slots)?;
+        if self.resident_bytes() + bank.bytes() > self.arena.budget() {
+            return Err(GpuError::UnsupportedFusion {
+                epilogue: "expert bank",
+                reason: format!(
+                    "{} MiB more would pass the VRAM budget of {} MiB",
+                    bank.bytes() >> 20,
+                    self.arena.budget() >> 20
+                ),
+            });
+        }
+        self.bank_bytes.fetch_add(bank.bytes(), Ordering::Relaxed);
+        Ok(bank)
+    }
+
     /// Device bytes the weights hold.
     pub fn resident_bytes(&self) -> u64 {
         self.arena.resident_bytes() + self.bank_bytes.load(Ordering::Relaxed)

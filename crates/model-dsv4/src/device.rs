@@ -64,6 +64,10 @@ pub struct Scratch {
     pub ids: wgpu::Buffer,
     /// (see `ids`)
     pub wts: wgpu::Buffer,
+    /// The routed slots' global bank slots `[8k]` (0 for a cold one).
+    pub bank_ids: wgpu::Buffer,
+    /// The routed slots' cold experts `[8k]` (`NONE_SLOT` for a resident one).
+    pub cold: wgpu::Buffer,
     /// Routed gate/up `[8k, 2I]`.
     pub mid2: wgpu::Buffer,
     /// Routed SwiGLU `[8k, I]`.
@@ -142,6 +146,8 @@ impl Scratch {
             logits_e: s("router logits", b * c.n_routed_experts),
             ids: s("ids", b * k),
             wts: s("wts", b * k),
+            bank_ids: s("bank ids", b * k),
+            cold: s("cold", b * k),
             mid2: s("mid2", b * k * 2 * i),
             mid: s("mid", b * k * i),
             eo: s("eo", b * k * d),

@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use gpu_runtime::ops::graph::{self, Graph, Tap};
+use gpu_runtime::ops::graph::{self, Break, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, readback};
 use model_core::device::readback_buffer;
 use model_core::trace::{
@@ -24,7 +24,7 @@ use crate::attention::{AttnDeviceState, AttnGpu};
 use crate::device::{Device, Enc, RopeGpu, Scratch};
 use crate::forward::{ForwardError, Model};
 use crate::hc::{self, HcDims, HcGpu};
-use crate::moe::{MoeGpu, Router};
+use crate::moe::{GlobalBank, MoeGpu, NONE_SLOT, Router};
 use crate::ops::Rope;
 
 static NEXT_UID: AtomicU64 = AtomicU64::new(2 << 40);
@@ -59,6 +59,12 @@ pub struct GpuModel<'a> {
 struct Resident {
     dev: Device,
     layers: Vec<LayerGpu>,
+    /// Every layer's resident routed experts (`None` when none is).
+    bank: Option<GlobalBank>,
+    /// The cold path's readback: a layer's cold list `[8k]`, then its MoE input `[8, D]`.
+    cold_stage: wgpu::Buffer,
+    /// Counters of the cold path.
+    stats: ColdCounters,
     head: HcGpu,
     lm_head: Arc<GpuMatrix>,
     ropes: RopeGpu,
@@ -88,16 +94,70 @@ fn unsupported(reason: String) -> GpuError {
     }
 }
 
+/// Which routed experts live in the global bank; the rest are computed on the CPU.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Residency {
+    /// All of them when the VRAM budget holds them after every other weight; else as many per
+    /// layer as what is left holds, the same number in every layer.
+    #[default]
+    Budget,
+    /// Per layer, how many (experts `0..n` of layer `l`: `--n-cpu-moe`'s static split is
+    /// 0 for its first layers and all for the rest).
+    PerLayer(Vec<usize>),
+}
+
+/// How the routed experts are placed ([`GpuModel::with_experts`]).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ExpertPlacement {
+    /// Which are resident.
+    pub residency: Residency,
+    /// Slots per bank segment (`None`: as many as one storage binding holds; tests force
+    /// small segments to run several on a small model).
+    pub segment_slots: Option<usize>,
+}
+
+/// Counters of the cold path ([`GpuModel::cold_stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ColdStats {
+    /// Routed (token row, expert) slots run.
+    pub routed: u64,
+    /// Those computed on the CPU.
+    pub cold: u64,
+    /// Bytes of the experts the CPU computed (each once per frame and layer).
+    pub cold_bytes: u64,
+    /// The CPU's seconds on them.
+    pub cold_seconds: f64,
+}
+
+#[derive(Default)]
+struct ColdCounters {
+    routed: AtomicU64,
+    cold: AtomicU64,
+    cold_bytes: AtomicU64,
+    cold_ns: AtomicU64,
+}
+
 impl<'a> GpuModel<'a> {
-    /// Uploads `model` to `ctx` for sequences of up to `ctx_len` tokens; on any failure (a
-    /// geometry the kernels do not take, the VRAM budget, a pipeline the driver rejects) the
-    /// CPU model comes back with the error.
+    /// Uploads `model` to `ctx` for sequences of up to `ctx_len` tokens, as many routed
+    /// experts resident as the budget holds; on any failure (a geometry the kernels do not
+    /// take, the VRAM budget, a pipeline the driver rejects) the CPU model comes back with the
+    /// error.
     pub fn new(
         model: Model<'a>,
         ctx: Arc<GpuContext>,
         ctx_len: usize,
     ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
-        match Self::upload(&model, ctx, ctx_len) {
+        Self::with_experts(model, ctx, ctx_len, &ExpertPlacement::default())
+    }
+
+    /// [`GpuModel::new`] with the routed experts placed as `place` says.
+    pub fn with_experts(
+        model: Model<'a>,
+        ctx: Arc<GpuContext>,
+        ctx_len: usize,
+        place: &ExpertPlacement,
+    ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
+        match Self::upload(&model, ctx, ctx_len, place) {
             Ok(res) => Ok(GpuModel {
                 model,
                 res,
@@ -111,6 +171,7 @@ impl<'a> GpuModel<'a> {
         model: &Model<'_>,
         ctx: Arc<GpuContext>,
         ctx_len: usize,
+        place: &ExpertPlacement,
     ) -> Result<Resident, GpuError> {
         let c = &model.config;
         let w = &model.weights;
@@ -141,31 +202,176 @@ impl<'a> GpuModel<'a> {
             iters: c.hc_sinkhorn_iters,
         };
         let rt = Router::of(c);
-        let layers = w
+        // Everything but the routed experts first; what the budget has left is the bank.
+        let head = HcGpu::head(&dev, &w.hc_head, &w.norm, &dims)?;
+        let lm_head = dev.mat(&w.lm_head)?;
+        let parts = w
             .layers
             .iter()
             .enumerate()
             .map(|(il, lw)| {
+                Ok((
+                    HcGpu::site(&dev, &lw.attn_hc, &lw.input_layernorm, &dims)?,
+                    AttnGpu::new(&dev, &lw.attn, c, c.attn_kind(il))?,
+                    HcGpu::site(&dev, &lw.ffn_hc, &lw.post_attention_layernorm, &dims)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        let scratch = Scratch::new(&ctx, c, ctx_len);
+        let resident = Self::residency(model, &dev, place)?;
+        let (bank, slots) = Self::fill_bank(model, &dev, &resident, place.segment_slots)?;
+        let layers = parts
+            .into_iter()
+            .zip(&w.layers)
+            .zip(slots)
+            .map(|(((attn_hc, attn, ffn_hc), lw), slots)| {
+                let moe = MoeGpu::new(
+                    &dev,
+                    &lw.moe,
+                    &rt,
+                    &slots,
+                    (c.hidden_size, c.moe_intermediate_size),
+                )?;
                 Ok(LayerGpu {
-                    attn_hc: HcGpu::site(&dev, &lw.attn_hc, &lw.input_layernorm, &dims)?,
-                    attn: AttnGpu::new(&dev, &lw.attn, c, c.attn_kind(il))?,
-                    ffn_hc: HcGpu::site(&dev, &lw.ffn_hc, &lw.post_attention_layernorm, &dims)?,
-                    moe: MoeGpu::new(&dev, &lw.moe, &rt, c.hidden_size, c.moe_intermediate_size)?,
+                    attn_hc,
+                    attn,
+                    ffn_hc,
+                    moe,
                 })
             })
             .collect::<Result<Vec<_>, GpuError>>()?;
         let main = Rope::new(c.rope_main(), dh);
         let compress = Rope::new(c.rope_compress(), dh);
+        let k = c.num_experts_per_tok;
         Ok(Resident {
-            head: HcGpu::head(&dev, &w.hc_head, &w.norm, &dims)?,
-            lm_head: dev.mat(&w.lm_head)?,
+            head,
+            lm_head,
             ropes: RopeGpu::new(&ctx, &main, &compress, ctx_len),
-            scratch: Scratch::new(&ctx, c, ctx_len),
+            scratch,
             layers,
+            bank,
+            cold_stage: readback_buffer(&ctx, MAX_BATCH * (k + c.hidden_size)),
+            stats: ColdCounters::default(),
             dev,
             ctx_len,
             uid,
         })
+    }
+
+    /// How many of each layer's routed experts go to the bank.
+    fn residency(
+        model: &Model<'_>,
+        dev: &Device,
+        place: &ExpertPlacement,
+    ) -> Result<Vec<usize>, GpuError> {
+        let c = &model.config;
+        let (nl, ne) = (c.num_hidden_layers, c.n_routed_experts);
+        match &place.residency {
+            Residency::PerLayer(n) if n.len() == nl => Ok(n.iter().map(|&n| n.min(ne)).collect()),
+            Residency::PerLayer(n) => Err(unsupported(format!(
+                "residency for {} layers, the model has {nl}",
+                n.len()
+            ))),
+            Residency::Budget => {
+                let per = model.weights.layers.first().map_or(0, |l| {
+                    let pad = |m: &model_core::bind::Mat<'_>| {
+                        (m.bytes().len() as u64).next_multiple_of(16)
+                    };
+                    l.moe
+                        .routed
+                        .experts
+                        .first()
+                        .map_or(0, |x| pad(&x.gate_up) + pad(&x.down))
+                });
+                // The state and the frames' buffers come out of the same budget: keep a
+                // twentieth of it (at least 64 MiB) for them.
+                let budget = dev.budget();
+                let reserve = (budget / 20).max(64 << 20);
+                let left = budget.saturating_sub(dev.resident_bytes() + reserve);
+                let fit = left
+                    .checked_div(per)
+                    .map_or(ne, |n| (n as usize / nl.max(1)).min(ne));
+                if fit < ne {
+                    tracing::info!(
+                        "{fit} of {ne} routed experts per layer resident ({} MiB left of a {} MiB budget); the rest on the CPU",
+                        left >> 20,
+                        budget >> 20
+                    );
+                }
+                Ok(vec![fit; nl])
+            }
+        }
+    }
+
+    /// The global bank of every layer's first `resident[l]` experts (slots in layer order),
+    /// and each layer's expert -> slot map.
+    fn fill_bank(
+        model: &Model<'_>,
+        dev: &Device,
+        resident: &[usize],
+        segment_slots: Option<usize>,
+    ) -> Result<(Option<GlobalBank>, Vec<Vec<u32>>), GpuError> {
+        let ne = model.config.n_routed_experts;
+        let total: usize = resident.iter().sum();
+        let mut maps = vec![vec![NONE_SLOT; ne]; resident.len()];
+        let first = model
+            .weights
+            .layers
+            .first()
+            .and_then(|l| l.moe.routed.experts.first());
+        let (Some(first), true) = (first, total > 0) else {
+            return Ok((None, maps));
+        };
+        let shape = |m: &model_core::bind::Mat<'_>| {
+            let m = m.mat();
+            (m.dtype(), (m.rows(), m.cols()))
+        };
+        let (gd, gs) = shape(&first.gate_up);
+        let (dd, ds) = shape(&first.down);
+        let bank = GlobalBank {
+            gate_up: dev.empty_bank(gd, gs, total, segment_slots)?,
+            down: dev.empty_bank(dd, ds, total, segment_slots)?,
+        };
+        let ctx = &dev.ctx;
+        let mut ring = gpu_runtime::staging::StagingRing::new(ctx);
+        let mut slot = 0;
+        for ((lw, &n), map) in model.weights.layers.iter().zip(resident).zip(&mut maps) {
+            for (x, e) in lw.moe.routed.experts.iter().take(n).enumerate() {
+                bank.gate_up.write(ctx, &mut ring, slot, e.gate_up.mat())?;
+                bank.down.write(ctx, &mut ring, slot, e.down.mat())?;
+                map[x] = slot as u32;
+                slot += 1;
+            }
+        }
+        ring.flush(ctx)?;
+        Ok((Some(bank), maps))
+    }
+
+    /// Routed experts resident, of all (every layer's).
+    pub fn resident_experts(&self) -> (usize, usize) {
+        let c = &self.model.config;
+        let n = self.res.layers.iter().map(|l| l.moe.resident).sum();
+        (n, c.n_routed_experts * c.num_hidden_layers)
+    }
+
+    /// How the global bank is bound (segments and binding kind), when there is one.
+    pub fn bank_binding(&self) -> Option<(usize, kernels_wgsl::Segments)> {
+        let b = self.res.bank.as_ref()?;
+        Some((
+            b.gate_up.segments.len(),
+            b.gate_up.binding(&self.res.dev.ctx),
+        ))
+    }
+
+    /// The cold path's counters so far.
+    pub fn cold_stats(&self) -> ColdStats {
+        let s = &self.res.stats;
+        ColdStats {
+            routed: s.routed.load(Ordering::Relaxed),
+            cold: s.cold.load(Ordering::Relaxed),
+            cold_bytes: s.cold_bytes.load(Ordering::Relaxed),
+            cold_seconds: s.cold_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+        }
     }
 
     /// The device context.
@@ -217,7 +423,7 @@ impl<'a> GpuModel<'a> {
             lw.ffn_hc.encode_pre(&mut e, &s.x, nt)?;
             e.tap(MLP_INPUT, il, &s.u, nt * d);
             e.g.mark("mhc");
-            lw.moe.encode(&mut e, nt)?;
+            lw.moe.encode(&mut e, self.res.bank.as_ref(), nt, il)?;
             e.tap(MOE_OUT, il, &s.y, nt * d);
             e.g.mark("moe");
             lw.ffn_hc.encode_post(&mut e, &s.x, nt)?;
@@ -280,22 +486,159 @@ impl<'a> GpuModel<'a> {
             Head::All => nt * c.vocab_size,
             Head::Last => c.vocab_size,
         };
-        let mut enc = ctx
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor {
-                label: Some("deepseek frame"),
-            });
-        st.graphs[&key].record(ctx, &mut enc, taps);
-        if read > 0 {
-            enc.copy_buffer_to_buffer(&s.logits, 0, &st.stage, 0, (read * 4) as u64);
+        let g = &st.graphs[&key];
+        let tail = |enc: &mut wgpu::CommandEncoder| {
+            if read > 0 {
+                enc.copy_buffer_to_buffer(&s.logits, 0, &st.stage, 0, (read * 4) as u64);
+            }
+        };
+        let c = &self.model.config;
+        let routed = (nt * c.num_experts_per_tok * c.num_hidden_layers) as u64;
+        self.res.stats.routed.fetch_add(routed, Ordering::Relaxed);
+        if g.has_breaks() {
+            self.run_breaks(g, nt, taps, &tail)?;
+        } else {
+            let mut enc = ctx
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("deepseek frame"),
+                });
+            g.record(ctx, &mut enc, taps);
+            tail(&mut enc);
+            ctx.checked("a deepseek_v4 frame", || ctx.queue.submit([enc.finish()]))?;
         }
-        ctx.checked("a deepseek_v4 frame", || ctx.queue.submit([enc.finish()]))?;
         st.pos += nt;
         if read == 0 {
             ctx.wait();
             return Ok(Vec::new());
         }
         Ok(readback::read_mapped(ctx, &st.stage, read)?)
+    }
+
+    /// Runs a frame with cold experts span by span: at a layer's [`Break::Read`] the span so
+    /// far goes to the GPU with a copy of the layer's cold list and MoE input, and the next
+    /// span (the resident experts and the shared expert) right behind it; while the GPU runs
+    /// that, the host reads the copy back and computes the cold experts from the mapped file
+    /// (each expert once over all of its rows, all cores), and their outputs go up by queued
+    /// writes into the cold slots' rows, which land before the span that sums them.
+    fn run_breaks(
+        &self,
+        g: &Graph,
+        nt: usize,
+        mut taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
+        tail: &dyn Fn(&mut wgpu::CommandEncoder),
+    ) -> Result<(), ForwardError> {
+        let ctx = &self.res.dev.ctx;
+        let s = &self.res.scratch;
+        let c = &self.model.config;
+        let (k, d) = (c.num_experts_per_tok, c.hidden_size);
+        let spans = g.spans();
+        let mut index = None;
+        let mut pending: Option<usize> = None;
+        for span in &spans {
+            let mut enc = ctx
+                .device
+                .create_command_encoder(&wgpu::CommandEncoderDescriptor {
+                    label: Some("deepseek frame (span)"),
+                });
+            g.record_span(ctx, &mut enc, span.items.clone(), taps.as_deref_mut());
+            match span.end {
+                Some(Break::Read(il)) => {
+                    let at = (MAX_BATCH * k * 4) as u64;
+                    enc.copy_buffer_to_buffer(
+                        &s.cold,
+                        0,
+                        &self.res.cold_stage,
+                        0,
+                        (nt * k * 4) as u64,
+                    );
+                    enc.copy_buffer_to_buffer(
+                        &s.u,
+                        0,
+                        &self.res.cold_stage,
+                        at,
+                        (nt * d * 4) as u64,
+                    );
+                    pending = Some(il);
+                }
+                Some(Break::Write(_)) => {}
+                None => tail(&mut enc),
+            }
+            let i = ctx.checked("a deepseek_v4 frame", || ctx.queue.submit([enc.finish()]))?;
+            if matches!(span.end, Some(Break::Read(_))) {
+                index = Some(i);
+                continue;
+            }
+            // The resident span is queued: now the host's part of the layer before it.
+            if let (Some(il), Some(Break::Write(_))) = (pending.take(), span.end) {
+                let words = MAX_BATCH * k + nt * d;
+                let back =
+                    readback::read_mapped_after(ctx, &self.res.cold_stage, words, index.take())?;
+                let cold: Vec<u32> = back[..nt * k].iter().map(|v| v.to_bits()).collect();
+                self.cold_experts(il, &cold, &back[MAX_BATCH * k..])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Computes layer `il`'s cold slots (`cold[slot]`: the expert, or [`NONE_SLOT`]) on the
+    /// CPU from the MoE input rows `u` (`[nt, D]`, slot `i` reading row `i / k`) and writes
+    /// each slot's output row into the expert outputs.
+    fn cold_experts(&self, il: usize, cold: &[u32], u: &[f32]) -> Result<(), ForwardError> {
+        let c = &self.model.config;
+        let (k, d, ne) = (c.num_experts_per_tok, c.hidden_size, c.n_routed_experts);
+        let routed = &self.model.weights.layers[il].moe.routed;
+        let mut by_expert: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
+        for (slot, &x) in cold.iter().enumerate() {
+            if x == NONE_SLOT {
+                continue;
+            }
+            if x as usize >= ne {
+                return Err(unsupported(format!(
+                    "layer {il}: the device routed slot {slot} to expert {x} of {ne}"
+                ))
+                .into());
+            }
+            by_expert.entry(x as usize).or_default().push(slot);
+        }
+        let st = &self.res.stats;
+        let n_cold: usize = by_expert.values().map(Vec::len).sum();
+        st.cold.fetch_add(n_cold as u64, Ordering::Relaxed);
+        let bytes: usize = by_expert
+            .keys()
+            .map(|&x| {
+                let e = &routed.experts[x];
+                e.gate_up.bytes().len() + e.down.bytes().len()
+            })
+            .sum();
+        st.cold_bytes.fetch_add(bytes as u64, Ordering::Relaxed);
+        let t0 = std::time::Instant::now();
+        let inputs: Vec<(usize, Vec<usize>, Vec<f32>)> = by_expert
+            .into_iter()
+            .map(|(x, slots)| {
+                let xs = slots
+                    .iter()
+                    .flat_map(|&s| &u[s / k * d..][..d])
+                    .copied()
+                    .collect();
+                (x, slots, xs)
+            })
+            .collect();
+        let jobs: Vec<(usize, &[f32])> = inputs.iter().map(|(x, _, xs)| (*x, &xs[..])).collect();
+        let ys = routed.experts_rows(&jobs);
+        st.cold_ns
+            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let ctx = &self.res.dev.ctx;
+        for ((_, slots, _), y) in inputs.iter().zip(&ys) {
+            for (&slot, row) in slots.iter().zip(y.chunks(d)) {
+                ctx.queue.write_buffer(
+                    &self.res.scratch.eo,
+                    (slot * d * 4) as u64,
+                    bytemuck::cast_slice(row),
+                );
+            }
+        }
+        Ok(())
     }
 
     fn check(&self, tokens: &[u32], st: &GpuState) -> Result<(), ForwardError> {

@@ -52,7 +52,7 @@ pub use config::{
 };
 pub use config_v41::{DeepseekV41Config, V41ConfigError};
 pub use forward::{ForwardError, Model, Trace};
-pub use gpu::{GpuModel, GpuState, Unplaced};
+pub use gpu::{ColdStats, ExpertPlacement, GpuModel, GpuState, Residency, Unplaced};
 pub use model_core::{BindError, CausalLm, InputError};
 pub use state::SeqState;
 pub use weights::{WeightError, Weights};

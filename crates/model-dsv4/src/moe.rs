@@ -101,16 +101,36 @@ pub fn forward_cpu(
     y
 }
 
-/// A MoE block on the device, every routed expert resident: the router matvec, `ds_route`
-/// (scores, hash or biased top-k, renormalised weights), the routed experts through the
-/// grouped kernels over the layer's banks with the clamped SwiGLU between them, the shared
-/// expert, and `moe_sum`.
+/// The device's mark of an expert without a bank slot (and of a resident slot in a frame's
+/// cold list).
+pub const NONE_SLOT: u32 = u32::MAX;
+
+/// Every layer's resident routed experts in one global bank of slots (seed-spec.md §5.4):
+/// the gate/up and down matrices in two segmented banks that share slot numbers. A layer's
+/// expert -> slot map ([`MoeGpu`]) names each of its experts' slot, or [`NONE_SLOT`].
+pub struct GlobalBank {
+    /// Gate/up `[2I, D]` per slot.
+    pub gate_up: gpu_runtime::ops::experts::ExpertBank,
+    /// Down `[D, I]` per slot.
+    pub down: gpu_runtime::ops::experts::ExpertBank,
+}
+
+/// A MoE block on the device: the router matvec, `ds_route` (scores, hash or biased top-k,
+/// renormalised weights), `cold_split` (each routed slot to its expert's slot in the global
+/// bank, or to the cold list), the resident experts through the grouped kernels with the
+/// clamped SwiGLU between them, the shared expert, and `moe_sum`. With cold experts the frame
+/// breaks after the split (the host reads the cold list and the block's input back and
+/// computes them on the CPU while the GPU runs the resident and shared experts) and before the
+/// sum (the host's outputs go up into the cold slots' rows): the sum is the same, in the same
+/// order, as with every expert resident.
 pub struct MoeGpu {
     router: std::sync::Arc<gpu_runtime::GpuMatrix>,
     bias: wgpu::Buffer,
     table: wgpu::Buffer,
-    gate_up: gpu_runtime::ops::experts::ExpertBank,
-    down: gpu_runtime::ops::experts::ExpertBank,
+    /// `[E]`: each expert's global bank slot, or [`NONE_SLOT`].
+    slot_of: wgpu::Buffer,
+    /// Experts of this layer in the bank.
+    pub resident: usize,
     sh_gate: std::sync::Arc<gpu_runtime::GpuMatrix>,
     sh_up: std::sync::Arc<gpu_runtime::GpuMatrix>,
     sh_down: std::sync::Arc<gpu_runtime::GpuMatrix>,
@@ -122,13 +142,14 @@ pub struct MoeGpu {
 }
 
 impl MoeGpu {
-    /// Uploads the block `w` of a model routed by `rt`.
+    /// Uploads the block `w` of a model routed by `rt`, its experts' slots `slots` (`[E]`,
+    /// [`NONE_SLOT`] for a cold one) in the global bank.
     pub fn new(
         dev: &crate::device::Device,
         w: &MoeWeights<'_>,
         rt: &Router,
-        hidden: usize,
-        inter: usize,
+        slots: &[u32],
+        (hidden, inter): (usize, usize),
     ) -> Result<MoeGpu, gpu_runtime::GpuError> {
         let (hash, table, bias) = match &w.routing {
             Routing::Hash(tab) => (1u32, dev.words("tid2eid", tab), dev.vec("bias", &[0.0])),
@@ -139,14 +160,12 @@ impl MoeGpu {
             ScoringFunc::Sigmoid => 1,
             ScoringFunc::SqrtSoftplus => 2,
         };
-        let gu: Vec<_> = w.routed.experts.iter().map(|x| &x.gate_up).collect();
-        let dn: Vec<_> = w.routed.experts.iter().map(|x| &x.down).collect();
         Ok(MoeGpu {
             router: dev.mat(&w.gate)?,
             bias,
             table,
-            gate_up: dev.bank(&gu)?,
-            down: dev.bank(&dn)?,
+            slot_of: dev.words("expert slots", slots),
+            resident: slots.iter().filter(|&&s| s != NONE_SLOT).count(),
             sh_gate: dev.mat(&w.sh_gate)?,
             sh_up: dev.mat(&w.sh_up)?,
             sh_down: dev.mat(&w.sh_down)?,
@@ -164,13 +183,22 @@ impl MoeGpu {
         })
     }
 
-    /// The block on `e.s.u` (the frame's token ids in `e.s.tokens`) into `e.s.y`.
+    /// Whether some of the layer's experts run on the CPU.
+    pub fn has_cold(&self) -> bool {
+        self.resident < self.route[0] as usize
+    }
+
+    /// Layer `il`'s block on `e.s.u` (the frame's token ids in `e.s.tokens`) into `e.s.y`,
+    /// the resident experts read from `bank`.
     pub fn encode(
         &self,
         e: &mut crate::device::Enc<'_>,
+        bank: Option<&GlobalBank>,
         nt: usize,
+        il: usize,
     ) -> Result<(), gpu_runtime::GpuError> {
         use gpu_runtime::Epilogue;
+        use gpu_runtime::ops::graph::Break;
         use kernels_wgsl::Op;
         let s = e.s;
         let (k, i, d) = (self.route[1] as usize, self.inter, self.hidden);
@@ -185,35 +213,29 @@ impl MoeGpu {
         ];
         e.op(Op::DsRoute, &self.route, &bufs, (nt as u32, 1))?;
         let slots = nt * k;
+        let bufs = [&s.ids, &self.slot_of, &s.bank_ids, &s.cold];
+        e.op_lanes(Op::ColdSplit, &[slots as u32], &bufs, slots)?;
+        if self.has_cold() {
+            e.g.brk(Break::Read(il));
+        }
         let lim = self.limit.to_bits();
-        e.grouped(
-            &self.gate_up,
-            &s.u,
-            nt,
-            &s.ids,
-            &s.mid2,
-            slots,
-            k,
-            Epilogue::None,
-        )?;
         let (i2, iu) = ((2 * i) as u32, i as u32);
-        let p = [(slots * i) as u32, iu, i2, i2, iu, lim, 1];
-        e.op_lanes(Op::SwigluClamp, &p, &[&s.mid2, &s.sg, &s.mid], slots * i)?;
-        e.grouped(
-            &self.down,
-            &s.mid,
-            slots,
-            &s.ids,
-            &s.eo,
-            slots,
-            1,
-            Epilogue::None,
-        )?;
+        if let Some(bank) = bank.filter(|_| self.resident > 0) {
+            let ids = &s.bank_ids;
+            let none = Epilogue::None;
+            e.grouped(&bank.gate_up, &s.u, nt, ids, &s.mid2, slots, k, none)?;
+            let p = [(slots * i) as u32, iu, i2, i2, iu, lim, 1];
+            e.op_lanes(Op::SwigluClamp, &p, &[&s.mid2, &s.sg, &s.mid], slots * i)?;
+            e.grouped(&bank.down, &s.mid, slots, ids, &s.eo, slots, 1, none)?;
+        }
         e.matvec(&self.sh_gate, &s.u, &s.sg, nt, Epilogue::None)?;
         e.matvec(&self.sh_up, &s.u, &s.su, nt, Epilogue::None)?;
         let p = [(nt * i) as u32, iu, iu, iu, 0, lim, 0];
         e.op_lanes(Op::SwigluClamp, &p, &[&s.sg, &s.su, &s.sm], nt * i)?;
         e.matvec(&self.sh_down, &s.sm, &s.so, nt, Epilogue::None)?;
+        if self.has_cold() {
+            e.g.brk(Break::Write(il));
+        }
         let p = [(nt * d) as u32, k as u32, d as u32];
         e.op_lanes(Op::MoeSum, &p, &[&s.eo, &s.wts, &s.so, &s.y], nt * d)
     }

@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock};
 use cmf_format::Cmf;
 use common::{CASES, TOL};
 use gpu_runtime::{GpuContext, GpuOptions};
-use model_dsv4::{CausalLm, ForwardError, GpuModel, Model, Weights};
+use model_dsv4::{CausalLm, ExpertPlacement, ForwardError, GpuModel, Model, Residency, Weights};
 use test_support::Profile;
 use test_support::harness as h;
 
@@ -46,6 +46,34 @@ fn cpu(cmf: &Cmf) -> Model<'_> {
 
 fn bind(cmf: &Cmf) -> GpuModel<'_> {
     GpuModel::new(cpu(cmf), ctx(), CTX).unwrap_or_else(|u| panic!("upload: {}", u.error))
+}
+
+/// The model with `resident(layers, experts)` experts of each layer in the global bank, in
+/// segments of about a quarter of its slots (several segments even on a small model: the
+/// fixed set of bindings on lavapipe).
+fn bind_split(cmf: &Cmf, resident: Split) -> GpuModel<'_> {
+    let m = cpu(cmf);
+    let (nl, ne) = (m.config.num_hidden_layers, m.config.n_routed_experts);
+    let per = resident(nl, ne);
+    let total: usize = per.iter().sum();
+    let place = ExpertPlacement {
+        residency: Residency::PerLayer(per),
+        segment_slots: Some(total.div_ceil(4).max(1)),
+    };
+    GpuModel::with_experts(m, ctx(), CTX, &place).unwrap_or_else(|u| panic!("upload: {}", u.error))
+}
+
+/// No expert resident, half of each layer's, the first layer's on the CPU and the rest
+/// resident (`--n-cpu-moe 1`), and all of them.
+fn splits() -> [(&'static str, Split); 4] {
+    [
+        ("none resident", |nl, _| vec![0; nl]),
+        ("half resident", |nl, ne| vec![ne / 2; nl]),
+        ("first layer cold", |nl, ne| {
+            (0..nl).map(|l| if l == 0 { 0 } else { ne }).collect()
+        }),
+        ("all resident", |nl, ne| vec![ne; nl]),
+    ]
 }
 
 fn each(mut f: impl FnMut(&str, &Cmf) -> Vec<String>) -> Vec<String> {
@@ -107,11 +135,26 @@ fn bad_tokens_are_errors() {
 /// sliding window (8 or 16), several HCA entries, and CSA queries that see more entries than
 /// `index_topk`.
 fn compare_blocks(cases: &[&str], profile: Profile, tol: f32) -> Vec<String> {
+    compare_blocks_with(cases, profile, tol, None)
+}
+
+type Split = fn(usize, usize) -> Vec<usize>;
+
+/// [`compare_blocks`] with the routed experts resident as `split` says (all, without one).
+fn compare_blocks_with(
+    cases: &[&str],
+    profile: Profile,
+    tol: f32,
+    split: Option<Split>,
+) -> Vec<String> {
     let mut failures = Vec::new();
     for &case in cases {
         h::with_converted(case, profile, |cmf| {
             let c = cpu(cmf);
-            let g = bind(cmf);
+            let g = match split {
+                Some(split) => bind_split(cmf, split),
+                None => bind(cmf),
+            };
             g.set_tracing(true);
             let ids = test_support::ids(case, 0);
             let mut steps: Vec<Vec<u32>> = vec![ids[..13].to_vec()];
@@ -237,4 +280,82 @@ fn quantised_profiles_match_the_cpu_forward_block_by_block() {
         failures.extend(compare_blocks(&["deepseek_v4_a"], profile, 2e-5));
     }
     h::assert_none(&failures);
+}
+
+/// The global expert bank with cold experts computed on the CPU (item 2): with no expert,
+/// half of them, the first layer's none and all of them resident, every intermediate of
+/// every layer still matches the CPU forward (the cold slots' outputs are the CPU's own, the
+/// resident ones the device kernels'), on every fixture and on q4 and fp4 experts; and the
+/// counters see the cold slots.
+#[test]
+fn experts_split_between_the_bank_and_the_cpu_match_the_cpu_block_by_block() {
+    let mut failures = Vec::new();
+    for (what, split) in splits() {
+        for (cases, profile) in [
+            (&CASES[..], Profile::F32),
+            (&["deepseek_v4_a"][..], Profile::Q4),
+            (&["deepseek_v4_a"][..], Profile::Fp4),
+        ] {
+            eprintln!("{what}:");
+            failures.extend(compare_blocks_with(cases, profile, 2e-5, Some(split)));
+        }
+        h::with_converted("deepseek_v4_a", Profile::F32, |cmf| {
+            let g = bind_split(cmf, split);
+            let (resident, all) = g.resident_experts();
+            let mut st = g.new_state();
+            g.forward(&test_support::ids("deepseek_v4_a", 0)[..9], &mut st)
+                .unwrap();
+            let s = g.cold_stats();
+            assert_eq!(
+                s.routed,
+                9 * (g.model.config.num_experts_per_tok * g.model.config.num_hidden_layers) as u64
+            );
+            match resident {
+                0 => assert_eq!(s.cold, s.routed, "{what}: every slot cold"),
+                r if r == all => assert_eq!(s.cold, 0, "{what}: no slot cold"),
+                _ => assert!(s.cold > 0 && s.cold < s.routed, "{what}: {s:?}"),
+            }
+            if resident > 0 {
+                let (segments, binding) = g.bank_binding().unwrap();
+                eprintln!("{what}: {resident} of {all} resident, {segments} segments, {binding:?}");
+                assert!(segments >= 2, "{what}: the bank spans several segments");
+            }
+        });
+    }
+    h::assert_none(&failures);
+}
+
+/// Item 4: with budgets that leave no expert, about half and all of them resident, the
+/// trained demo's greedy text is identical (and the CPU's).
+#[test]
+fn trained_demo_greedy_text_is_the_same_whatever_is_resident() {
+    let case = "deepseek_v4_shakespeare";
+    let path = test_support::fixture(case).join("expected/heldout_ids.npy");
+    let bytes = std::fs::read(path).unwrap();
+    let hlen = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+    let prompt: Vec<u32> = bytes[10 + hlen..]
+        .chunks_exact(4)
+        .take(24)
+        .map(|c| i32::from_le_bytes(c.try_into().unwrap()) as u32)
+        .collect();
+    h::with_converted(case, Profile::Fp4, |cmf| {
+        let c = cpu(cmf);
+        let greedy = |m: &dyn Fn(&[u32]) -> Vec<f32>| -> Vec<u32> {
+            let mut out = Vec::new();
+            let mut next = test_support::argmax(&m(&prompt)) as u32;
+            for _ in 0..32 {
+                out.push(next);
+                next = test_support::argmax(&m(&[next])) as u32;
+            }
+            out
+        };
+        let sc = std::cell::RefCell::new(c.new_state());
+        let want = greedy(&|t| c.forward_last(t, &mut sc.borrow_mut()).unwrap());
+        for (what, split) in splits() {
+            let g = bind_split(cmf, split);
+            let sg = std::cell::RefCell::new(g.new_state());
+            let got = greedy(&|t| g.forward_last(t, &mut sg.borrow_mut()).unwrap());
+            assert_eq!(got, want, "{what}");
+        }
+    });
 }

@@ -82,7 +82,7 @@ impl ExpertBank {
         segment_slots: Option<usize>,
     ) -> Result<ExpertBank, GpuError> {
         let codec = kernel_codec(dtype).ok_or(GpuError::UnsupportedDtype { dtype })?;
-        if cols % codec.col_multiple() != 0 {
+        if !cols.is_multiple_of(codec.col_multiple()) {
             return Err(GpuError::UnsupportedShape {
                 dtype,
                 rows,
