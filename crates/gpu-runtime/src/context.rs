@@ -339,7 +339,11 @@ impl GpuContext {
             | wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::PIPELINE_CACHE
             | wgpu::Features::BUFFER_BINDING_ARRAY
-            | wgpu::Features::STORAGE_RESOURCE_BINDING_ARRAY;
+            | wgpu::Features::STORAGE_RESOURCE_BINDING_ARRAY
+            // naga marks a binding array's index taken from a storage load non-uniform
+            // (ShaderNonUniform in SPIR-V), though a grouped kernel's segment is the same for
+            // its whole workgroup.
+            | wgpu::Features::SAMPLED_TEXTURE_AND_STORAGE_BUFFER_ARRAY_NON_UNIFORM_INDEXING;
         let features = have & wanted;
         let (device, queue) = pollster::block_on(adapter.request_device(&wgpu::DeviceDescriptor {
             label: Some("cortiq"),
@@ -367,7 +371,11 @@ impl GpuContext {
             shader_f16: features.contains(wgpu::Features::SHADER_F16),
             timestamps: features.contains(wgpu::Features::TIMESTAMP_QUERY),
             pipeline_cache: features.contains(wgpu::Features::PIPELINE_CACHE),
-            binding_arrays: features.contains(wgpu::Features::STORAGE_RESOURCE_BINDING_ARRAY),
+            binding_arrays: features.contains(
+                wgpu::Features::STORAGE_RESOURCE_BINDING_ARRAY
+                    | wgpu::Features::BUFFER_BINDING_ARRAY
+                    | wgpu::Features::SAMPLED_TEXTURE_AND_STORAGE_BUFFER_ARRAY_NON_UNIFORM_INDEXING,
+            ),
             f16_in_f32: adapter
                 .get_downlevel_capabilities()
                 .flags

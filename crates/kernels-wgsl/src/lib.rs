@@ -515,10 +515,16 @@ impl Matvec {
             );
         let src = rewrite_index(&src, "wv", &|e| format!("wv_seg(sb16 + ({e}))"));
         let src = rewrite_index(&src, "ww", &|e| format!("ww_seg(sb4 + ({e}))"));
-        let enable = if matches!(self.segments, Segments::Array(_)) {
-            "enable wgpu_binding_array;\n"
+        // wgpu refuses a layout with both a binding array and a uniform buffer: beside the
+        // array the parameters are a read-only storage buffer.
+        let (enable, src) = if matches!(self.segments, Segments::Array(_)) {
+            let src = src.replace(
+                "@group(0) @binding(2) var<uniform> P: Params;",
+                "@group(0) @binding(2) var<storage, read> P: Params;",
+            );
+            ("enable wgpu_binding_array;\n", src)
         } else {
-            ""
+            ("", src)
         };
         let decl = self.segments.declarations();
         format!("{enable}{GROUPED_DECL}\n{decl}\n{src}")
@@ -838,7 +844,9 @@ impl Caps {
             c |= C::SUBGROUP;
         }
         if self.binding_arrays {
-            c |= C::STORAGE_BUFFER_BINDING_ARRAY | C::BUFFER_BINDING_ARRAY;
+            c |= C::STORAGE_BUFFER_BINDING_ARRAY
+                | C::BUFFER_BINDING_ARRAY
+                | C::STORAGE_BUFFER_BINDING_ARRAY_NON_UNIFORM_INDEXING;
         }
         if self.shader_f16 {
             c |= C::SHADER_FLOAT16;

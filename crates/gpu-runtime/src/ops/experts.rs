@@ -201,8 +201,14 @@ pub(crate) fn segmented_layout(
     segments: Segments,
 ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
     use crate::ops::matvec::{bind_layout, storage_entry, uniform_entry};
+    // wgpu refuses a layout with both a binding array and a uniform buffer: beside the
+    // array the parameters are a read-only storage buffer.
+    let params = match segments {
+        Segments::Array(_) => storage_entry(2, true),
+        _ => uniform_entry(2),
+    };
     let mut entries = vec![
-        uniform_entry(2),
+        params,
         storage_entry(3, true),
         storage_entry(4, false),
         storage_entry(6, true),
@@ -414,7 +420,18 @@ fn bind_segmented(
     b: Bufs<'_>,
 ) -> wgpu::BindGroup {
     use crate::ops::matvec::{entry, params_buffer, slice_entry};
-    let ubuf = params_buffer(ctx, "grouped params", params);
+    let ubuf = match segments {
+        Segments::Array(_) => {
+            use wgpu::util::DeviceExt;
+            ctx.device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("grouped params"),
+                    contents: bytemuck::cast_slice(params),
+                    usage: wgpu::BufferUsages::STORAGE,
+                })
+        }
+        _ => params_buffer(ctx, "grouped params", params),
+    };
     let mut entries = vec![
         entry(2, &ubuf),
         match b.acts {
