@@ -375,19 +375,60 @@ fn gpu(
 /// down, top-10 per token row.
 const EXPERTS: (usize, usize, usize, usize) = (512, 1280, 2560, 10);
 
+/// DeepSeek-V4-Flash's: 256 of `[2 x 2048, 4096]` and `[4096, 2048]`, top-6.
+const DSV4_EXPERTS: (usize, usize, usize, usize) = (256, 4096, 4096, 6);
+
+/// How a benchmarked bank is laid out: one buffer, or split into 8 segments bound as a fixed
+/// set or (where the adapter has them) a binding array, as DeepSeek's global bank is.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum BankKind {
+    One,
+    Fixed,
+    Array,
+}
+
 /// One MoE layer's routed experts through the grouped kernels (gate/up + SiLU, then down, one
-/// dispatch each plus the int8 quantisers) at [`EXPERTS`]' shape, T = 1 and 8, every path. The
-/// bytes are those of the distinct experts the rows chose (what must be read), averaged over
-/// 32 id sets the repetitions cycle through, so the chosen experts are not cache-resident from
-/// the last repetition. The bank holds fewer experts when `--large` or one binding is smaller.
+/// dispatch each plus the int8 quantisers) at [`EXPERTS`]' shape and, for mxfp4 (the released
+/// DeepSeek experts' codec), [`DSV4_EXPERTS`]' in banks of one buffer and of 8 segments; T = 1
+/// and 8, every path. The bytes are those of the distinct experts the rows chose (what must be
+/// read), averaged over 32 id sets the repetitions cycle through, so the chosen experts are not
+/// cache-resident from the last repetition. The bank holds fewer experts when `--large` or one
+/// binding is smaller.
 fn grouped_experts(
     ctx: &GpuContext,
     opts: &KernelBenchOptions,
     dtype: DType,
     reps_for: &dyn Fn(f64) -> usize,
 ) -> Result<Vec<BenchRecord>, GpuError> {
+    let mut out = grouped_experts_at(ctx, opts, dtype, reps_for, EXPERTS, BankKind::One)?;
+    if dtype == DType::Mxfp4 {
+        let mut kinds = vec![BankKind::One, BankKind::Fixed];
+        if ctx.caps.binding_arrays {
+            kinds.push(BankKind::Array);
+        }
+        for kind in kinds {
+            out.extend(grouped_experts_at(
+                ctx,
+                opts,
+                dtype,
+                reps_for,
+                DSV4_EXPERTS,
+                kind,
+            )?);
+        }
+    }
+    Ok(out)
+}
+
+fn grouped_experts_at(
+    ctx: &GpuContext,
+    opts: &KernelBenchOptions,
+    dtype: DType,
+    reps_for: &dyn Fn(f64) -> usize,
+    (count, gu_rows, d, k): (usize, usize, usize, usize),
+    kind: BankKind,
+) -> Result<Vec<BenchRecord>, GpuError> {
     use gpu_runtime::ops::experts::ExpertBank;
-    let (count, gu_rows, d, k) = EXPERTS;
     let inter = gu_rows / 2;
     let gu = synthetic_payload(dtype, gu_rows, d, 11)?;
     let dn = synthetic_payload(dtype, d, inter, 13)?;
@@ -402,8 +443,28 @@ fn grouped_experts(
     }
     let gu_m = MatRef::new(dtype, gu_rows, d, &gu)?;
     let dn_m = MatRef::new(dtype, d, inter, &dn)?;
-    let gate_up = ExpertBank::upload(ctx, &vec![gu_m; experts])?;
-    let down = ExpertBank::upload(ctx, &vec![dn_m; experts])?;
+    let bank = |m: MatRef<'_>| -> Result<ExpertBank, GpuError> {
+        if kind == BankKind::One {
+            return ExpertBank::upload(ctx, &vec![m; experts]);
+        }
+        let (rows, cols) = (m.rows(), m.cols());
+        let per = Some(experts.div_ceil(8));
+        let mut b = ExpertBank::empty(ctx, dtype, rows, cols, experts, per)?;
+        b.fixed = kind == BankKind::Fixed;
+        let mut ring = gpu_runtime::staging::StagingRing::new(ctx);
+        for e in 0..experts {
+            b.write(ctx, &mut ring, e, &m)?;
+        }
+        ring.flush(ctx)?;
+        Ok(b)
+    };
+    let gate_up = bank(gu_m)?;
+    let down = bank(dn_m)?;
+    let label = match kind {
+        BankKind::One => String::new(),
+        BankKind::Fixed => " seg8 fixed".into(),
+        BankKind::Array => " seg8 array".into(),
+    };
     let mut out = Vec::new();
     let h200 = ctx.info.name.contains("H200");
     for nt in [1, 8] {
@@ -418,7 +479,7 @@ fn grouped_experts(
             let mut r = record(
                 "experts",
                 dtype.name().into(),
-                format!("{experts}x[{gu_rows}x{d}+{d}x{inter}] top{k}"),
+                format!("{experts}x[{gu_rows}x{d}+{d}x{inter}] top{k}{label}"),
                 nt,
                 bytes,
                 t.seconds,
@@ -426,7 +487,7 @@ fn grouped_experts(
             );
             r.path = path_name(ran);
             r.cache_resident = experts as u64 * expert_bytes <= cache_bytes("wgpu");
-            if h200 && dtype == DType::Q4tp && nt == 1 {
+            if h200 && dtype == DType::Q4tp && nt == 1 && count == EXPERTS.0 {
                 r.llama_cpp = Some("q4_K MUL_MAT_ID 15-17%".into());
             }
             out.push(r);
