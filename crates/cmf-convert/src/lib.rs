@@ -34,6 +34,8 @@ use safetensors::Dtype;
 use serde_json::Value;
 
 pub use decode::e4m3;
+/// The role of a canonical `deepseek_v4` tensor name.
+pub use dsv4::role as dsv4_role;
 pub use profile::{Profile, Role};
 /// The role of a canonical `qwen4_exp` tensor name (what a profile decides its dtype from).
 pub use qwen4::role as qwen4_role;

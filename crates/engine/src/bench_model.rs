@@ -1,7 +1,8 @@
 //! `cortiq bench model`: llama-bench-like prefill (`ppN`) and decode (`tgN`) throughput of a
-//! whole model (a file, or the synthetic release geometry of `model_qwen4::synthetic`) on the
-//! GPU or the CPU, with the weight bytes one decoded token reads and the decode bound those
-//! imply at the read bandwidth of the same device measured in the same run.
+//! whole model (a file, or the synthetic release geometry of `model_qwen4::synthetic` or
+//! `model_dsv4::synthetic`) on the GPU or the CPU, with the weight bytes one decoded token
+//! reads and the decode bound those imply at the read bandwidth of the same device measured
+//! in the same run.
 
 use std::time::Instant;
 
@@ -223,11 +224,15 @@ pub fn bench(
         records.push(r);
     }
     let offload = match (model, before, offload_stats(model)) {
-        (AnyModel::Qwen4Gpu(g), Some(a), Some(b)) if opts.decode > 0 => {
+        (AnyModel::Qwen4Gpu(_) | AnyModel::Dsv4Gpu(_), Some(a), Some(b)) if opts.decode > 0 => {
             let tokens = (opts.decode * opts.reps) as f64;
             let routed = (b.routed - a.routed).max(1) as f64;
             Some(OffloadRecord {
-                resident: g.resident_experts(),
+                resident: match model {
+                    AnyModel::Qwen4Gpu(g) => g.resident_experts(),
+                    AnyModel::Dsv4Gpu(g) => g.resident_experts(),
+                    _ => unreachable!("matched above"),
+                },
                 hit_rate: 1.0 - (b.cold - a.cold) as f64 / routed,
                 cold_bytes: (b.cold_bytes - a.cold_bytes) as f64 / tokens,
                 cpu_ms: 1e3 * (b.cold_seconds - a.cold_seconds) / tokens,
@@ -322,6 +327,18 @@ pub fn bench(
 fn offload_stats(model: &AnyModel<'_>) -> Option<model_qwen4::OffloadStats> {
     match model {
         AnyModel::Qwen4Gpu(g) if g.expert_share().is_some() => Some(g.offload_stats()),
+        // deepseek_v4's cold path counts what the CPU did; its residents are static (no
+        // admissions, no prefetch), and it has no GPU-side timing.
+        AnyModel::Dsv4Gpu(g) if model.expert_share().is_some() => {
+            let s = g.cold_stats();
+            Some(model_qwen4::OffloadStats {
+                routed: s.routed,
+                cold: s.cold,
+                cold_bytes: s.cold_bytes,
+                cold_seconds: s.cold_seconds,
+                ..Default::default()
+            })
+        }
         _ => None,
     }
 }
@@ -455,20 +472,23 @@ impl ModelReport {
                 o.admitted,
                 o.prefetched
             )?;
-            writeln!(
-                w,
-                "host per token: {:.2} ms waiting for readbacks, {:.2} ms in the cold experts \
+            // (Counted by the qwen4_exp cold path; deepseek_v4's counts the CPU's work only.)
+            if o.submissions > 0.0 {
+                writeln!(
+                    w,
+                    "host per token: {:.2} ms waiting for readbacks, {:.2} ms in the cold experts \
                  (from readbacks to their outputs), {:.2} ms submitting ({:.1} submissions; \
                  {:.2} ms in queue.submit; {:.2} ms submitting the spans up to a routing), \
                  {:.2} ms the rest",
-                o.wait_ms,
-                o.join_ms,
-                o.submit_ms,
-                o.submissions,
-                o.queue_submit_ms,
-                o.route_submit_ms,
-                o.token_ms - o.wait_ms - o.join_ms - o.submit_ms
-            )?;
+                    o.wait_ms,
+                    o.join_ms,
+                    o.submit_ms,
+                    o.submissions,
+                    o.queue_submit_ms,
+                    o.route_submit_ms,
+                    o.token_ms - o.wait_ms - o.join_ms - o.submit_ms
+                )?;
+            }
             if o.gpu_ms > 0.0 {
                 writeln!(
                     w,

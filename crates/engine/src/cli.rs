@@ -269,18 +269,24 @@ pub struct BenchModelArgs {
     #[arg(value_name = "MODEL.cmf", conflicts_with = "synthetic")]
     pub model: Option<PathBuf>,
     /// A random-weight model of a released geometry, made in memory without a file:
-    /// qwen3.8-flash-next.
+    /// qwen3.8-flash-next or deepseek-v4-flash.
     #[arg(long, value_name = "NAME")]
     pub synthetic: Option<String>,
     /// The synthetic model's profile: q8, q4, q2 or fp4 (docs/convert.md).
     #[arg(long, value_name = "PROFILE", default_value = "q4")]
     pub quant: String,
-    /// The synthetic model's layers (default: the release's 48).
-    #[arg(long, value_name = "N", default_value_t = 48, value_parser = count)]
-    pub layers: usize,
-    /// The synthetic model's routed experts per layer (default: the release's 512).
-    #[arg(long, value_name = "N", default_value_t = 512, value_parser = count)]
-    pub experts: usize,
+    /// The synthetic model's layers (default: the release's, 48 or 43).
+    #[arg(long, value_name = "N", value_parser = count)]
+    pub layers: Option<usize>,
+    /// The synthetic model's routed experts per layer (default: the release's, 512 or 256).
+    #[arg(long, value_name = "N", value_parser = count)]
+    pub experts: Option<usize>,
+    /// With --synthetic deepseek-v4-flash: distinct host copies of a routed expert that the
+    /// cold experts read (expert (layer, x) takes copy (layer * experts + x) mod N; the
+    /// release's 147 GB of experts do not fit a host's RAM). Default: 1024 (13.7 GB of FP4),
+    /// far past any CPU cache, when experts run on the CPU; else 0.
+    #[arg(long, value_name = "N")]
+    pub host_experts: Option<usize>,
     /// Prompt tokens of the prefill test (0 skips it).
     #[arg(short = 'p', long, default_value_t = 512)]
     pub prompt: usize,

@@ -878,14 +878,11 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
         let _ = writeln!(err, "{}: {:.2} ± {:.2} tok/s", r.test, r.tok_s, r.stdev);
     };
     let report = match &args.synthetic {
-        Some(name) => {
-            anyhow::ensure!(
-                name == "qwen3.8-flash-next",
-                "--synthetic {name}: the synthetic geometries are: qwen3.8-flash-next"
-            );
+        Some(name) if name == "qwen3.8-flash-next" => {
+            let (layers, experts) = (args.layers.unwrap_or(48), args.experts.unwrap_or(512));
             let profile: engine::convert::Profile =
                 args.quant.parse().map_err(anyhow::Error::msg)?;
-            let config = model_qwen4::synthetic::release_config(args.layers, args.experts);
+            let config = model_qwen4::synthetic::release_config(layers, experts);
             let t0 = std::time::Instant::now();
             let mut synth = model_qwen4::synthetic::Synthetic::with_skew(
                 &config,
@@ -911,18 +908,61 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
             };
             eprintln!(
                 "synthetic model ready in {:.1} s ({} host MiB, {mib} device MiB; routed experts \
-                 grouped in {grouped} of {} layers)",
+                 grouped in {grouped} of {layers} layers)",
                 t0.elapsed().as_secs_f64(),
                 synth.host_bytes() >> 20,
-                args.layers
             );
             let bw = read_bandwidth(&model)?;
-            let what = format!(
-                "{name} (synthetic: {} layers, {} experts)",
-                args.layers, args.experts
-            );
+            let what = format!("{name} (synthetic: {layers} layers, {experts} experts)");
             bench(&model, &what, profile.name(), bw, &opts, &mut progress)?
         }
+        Some(name) if name == "deepseek-v4-flash" => {
+            let (layers, experts) = (args.layers.unwrap_or(43), args.experts.unwrap_or(256));
+            let profile: engine::convert::Profile =
+                args.quant.parse().map_err(anyhow::Error::msg)?;
+            let config = model_dsv4::synthetic::release_config(layers, experts);
+            // Cold experts read distinct host copies; with every expert resident the host
+            // copies are only uploaded, and one shared payload does.
+            let cold_possible = place.backend == engine::gpu_runtime::BackendChoice::Cpu
+                || place.vram.is_some()
+                || place.cpu_moe.is_some();
+            let pool = args
+                .host_experts
+                .unwrap_or(if cold_possible { 1024 } else { 0 });
+            let t0 = std::time::Instant::now();
+            let synth = model_dsv4::synthetic::Synthetic::new(
+                &config,
+                Box::new(move |n: &str, r: usize, c: usize| {
+                    profile.dtype_for(engine::convert::dsv4_role(n, false), &[r, c])
+                }),
+                args.skew,
+                pool,
+            )?;
+            let weights = synth.weights()?;
+            let model = model_dsv4::Model::new(synth.config.clone(), weights);
+            let model = engine::model::AnyModel::place_dsv4(model, &place)?;
+            let (mib, resident) = match &model {
+                engine::model::AnyModel::Dsv4Gpu(g) => {
+                    (g.resident_bytes() >> 20, g.resident_experts())
+                }
+                _ => (0, (0, layers * experts)),
+            };
+            eprintln!(
+                "synthetic model ready in {:.1} s ({} host MiB, {} distinct host experts; {mib} \
+                 device MiB, {} of {} routed experts resident)",
+                t0.elapsed().as_secs_f64(),
+                synth.host_bytes() >> 20,
+                synth.pool(),
+                resident.0,
+                resident.1,
+            );
+            let bw = read_bandwidth(&model)?;
+            let what = format!("{name} (synthetic: {layers} layers, {experts} experts)");
+            bench(&model, &what, profile.name(), bw, &opts, &mut progress)?
+        }
+        Some(name) => anyhow::bail!(
+            "--synthetic {name}: the synthetic geometries are: qwen3.8-flash-next, deepseek-v4-flash"
+        ),
         None => {
             let runner = open_runner(args.model.as_deref(), &place)?;
             let model = runner.model.model();
@@ -940,16 +980,16 @@ fn run_bench_model(args: cli::BenchModelArgs) -> anyhow::Result<ExitCode> {
 
 /// The read bandwidth of the device `model` runs on, measured now (bytes/s).
 fn read_bandwidth(model: &engine::model::AnyModel<'_>) -> anyhow::Result<f64> {
-    Ok(match model {
-        engine::model::AnyModel::Qwen4Gpu(g) => {
-            // As `bench kernels` does: a probe, then about half a second of reads (a short
-            // burst measures the clocks ramping up, not the memory).
-            let probe = engine::gpu_runtime::bench::read_ceiling(g.ctx(), 1 << 30, 1)?;
-            let reps = (0.5 / probe.1.seconds.max(1e-6)).clamp(5.0, 4000.0) as usize;
-            engine::gpu_runtime::bench::read_ceiling(g.ctx(), 1 << 30, reps)?.0
-        }
-        _ => engine::bench::cpu_read_bandwidth(1 << 30, 0.5),
-    })
+    let ctx = match model {
+        engine::model::AnyModel::Qwen4Gpu(g) => g.ctx(),
+        engine::model::AnyModel::Dsv4Gpu(g) => g.ctx(),
+        _ => return Ok(engine::bench::cpu_read_bandwidth(1 << 30, 0.5)),
+    };
+    // As `bench kernels` does: a probe, then about half a second of reads (a short burst
+    // measures the clocks ramping up, not the memory).
+    let probe = engine::gpu_runtime::bench::read_ceiling(ctx, 1 << 30, 1)?;
+    let reps = (0.5 / probe.1.seconds.max(1e-6)).clamp(5.0, 4000.0) as usize;
+    Ok(engine::gpu_runtime::bench::read_ceiling(ctx, 1 << 30, reps)?.0)
 }
 
 fn run_perplexity(args: cli::PerplexityArgs) -> anyhow::Result<ExitCode> {

@@ -343,7 +343,14 @@ impl<'a> AnyModel<'a> {
         let m = match self {
             AnyModel::Qwen4(m) => m,
             AnyModel::Qwen4Gpu(g) => &g.model,
-            AnyModel::Dsv4(_) | AnyModel::Dsv41(_) | AnyModel::Dsv4Gpu(_) => return None,
+            AnyModel::Dsv4(m) => {
+                return Some(m.weights.bytes_per_token(m.config.num_experts_per_tok));
+            }
+            AnyModel::Dsv4Gpu(g) => {
+                let m = &g.model;
+                return Some(m.weights.bytes_per_token(m.config.num_experts_per_tok));
+            }
+            AnyModel::Dsv41(_) => return None,
         };
         Some(m.weights.bytes_per_token(m.config.num_experts_per_tok))
     }
@@ -362,6 +369,11 @@ impl<'a> AnyModel<'a> {
     pub fn expert_share(&self) -> Option<f64> {
         match self {
             AnyModel::Qwen4Gpu(g) => g.expert_share(),
+            AnyModel::Dsv4Gpu(g) => {
+                let (resident, all) = g.resident_experts();
+                let s = g.cold_stats();
+                (resident < all).then(|| 1.0 - s.cold as f64 / s.routed.max(1) as f64)
+            }
             _ => None,
         }
     }

@@ -160,6 +160,10 @@ fn bad_inputs_exit_2_with_a_message_naming_what_is_wrong() {
             vec!["bench", "kernels", "--large", "0"],
             vec!["--large", "larger than 0"],
         ),
+        (
+            vec!["bench", "model", "--synthetic", "gpt-9", "-p", "0"],
+            vec!["gpt-9", "qwen3.8-flash-next", "deepseek-v4-flash"],
+        ),
         (vec!["convert", dp, "-o", dp], vec![dp, "is a directory"]),
         (
             vec!["convert", dp, "-o", "/nonexistent-cortiq-dir/x.cmf"],
@@ -414,4 +418,43 @@ fn chat_survives_a_turn_past_the_context() {
         err.contains("commands:"),
         "the session went on to /help: {err}"
     );
+}
+
+/// `bench model --synthetic deepseek-v4-flash` at the release width (one layer of 8 experts, so
+/// it runs in seconds) on the CPU: both tests run, and a decoded token reads at least the
+/// lm_head (129,280 x 4,096 in q8_2f: one byte a weight and its scales).
+#[test]
+fn the_synthetic_deepseek_v4_flash_benches_on_the_cpu() {
+    let o = cortiq(&[
+        "bench",
+        "model",
+        "--synthetic",
+        "deepseek-v4-flash",
+        "--layers",
+        "1",
+        "--experts",
+        "8",
+        "--quant",
+        "fp4",
+        "-p",
+        "2",
+        "-n",
+        "2",
+        "-r",
+        "1",
+        "--json",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let tests: Vec<&str> = r["records"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["test"].as_str().unwrap())
+        .collect();
+    assert_eq!(tests, ["pp2", "tg2"], "{r}");
+    assert!(r["records"][1]["tok_s"].as_f64().unwrap() > 0.0);
+    let bytes = r["token_bytes"].as_u64().unwrap();
+    assert!(bytes > 129_280 * 4_096, "{bytes}");
+    assert!(r["model"].as_str().unwrap().contains("1 layers, 8 experts"));
 }

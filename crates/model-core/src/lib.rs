@@ -14,6 +14,7 @@
 //! - [`lm`]: [`CausalLm`], the interface every architecture's forward offers (`run` per model;
 //!   `forward`, `forward_last`, `forward_traced`, `forward_prefill` once, on top of it).
 //! - [`input`]: the checks every forward makes on its tokens.
+//! - [`synthetic`]: random payloads for benchmarks at a released geometry.
 //! - [`trace`]: the callback that sees every named intermediate, and the names both
 //!   architectures use for the same step.
 //!
@@ -35,6 +36,7 @@ pub mod device;
 pub mod experts;
 pub mod input;
 pub mod lm;
+pub mod synthetic;
 pub mod trace;
 
 pub use bind::{BindError, Binder, Mat, Vector};

@@ -44,6 +44,7 @@ pub mod indexer;
 pub mod moe;
 pub mod ops;
 pub mod state;
+pub mod synthetic;
 pub mod v41;
 pub mod weights;
 
@@ -55,4 +56,4 @@ pub use forward::{ForwardError, Model, Trace};
 pub use gpu::{ColdStats, ExpertPlacement, GpuModel, GpuState, Residency, Unplaced};
 pub use model_core::{BindError, CausalLm, InputError};
 pub use state::SeqState;
-pub use weights::{WeightError, Weights};
+pub use weights::{Source, WeightError, Weights};

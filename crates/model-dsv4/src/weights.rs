@@ -29,15 +29,42 @@ pub enum WeightError {
     Bind(#[from] BindError),
 }
 
+/// Where bound tensors come from: a CMF ([`Binder`]) or weights made in memory (the
+/// benchmarks' synthetic release geometry, [`crate::synthetic`]). A missing tensor or a wrong
+/// shape is a [`BindError`] naming the tensor, whatever the source.
+pub trait Source<'a> {
+    /// The matrix `name`, `[rows, cols]`, in its stored dtype.
+    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'a>, BindError>;
+    /// The vector `name` of `shape`, decoded to f32.
+    fn vector(&self, name: &str, shape: &[usize]) -> Result<Vector, BindError>;
+    /// The integer tensor `name` of `shape` (`tid2eid`).
+    fn integers(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, BindError>;
+}
+
+impl<'a> Source<'a> for Binder<'a> {
+    fn mat(&self, name: &str, rows: usize, cols: usize) -> Result<Mat<'a>, BindError> {
+        Binder::mat(self, name, rows, cols)
+    }
+
+    fn vector(&self, name: &str, shape: &[usize]) -> Result<Vector, BindError> {
+        Binder::vector(self, name, shape)
+    }
+
+    fn integers(&self, name: &str, shape: &[usize]) -> Result<Vec<i64>, BindError> {
+        Binder::integers(self, name, shape)
+    }
+}
+
 /// A `[groups * rows, cols]` matrix cut into `groups` row blocks (`o_a_proj`).
-pub(crate) fn grouped(
-    b: &Binder<'_>,
+pub(crate) fn grouped<'a>(
+    b: &(impl Source<'a> + ?Sized),
     name: &str,
     groups: usize,
     rows: usize,
     cols: usize,
 ) -> Result<GroupedMat, BindError> {
-    let (id, v) = b.view(name, &[groups * rows, cols])?;
+    let whole = b.mat(name, groups * rows, cols)?;
+    let (id, v) = (whole.id(), whole.mat());
     let codec = |source| BindError::Codec {
         name: name.to_string(),
         source,
@@ -48,7 +75,7 @@ pub(crate) fn grouped(
                 v.dtype(),
                 groups * rows,
                 cols,
-                v.bytes,
+                v.bytes(),
                 g * rows,
                 (g + 1) * rows,
             )
@@ -223,13 +250,17 @@ pub struct Weights<'a> {
     pub lm_head: Mat<'a>,
 }
 
-fn hc<'a>(b: &Binder<'a>, p: &str, c: &DeepseekV4Config) -> Result<HcWeights<'a>, BindError> {
+fn hc<'a>(
+    b: &(impl Source<'a> + ?Sized),
+    p: &str,
+    c: &DeepseekV4Config,
+) -> Result<HcWeights<'a>, BindError> {
     hc_site(b, p, c.hc_mult, c.hidden_size)
 }
 
 /// An mHC site `p` (`{p}.fn`, `{p}.base`, `{p}.scale`) of `n` streams of width `d`.
 pub(crate) fn hc_site<'a>(
-    b: &Binder<'a>,
+    b: &(impl Source<'a> + ?Sized),
     p: &str,
     n: usize,
     d: usize,
@@ -243,7 +274,7 @@ pub(crate) fn hc_site<'a>(
 }
 
 fn compressor<'a>(
-    b: &Binder<'a>,
+    b: &(impl Source<'a> + ?Sized),
     p: &str,
     c: &DeepseekV4Config,
     width: usize,
@@ -271,7 +302,7 @@ pub(crate) struct AttnDims {
 /// The projections, norms and sinks of the attention `a` (`{a}.q_a_proj`, ...), with no
 /// compressor or indexer (V4 and V4.1 name and shape them alike).
 pub(crate) fn attn_projections<'a>(
-    b: &Binder<'a>,
+    b: &(impl Source<'a> + ?Sized),
     a: &str,
     x: &AttnDims,
 ) -> Result<AttnWeights<'a>, BindError> {
@@ -294,7 +325,7 @@ pub(crate) fn attn_projections<'a>(
 /// The MoE block `m` (`{m}.gate.weight`, `{m}.experts.{x}.*`, `{m}.shared_experts.*`) of `e`
 /// experts of width `i` over hidden `d`, routed by `routing`, SwiGLU clamped at `limit`.
 pub(crate) fn moe_block<'a>(
-    b: &Binder<'a>,
+    b: &(impl Source<'a> + ?Sized),
     m: &str,
     routing: Routing,
     d: usize,
@@ -324,6 +355,37 @@ pub(crate) fn moe_block<'a>(
     })
 }
 
+impl Weights<'_> {
+    /// Weight bytes one decoded token reads: every matrix of the layers (attention, its
+    /// compressor and indexer, the mHC maps, the router, the shared expert), the head's mHC
+    /// and the lm_head, and of the routed experts the `top_k` chosen per layer (an average
+    /// expert's share); the embedding contributes one row, counted as nothing.
+    pub fn bytes_per_token(&self, top_k: usize) -> u64 {
+        let b = |m: &Mat<'_>| m.bytes().len() as u64;
+        let comp = |c: &CompressorWeights<'_>| b(&c.kv) + b(&c.gate);
+        let mut total = b(&self.hc_head.fn_) + b(&self.lm_head);
+        for l in &self.layers {
+            let a = &l.attn;
+            let o_a: u64 = (0..a.o_a.groups())
+                .map(|g| a.o_a.group(g).bytes().len() as u64)
+                .sum();
+            total += b(&l.attn_hc.fn_) + b(&l.ffn_hc.fn_);
+            total += b(&a.q_a) + b(&a.q_b) + b(&a.kv) + o_a + b(&a.o_b);
+            total += a.compressor.as_ref().map_or(0, comp);
+            total += a
+                .indexer
+                .as_ref()
+                .map_or(0, |i| comp(&i.comp) + b(&i.q_b) + b(&i.weights_proj));
+            let m = &l.moe;
+            total += b(&m.gate) + b(&m.sh_gate) + b(&m.sh_up) + b(&m.sh_down);
+            let ex = &m.routed.experts;
+            let all: u64 = ex.iter().map(|e| b(&e.gate_up) + b(&e.down)).sum();
+            total += all * top_k.min(ex.len()) as u64 / ex.len().max(1) as u64;
+        }
+        total
+    }
+}
+
 impl<'a> Weights<'a> {
     /// Reads the config from the header and binds every tensor.
     pub fn bind(cmf: &'a Cmf) -> Result<(DeepseekV4Config, Weights<'a>), WeightError> {
@@ -338,8 +400,15 @@ impl<'a> Weights<'a> {
 
     /// Validates `c` and binds every tensor it requires.
     pub fn bind_with(cmf: &'a Cmf, c: &DeepseekV4Config) -> Result<Weights<'a>, WeightError> {
+        Self::bind_from(&Binder::new(cmf), c)
+    }
+
+    /// Validates `c` and binds every tensor it requires from `b`.
+    pub fn bind_from(
+        b: &(impl Source<'a> + ?Sized),
+        c: &DeepseekV4Config,
+    ) -> Result<Weights<'a>, WeightError> {
         c.validate()?;
-        let b = Binder::new(cmf);
         let (d, n) = (c.hidden_size, c.hc_mult);
         let (h, dh, qr) = (c.num_attention_heads, c.head_dim, c.q_lora_rank);
         let (g, r) = (c.o_groups, c.o_lora_rank);
@@ -357,16 +426,16 @@ impl<'a> Weights<'a> {
                 AttnKind::Sliding => (None, None),
                 AttnKind::Hca => {
                     let rate = c.rate(kind).expect("validated");
-                    let comp = compressor(&b, &format!("{a}.compressor"), c, dh, dh, rate)?;
+                    let comp = compressor(b, &format!("{a}.compressor"), c, dh, dh, rate)?;
                     (Some(comp), None)
                 }
                 AttnKind::Csa => {
                     let rate = c.rate(kind).expect("validated");
-                    let comp = compressor(&b, &format!("{a}.compressor"), c, 2 * dh, dh, rate)?;
+                    let comp = compressor(b, &format!("{a}.compressor"), c, 2 * dh, dh, rate)?;
                     let (ni, di) = (c.index_n_heads, c.index_head_dim);
                     let x = format!("{a}.compressor.indexer");
                     let idx = IndexerWeights {
-                        comp: compressor(&b, &x, c, 2 * di, di, rate)?,
+                        comp: compressor(b, &x, c, 2 * di, di, rate)?,
                         q_b: b.mat(&format!("{x}.q_b_proj.weight"), ni * di, qr)?,
                         weights_proj: b.mat(&format!("{x}.scorer.weights_proj.weight"), ni, d)?,
                     };
@@ -384,7 +453,7 @@ impl<'a> Weights<'a> {
             let attn = AttnWeights {
                 compressor,
                 indexer,
-                ..attn_projections(&b, &a, &dims)?
+                ..attn_projections(b, &a, &dims)?
             };
             let m = format!("{p}.mlp");
             let routing = if c.is_hash_layer(il) {
@@ -406,12 +475,12 @@ impl<'a> Weights<'a> {
             } else {
                 Routing::Scored(b.vector(&format!("{m}.gate.e_score_correction_bias"), &[e])?)
             };
-            let moe = moe_block(&b, &m, routing, d, e, i, c.swiglu_limit as f32)?;
+            let moe = moe_block(b, &m, routing, d, e, i, c.swiglu_limit as f32)?;
             layers.push(LayerWeights {
-                attn_hc: hc(&b, &format!("{p}.attn_hc"), c)?,
+                attn_hc: hc(b, &format!("{p}.attn_hc"), c)?,
                 input_layernorm: b.vector(&format!("{p}.input_layernorm.weight"), &[d])?,
                 attn,
-                ffn_hc: hc(&b, &format!("{p}.ffn_hc"), c)?,
+                ffn_hc: hc(b, &format!("{p}.ffn_hc"), c)?,
                 post_attention_layernorm: b
                     .vector(&format!("{p}.post_attention_layernorm.weight"), &[d])?,
                 moe,

@@ -359,3 +359,46 @@ fn trained_demo_greedy_text_is_the_same_whatever_is_resident() {
         }
     });
 }
+
+/// The synthetic model `cortiq bench model --synthetic deepseek-v4-flash` runs (here at the
+/// first fixture's small geometry, fp4 experts from a pool of distinct copies, skewed
+/// routing): on the device with half of each layer's experts resident, block by block as the
+/// CPU forward of the same weights.
+#[test]
+fn a_synthetic_model_with_half_its_experts_resident_matches_the_cpu() {
+    use model_dsv4::synthetic::Synthetic;
+    let dir = test_support::fixture("deepseek_v4_a");
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("hf/config.json")).unwrap()).unwrap();
+    let dtype_of = |name: &str, _: usize, cols: usize| {
+        if name.contains(".mlp.experts.") && cols.is_multiple_of(32) {
+            quant_codecs::DType::Mxfp4
+        } else {
+            quant_codecs::DType::F16
+        }
+    };
+    let s = Synthetic::new(&config, Box::new(dtype_of), 0.3, 5).unwrap();
+    assert_eq!(s.pool(), 5);
+    let model = || Model::new(s.config.clone(), s.weights().unwrap());
+    let (nl, ne) = (s.config.num_hidden_layers, s.config.n_routed_experts);
+    let place = ExpertPlacement {
+        residency: Residency::PerLayer(vec![ne / 2; nl]),
+        segment_slots: Some((nl * ne / 2).div_ceil(3)),
+    };
+    let g = GpuModel::with_experts(model(), ctx(), CTX, &place)
+        .unwrap_or_else(|u| panic!("upload: {}", u.error));
+    g.set_tracing(true);
+    let c = model();
+    let (mut sc, mut sg) = (c.new_state(), g.new_state());
+    let ids = test_support::ids("deepseek_v4_a", 0);
+    let mut failures = Vec::new();
+    let mut steps: Vec<Vec<u32>> = vec![ids[..11].to_vec()];
+    steps.extend((11..24).map(|p| vec![ids[p % ids.len()]]));
+    for (si, step) in steps.iter().enumerate() {
+        let what = format!("synthetic step {si}");
+        failures.extend(h::compare_step(&what, &c, &mut sc, &g, &mut sg, step, 2e-5).1);
+    }
+    let st = g.cold_stats();
+    assert!(st.cold > 0 && st.cold < st.routed, "{st:?}");
+    h::assert_none(&failures);
+}

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 
 use model_core::{Mat, Vector};
-use quant_codecs::{DType, MatRef, quantize};
+use quant_codecs::{DType, MatRef};
 use serde_json::json;
 
 use crate::config::{LayerType, Qwen4ExpTextConfig};
@@ -77,19 +77,6 @@ pub struct Synthetic {
 }
 
 type Key = (DType, usize, usize);
-
-/// xorshift noise in `[-a, a]`.
-fn noise(n: usize, seed: u64, a: f32) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * a
-        })
-        .collect()
-}
 
 impl Synthetic {
     /// Quantises one random payload per (dtype, shape) the model needs; `dtype_of` decides
@@ -191,30 +178,19 @@ impl Synthetic {
                     source,
                 })
             };
-            // A tall matrix (the vocabulary) is a block of rows quantised once and tiled:
-            // every section of these formats is per row but q8_2f's column scales, which are
-            // per matrix and stay as they are.
-            let block = if rows > 8192 && rows % 256 == 0 {
-                256
-            } else {
-                rows
-            };
-            let mut vals = noise(block * cols, 0x5eed + k as u64, 1.0 / (cols as f32).sqrt());
-            if skew != 0.0 && name.ends_with(".mlp.gate.weight") {
-                for (x, row) in vals.chunks_mut(cols).enumerate() {
-                    // Popularity by a fixed shuffle of the ids (389 is odd: a permutation of
-                    // any power-of-two count), so the first ids are not the popular ones.
-                    let rank = (x * 389) % block;
-                    let f = ((rank + 1) as f64).powf(-skew) as f32;
-                    row.iter_mut().for_each(|v| *v *= f);
+            let skewed = skew != 0.0 && name.ends_with(".mlp.gate.weight");
+            // Popularity by a fixed shuffle of the ids (389 is odd: a permutation of any
+            // power-of-two count), so the first ids are not the popular ones.
+            let scale = |x: usize| {
+                if skewed {
+                    (((x * 389) % rows + 1) as f64).powf(-skew) as f32
+                } else {
+                    1.0
                 }
-            }
-            let small = quantize(dtype, block, cols, &vals).map_err(codec_err)?;
-            let bytes = if block == rows {
-                small
-            } else {
-                tile_rows(dtype, block, rows, cols, &small).map_err(codec_err)?
             };
+            let bytes =
+                model_core::synthetic::payload(dtype, rows, cols, 0x5eed + k as u64, &scale)
+                    .map_err(codec_err)?;
             blobs.insert((dtype, rows, cols), bytes);
         }
         Ok(Synthetic {
@@ -273,36 +249,6 @@ impl Synthetic {
     pub fn is_gdn(&self, il: usize) -> bool {
         self.config.layer_type(il) == LayerType::LinearAttention
     }
-}
-
-/// The payload of a `[rows, cols]` matrix whose rows repeat the `block` rows of `small`.
-fn tile_rows(
-    dtype: DType,
-    block: usize,
-    rows: usize,
-    cols: usize,
-    small: &[u8],
-) -> Result<Vec<u8>, quant_codecs::CodecError> {
-    let (ls, lb) = (
-        quant_codecs::Layout::new(dtype, block, cols)?,
-        quant_codecs::Layout::new(dtype, rows, cols)?,
-    );
-    let sections =
-        |l: &quant_codecs::Layout| [(0, l.second), (l.second, l.third), (l.third, l.nbytes)];
-    let mut out = Vec::with_capacity(lb.nbytes);
-    for ((s0, s1), (b0, b1)) in sections(&ls).into_iter().zip(sections(&lb)) {
-        let part = &small[s0..s1];
-        let want = b1 - b0;
-        if want == part.len() {
-            out.extend_from_slice(part);
-        } else {
-            while out.len() < b0 + want {
-                out.extend_from_slice(part);
-            }
-            out.truncate(b0 + want);
-        }
-    }
-    Ok(out)
 }
 
 struct SyntheticSource<'s> {
