@@ -327,8 +327,8 @@ pub fn bench(
 fn offload_stats(model: &AnyModel<'_>) -> Option<model_qwen4::OffloadStats> {
     match model {
         AnyModel::Qwen4Gpu(g) if g.expert_share().is_some() => Some(g.offload_stats()),
-        // deepseek_v4's cold path counts what the CPU did; its residents are static (no
-        // admissions, no prefetch), and it has no GPU-side timing.
+        // deepseek_v4's cold path counts what the CPU did and the admissions (it has no
+        // prefetch and no GPU-side timing).
         AnyModel::Dsv4Gpu(g) if model.expert_share().is_some() => {
             let s = g.cold_stats();
             Some(model_qwen4::OffloadStats {
@@ -336,6 +336,7 @@ fn offload_stats(model: &AnyModel<'_>) -> Option<model_qwen4::OffloadStats> {
                 cold: s.cold,
                 cold_bytes: s.cold_bytes,
                 cold_seconds: s.cold_seconds,
+                admitted: s.admitted,
                 ..Default::default()
             })
         }

@@ -247,6 +247,7 @@ impl<'a> AnyModel<'a> {
         let experts = model_dsv4::ExpertPlacement {
             residency,
             segment_slots: None,
+            policy: place.policy.unwrap_or_default(),
         };
         match model_dsv4::GpuModel::with_experts(model, Arc::from(ctx), ctx_len, &experts) {
             Ok(g) => {

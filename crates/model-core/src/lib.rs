@@ -7,6 +7,8 @@
 //!   per token row); [`RoutedExperts`] batches the token rows of each expert, runs
 //!   gate/up -> SwiGLU (optionally clamped) -> down, and adds the weighted results in expert
 //!   order. It is the seam where the expert offload decides "in VRAM" or "on the CPU".
+//! - [`expert_cache`]: which routed experts a bank of VRAM slots keeps, learned from the
+//!   routing each frame reads back (the policy both architectures' offload runs).
 //! - [`device`]: the device a model's GPU forward lives on (its weight arena, the activation
 //!   path per dtype) and the frame encoder its blocks record into.
 //! - [`config`]: config values that select math are enums ([`config_enum!`]); an unknown value
@@ -33,6 +35,7 @@
 pub mod bind;
 pub mod config;
 pub mod device;
+pub mod expert_cache;
 pub mod experts;
 pub mod input;
 pub mod lm;

@@ -9,11 +9,13 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use gpu_runtime::ops::graph::{self, Break, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, readback};
 use model_core::device::readback_buffer;
+use model_core::expert_cache::{Admission, CachePolicy, LayerCache};
 use model_core::trace::{
     ATTN_INPUT, ATTN_OUT, ATTN_STREAMS, HEAD_OUT, LAYER_OUT, LOGITS, MLP_INPUT, MOE_OUT,
 };
@@ -61,8 +63,15 @@ struct Resident {
     layers: Vec<LayerGpu>,
     /// Every layer's resident routed experts (`None` when none is).
     bank: Option<GlobalBank>,
-    /// The cold path's readback: a layer's cold list `[8k]`, then its MoE input `[8, D]`.
+    /// The cold path's readback: a layer's cold list `[8k]`, its routed experts `[8k]`, then
+    /// its MoE input `[8, D]`.
     cold_stage: wgpu::Buffer,
+    /// Each layer's first slot in the global bank (its slots follow).
+    bank_base: Vec<usize>,
+    /// What each layer's bank slots hold and what the policy knows (`None` for a layer with
+    /// all or none of its experts resident, or under [`CachePolicy::Static`]).
+    caches: Mutex<Vec<Option<LayerCache>>>,
+    policy: CachePolicy,
     /// Counters of the cold path.
     stats: ColdCounters,
     head: HcGpu,
@@ -114,6 +123,9 @@ pub struct ExpertPlacement {
     /// Slots per bank segment (`None`: as many as one storage binding holds; tests force
     /// small segments to run several on a small model).
     pub segment_slots: Option<usize>,
+    /// How a layer's resident experts change while running (model-core's expert cache: the
+    /// learned policy by default; static keeps the first ones placed).
+    pub policy: CachePolicy,
 }
 
 /// Counters of the cold path ([`GpuModel::cold_stats`]).
@@ -127,6 +139,9 @@ pub struct ColdStats {
     pub cold_bytes: u64,
     /// The CPU's seconds on them.
     pub cold_seconds: f64,
+    /// Experts uploaded into the bank while running (each over a resident the policy valued
+    /// less).
+    pub admitted: u64,
 }
 
 #[derive(Default)]
@@ -135,6 +150,7 @@ struct ColdCounters {
     cold: AtomicU64,
     cold_bytes: AtomicU64,
     cold_ns: AtomicU64,
+    admitted: AtomicU64,
 }
 
 impl<'a> GpuModel<'a> {
@@ -220,6 +236,23 @@ impl<'a> GpuModel<'a> {
         let scratch = Scratch::new(&ctx, c, ctx_len);
         let resident = Self::residency(model, &dev, place)?;
         let (bank, slots) = Self::fill_bank(model, &dev, &resident, place.segment_slots)?;
+        let ne = c.n_routed_experts;
+        let bank_base = resident
+            .iter()
+            .scan(0, |at, &n| {
+                let base = *at;
+                *at += n;
+                Some(base)
+            })
+            .collect();
+        // Slot i of a layer holds its expert i (fill_bank's order).
+        let caches = resident
+            .iter()
+            .map(|&n| {
+                let learns = n > 0 && n < ne && place.policy != CachePolicy::Static;
+                learns.then(|| LayerCache::new(ne, &(0..n as u32).collect::<Vec<_>>(), None))
+            })
+            .collect();
         let layers = parts
             .into_iter()
             .zip(&w.layers)
@@ -250,7 +283,10 @@ impl<'a> GpuModel<'a> {
             scratch,
             layers,
             bank,
-            cold_stage: readback_buffer(&ctx, MAX_BATCH * (k + c.hidden_size)),
+            cold_stage: readback_buffer(&ctx, MAX_BATCH * (2 * k + c.hidden_size)),
+            bank_base,
+            caches: Mutex::new(caches),
+            policy: place.policy,
             stats: ColdCounters::default(),
             dev,
             ctx_len,
@@ -371,6 +407,7 @@ impl<'a> GpuModel<'a> {
             cold: s.cold.load(Ordering::Relaxed),
             cold_bytes: s.cold_bytes.load(Ordering::Relaxed),
             cold_seconds: s.cold_ns.load(Ordering::Relaxed) as f64 * 1e-9,
+            admitted: s.admitted.load(Ordering::Relaxed),
         }
     }
 
@@ -535,6 +572,7 @@ impl<'a> GpuModel<'a> {
         let spans = g.spans();
         let mut index = None;
         let mut pending: Option<usize> = None;
+        let mut admissions: Vec<(usize, Admission)> = Vec::new();
         for span in &spans {
             let mut enc = ctx
                 .device
@@ -545,20 +583,11 @@ impl<'a> GpuModel<'a> {
             match span.end {
                 Some(Break::Read(il)) => {
                     let at = (MAX_BATCH * k * 4) as u64;
-                    enc.copy_buffer_to_buffer(
-                        &s.cold,
-                        0,
-                        &self.res.cold_stage,
-                        0,
-                        (nt * k * 4) as u64,
-                    );
-                    enc.copy_buffer_to_buffer(
-                        &s.u,
-                        0,
-                        &self.res.cold_stage,
-                        at,
-                        (nt * d * 4) as u64,
-                    );
+                    let stage = &self.res.cold_stage;
+                    let slots = (nt * k * 4) as u64;
+                    enc.copy_buffer_to_buffer(&s.cold, 0, stage, 0, slots);
+                    enc.copy_buffer_to_buffer(&s.ids, 0, stage, at, slots);
+                    enc.copy_buffer_to_buffer(&s.u, 0, stage, 2 * at, (nt * d * 4) as u64);
                     pending = Some(il);
                 }
                 Some(Break::Write(_)) => {}
@@ -571,14 +600,47 @@ impl<'a> GpuModel<'a> {
             }
             // The resident span is queued: now the host's part of the layer before it.
             if let (Some(il), Some(Break::Write(_))) = (pending.take(), span.end) {
-                let words = MAX_BATCH * k + nt * d;
+                let words = 2 * MAX_BATCH * k + nt * d;
                 let back =
                     readback::read_mapped_after(ctx, &self.res.cold_stage, words, index.take())?;
-                let cold: Vec<u32> = back[..nt * k].iter().map(|v| v.to_bits()).collect();
-                self.cold_experts(il, &cold, &back[MAX_BATCH * k..])?;
+                let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+                let cold = bits(&back[..nt * k]);
+                self.cold_experts(il, &cold, &back[2 * MAX_BATCH * k..])?;
+                let routed = bits(&back[MAX_BATCH * k..][..nt * k]);
+                let mut caches = self.res.caches.lock().unwrap_or_else(|p| p.into_inner());
+                if let Some(cache) = caches[il].as_mut() {
+                    // One upload per layer and frame at most (an FP4 expert of the release
+                    // is 13 MiB), and only over a resident the policy values less.
+                    let picked = cache.frame(&routed, &cold, self.res.policy, 1);
+                    admissions.extend(picked.into_iter().map(|a| (il, a)));
+                }
             }
         }
+        // Every span of the frame is queued: uploads written now land after it (queue order)
+        // and before the next frame's split reads the maps.
+        for (il, a) in admissions {
+            self.admit(il, &a);
+        }
         Ok(())
+    }
+
+    /// Uploads expert `a.expert` of layer `il` into its bank slot `a.slot` (which held
+    /// `a.evicted`) and points the layer's expert -> slot map at it.
+    fn admit(&self, il: usize, a: &Admission) {
+        let Some(bank) = &self.res.bank else {
+            return;
+        };
+        let q = &self.res.dev.ctx.queue;
+        let slot = self.res.bank_base[il] + a.slot as usize;
+        let e = &self.model.weights.layers[il].moe.routed.experts[a.expert as usize];
+        for (b, m) in [(&bank.gate_up, &e.gate_up), (&bank.down, &e.down)] {
+            let (buffer, at) = b.slot_at(slot);
+            q.write_buffer(buffer, at, m.bytes());
+        }
+        let moe = &self.res.layers[il].moe;
+        moe.set_slot(q, a.evicted, NONE_SLOT);
+        moe.set_slot(q, a.expert, slot as u32);
+        self.res.stats.admitted.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Computes layer `il`'s cold slots (`cold[slot]`: the expert, or [`NONE_SLOT`]) on the

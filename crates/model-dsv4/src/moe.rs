@@ -183,6 +183,12 @@ impl MoeGpu {
         })
     }
 
+    /// Points expert `x`'s entry of the expert -> slot map at `slot` (or [`NONE_SLOT`]); the
+    /// frames queued before it read the old map.
+    pub fn set_slot(&self, q: &wgpu::Queue, x: u32, slot: u32) {
+        q.write_buffer(&self.slot_of, u64::from(x) * 4, bytemuck::bytes_of(&slot));
+    }
+
     /// Whether some of the layer's experts run on the CPU.
     pub fn has_cold(&self) -> bool {
         self.resident < self.route[0] as usize

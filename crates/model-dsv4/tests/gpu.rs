@@ -11,6 +11,7 @@ use std::sync::{Arc, OnceLock};
 use cmf_format::Cmf;
 use common::{CASES, TOL};
 use gpu_runtime::{GpuContext, GpuOptions};
+use model_core::expert_cache::CachePolicy;
 use model_dsv4::{CausalLm, ExpertPlacement, ForwardError, GpuModel, Model, Residency, Weights};
 use test_support::Profile;
 use test_support::harness as h;
@@ -50,8 +51,8 @@ fn bind(cmf: &Cmf) -> GpuModel<'_> {
 
 /// The model with `resident(layers, experts)` experts of each layer in the global bank, in
 /// segments of about a quarter of its slots (several segments even on a small model: the
-/// fixed set of bindings on lavapipe).
-fn bind_split(cmf: &Cmf, resident: Split) -> GpuModel<'_> {
+/// fixed set of bindings on lavapipe), changing while it runs as `policy` says.
+fn bind_split(cmf: &Cmf, (resident, policy): (Split, CachePolicy)) -> GpuModel<'_> {
     let m = cpu(cmf);
     let (nl, ne) = (m.config.num_hidden_layers, m.config.n_routed_experts);
     let per = resident(nl, ne);
@@ -59,20 +60,34 @@ fn bind_split(cmf: &Cmf, resident: Split) -> GpuModel<'_> {
     let place = ExpertPlacement {
         residency: Residency::PerLayer(per),
         segment_slots: Some(total.div_ceil(4).max(1)),
+        policy,
     };
     GpuModel::with_experts(m, ctx(), CTX, &place).unwrap_or_else(|u| panic!("upload: {}", u.error))
 }
 
-/// No expert resident, half of each layer's, the first layer's on the CPU and the rest
-/// resident (`--n-cpu-moe 1`), and all of them.
-fn splits() -> [(&'static str, Split); 4] {
+/// No expert resident, half of each layer's (the learned cache admitting experts while it
+/// runs, and the static residents), the first layer's on the CPU and the rest resident
+/// (`--n-cpu-moe 1`), and all of them.
+fn splits() -> [(&'static str, (Split, CachePolicy)); 5] {
+    let learned = CachePolicy::Learned;
     [
-        ("none resident", |nl, _| vec![0; nl]),
-        ("half resident", |nl, ne| vec![ne / 2; nl]),
-        ("first layer cold", |nl, ne| {
-            (0..nl).map(|l| if l == 0 { 0 } else { ne }).collect()
-        }),
-        ("all resident", |nl, ne| vec![ne; nl]),
+        ("none resident", (|nl, _| vec![0; nl], learned)),
+        (
+            "half resident, learned",
+            (|nl, ne| vec![ne / 2; nl], learned),
+        ),
+        (
+            "half resident, static",
+            (|nl, ne| vec![ne / 2; nl], CachePolicy::Static),
+        ),
+        (
+            "first layer cold",
+            (
+                |nl, ne| (0..nl).map(|l| if l == 0 { 0 } else { ne }).collect(),
+                learned,
+            ),
+        ),
+        ("all resident", (|nl, ne| vec![ne; nl], learned)),
     ]
 }
 
@@ -145,7 +160,7 @@ fn compare_blocks_with(
     cases: &[&str],
     profile: Profile,
     tol: f32,
-    split: Option<Split>,
+    split: Option<(Split, CachePolicy)>,
 ) -> Vec<String> {
     let mut failures = Vec::new();
     for &case in cases {
@@ -315,6 +330,13 @@ fn experts_split_between_the_bank_and_the_cpu_match_the_cpu_block_by_block() {
                 r if r == all => assert_eq!(s.cold, 0, "{what}: no slot cold"),
                 _ => assert!(s.cold > 0 && s.cold < s.routed, "{what}: {s:?}"),
             }
+            // Half resident: the learned cache trades residents for the experts routed to
+            // (none of its residents has been routed to before the first frame), the static
+            // one never does.
+            if what.starts_with("half") {
+                let learned = split.1 == CachePolicy::Learned;
+                assert_eq!(s.admitted > 0, learned, "{what}: {s:?}");
+            }
             if resident > 0 {
                 let (segments, binding) = g.bank_binding().unwrap();
                 eprintln!("{what}: {resident} of {all} resident, {segments} segments, {binding:?}");
@@ -384,6 +406,7 @@ fn a_synthetic_model_with_half_its_experts_resident_matches_the_cpu() {
     let place = ExpertPlacement {
         residency: Residency::PerLayer(vec![ne / 2; nl]),
         segment_slots: Some((nl * ne / 2).div_ceil(3)),
+        ..Default::default()
     };
     let g = GpuModel::with_experts(model(), ctx(), CTX, &place)
         .unwrap_or_else(|u| panic!("upload: {}", u.error));

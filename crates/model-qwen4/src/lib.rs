@@ -30,7 +30,8 @@
 pub mod cache_replay;
 pub mod config;
 pub mod device;
-pub mod expert_cache;
+/// The expert cache's policy (model-core's, shared with deepseek_v4's global bank).
+pub use model_core::expert_cache;
 pub mod gpu;
 
 pub use config::{ConfigError, GateAct, HiddenAct, LayerType, Qwen4ExpTextConfig, RopeType};
