@@ -31,6 +31,12 @@ use crate::ops::Rope;
 
 static NEXT_UID: AtomicU64 = AtomicU64::new(2 << 40);
 
+/// Upload bytes a frame's admissions may take (`CORTIQ_ADMIT_MIB` overrides): the host copies
+/// each admitted expert into the queue's staging before the next frame, on the token's path,
+/// and a release FP4 expert is 13 MiB, so at most two or three layers (in turn) admit per frame;
+/// small experts let every layer admit one.
+pub const ADMIT_BYTES: u64 = 32 << 20;
+
 struct LayerGpu {
     attn_hc: HcGpu,
     attn: AttnGpu,
@@ -72,6 +78,11 @@ struct Resident {
     /// all or none of its experts resident, or under [`CachePolicy::Static`]).
     caches: Mutex<Vec<Option<LayerCache>>>,
     policy: CachePolicy,
+    /// Layers that may admit in a frame: those with `(layer + frame) % admit_stride == 0`
+    /// (every layer when the experts are small; see [`ADMIT_BYTES`]).
+    admit_stride: usize,
+    /// Frames run (which layers admit next).
+    frames: AtomicU64,
     /// Counters of the cold path.
     stats: ColdCounters,
     head: HcGpu,
@@ -287,6 +298,20 @@ impl<'a> GpuModel<'a> {
             bank_base,
             caches: Mutex::new(caches),
             policy: place.policy,
+            admit_stride: {
+                let budget = std::env::var("CORTIQ_ADMIT_MIB")
+                    .ok()
+                    .and_then(|v| v.parse::<u64>().ok())
+                    .map_or(ADMIT_BYTES, |m| m << 20);
+                let per = model.weights.layers.first().map_or(1, |l| {
+                    l.moe.routed.experts.first().map_or(1, |x| {
+                        (x.gate_up.bytes().len() + x.down.bytes().len()) as u64
+                    })
+                });
+                let n = (budget / per.max(1)).max(1) as usize;
+                c.num_hidden_layers.div_ceil(n).max(1)
+            },
+            frames: AtomicU64::new(0),
             stats: ColdCounters::default(),
             dev,
             ctx_len,
@@ -573,6 +598,7 @@ impl<'a> GpuModel<'a> {
         let mut index = None;
         let mut pending: Option<usize> = None;
         let mut admissions: Vec<(usize, Admission)> = Vec::new();
+        let frame = self.res.frames.fetch_add(1, Ordering::Relaxed) as usize;
         for span in &spans {
             let mut enc = ctx
                 .device
@@ -609,9 +635,10 @@ impl<'a> GpuModel<'a> {
                 let routed = bits(&back[MAX_BATCH * k..][..nt * k]);
                 let mut caches = self.res.caches.lock().unwrap_or_else(|p| p.into_inner());
                 if let Some(cache) = caches[il].as_mut() {
-                    // One upload per layer and frame at most (an FP4 expert of the release
-                    // is 13 MiB), and only over a resident the policy values less.
-                    let picked = cache.frame(&routed, &cold, self.res.policy, 1);
+                    // One upload per admitting layer and frame at most, and only over a
+                    // resident the policy values less.
+                    let admits = (il + frame).is_multiple_of(self.res.admit_stride);
+                    let picked = cache.frame(&routed, &cold, self.res.policy, usize::from(admits));
                     admissions.extend(picked.into_iter().map(|a| (il, a)));
                 }
             }
