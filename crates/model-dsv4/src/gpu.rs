@@ -83,6 +83,9 @@ struct Resident {
     admit_stride: usize,
     /// Frames run (which layers admit next).
     frames: AtomicU64,
+    /// The threads the cold experts run on (spinning between layers, as qwen4_exp's cold path
+    /// does; `None`: rayon's pool, where the CPU has no integer kernels or nothing is cold).
+    team: Option<quant_codecs::team::Team>,
     /// Counters of the cold path.
     stats: ColdCounters,
     head: HcGpu,
@@ -312,6 +315,8 @@ impl<'a> GpuModel<'a> {
                 c.num_hidden_layers.div_ceil(n).max(1)
             },
             frames: AtomicU64::new(0),
+            team: (resident.iter().any(|&n| n < ne) && quant_codecs::ops::fast_int8())
+                .then(|| quant_codecs::team::Team::from_env(ctx.is_software())),
             stats: ColdCounters::default(),
             dev,
             ctx_len,
@@ -714,7 +719,10 @@ impl<'a> GpuModel<'a> {
             })
             .collect();
         let jobs: Vec<(usize, &[f32])> = inputs.iter().map(|(x, _, xs)| (*x, &xs[..])).collect();
-        let ys = routed.experts_rows(&jobs);
+        let ys = match &self.res.team {
+            Some(team) => routed.experts_rows_on(team, &jobs),
+            None => routed.experts_rows(&jobs),
+        };
         st.cold_ns
             .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let ctx = &self.res.dev.ctx;
