@@ -269,9 +269,22 @@ pub fn bench(
     let mut frame_dispatches = Vec::new();
     let frame_rows = quant_codecs::MAX_BATCH;
     // A stage profile times one submission: a model with experts on the CPU has many.
-    if let (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s), None) =
-        (model, &mut st, &offload)
-    {
+    type Profiled = Vec<(String, usize, f64)>;
+    type ProfileFrames<'m> =
+        Box<dyn FnMut(usize, usize, Granularity) -> Result<Profiled, ForwardError> + 'm>;
+    let mut profile_frames: Option<ProfileFrames<'_>> = match (model, &mut st, &offload) {
+        (AnyModel::Qwen4Gpu(g), crate::model::AnyState::Qwen4Gpu(s), None) => {
+            Some(Box::new(move |rows, n, gran| {
+                model_reset(model, s);
+                Ok(g.profile_frames(&ids(rows, vocab, 0), n, s, gran)?)
+            }))
+        }
+        (AnyModel::Dsv4Gpu(g), _, None) => Some(Box::new(move |rows, n, gran| {
+            Ok(g.profile_frames(&ids(rows, vocab, 0), n, gran)?)
+        })),
+        _ => None,
+    };
+    if let Some(profile_frames) = profile_frames.as_mut() {
         let mut runs = Vec::new();
         if opts.decode > 0 || opts.prompt < frame_rows {
             let n = opts.decode.clamp(1, 16);
@@ -288,8 +301,7 @@ pub fn bench(
             }
         }
         for (rows, n, gran, out) in runs {
-            model_reset(model, s);
-            for (stage, calls, sec) in g.profile_frames(&ids(rows, vocab, 0), n, s, gran)? {
+            for (stage, calls, sec) in profile_frames(rows, n, gran)? {
                 out.push(StageTime {
                     stage,
                     calls,

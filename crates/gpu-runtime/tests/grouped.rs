@@ -194,3 +194,27 @@ fn a_segmented_bank_gives_the_bits_of_one_buffer() {
         }
     }
 }
+
+/// A bank one slot past [`ExpertBank::capacity`] is refused before anything is allocated, and
+/// the capacity is whole segments of as many slots as one binding holds (witness: the
+/// adapter's limits, read here).
+#[test]
+fn a_bank_past_its_capacity_is_refused() {
+    let Some(ctx) = ctx() else { return };
+    for (dtype, rows, cols) in [(DType::Mxfp4, 8192, 4096), (DType::F32, 1024, 1024)] {
+        let cap = ExpertBank::capacity(ctx, dtype, rows, cols);
+        let slot = (quant_codecs::Layout::new(dtype, rows, cols).unwrap().nbytes as u64)
+            .next_multiple_of(16);
+        let per = (ctx.max_binding() / slot) as usize;
+        assert!(
+            cap >= per && cap.is_multiple_of(per),
+            "{dtype:?}: {cap} of {per}"
+        );
+        assert!(cap / per <= gpu_runtime::ops::experts::MAX_SEGMENTS);
+        let e = ExpertBank::empty(ctx, dtype, rows, cols, cap + 1, None).unwrap_err();
+        assert!(
+            matches!(e, gpu_runtime::GpuError::BindingTooLarge { .. }),
+            "{dtype:?}: {e}"
+        );
+    }
+}

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use gpu_runtime::ops::graph::{self, Break, Graph, Tap};
+use gpu_runtime::ops::graph::{self, Break, Granularity, Graph, Tap};
 use gpu_runtime::{Epilogue, GpuContext, GpuError, GpuMatrix, readback};
 use model_core::device::readback_buffer;
 use model_core::expert_cache::{Admission, CachePolicy, LayerCache};
@@ -354,12 +354,32 @@ impl<'a> GpuModel<'a> {
                 let budget = dev.budget();
                 let reserve = (budget / 20).max(64 << 20);
                 let left = budget.saturating_sub(dev.resident_bytes() + reserve);
+                // ... and no more than the bank's segments bind (on a 2 GiB binding limit,
+                // 3,856 of the release's FP4 experts).
+                let cap = model.weights.layers.first().map_or(0, |l| {
+                    l.moe.routed.experts.first().map_or(0, |x| {
+                        [&x.gate_up, &x.down]
+                            .map(|m| {
+                                let m = m.mat();
+                                gpu_runtime::ops::experts::ExpertBank::capacity(
+                                    &dev.ctx,
+                                    m.dtype(),
+                                    m.rows(),
+                                    m.cols(),
+                                )
+                            })
+                            .into_iter()
+                            .min()
+                            .unwrap_or(0)
+                    })
+                });
                 let fit = left
                     .checked_div(per)
-                    .map_or(ne, |n| (n as usize / nl.max(1)).min(ne));
+                    .map_or(ne, |n| (n as usize).min(cap) / nl.max(1))
+                    .min(ne);
                 if fit < ne {
                     tracing::info!(
-                        "{fit} of {ne} routed experts per layer resident ({} MiB left of a {} MiB budget); the rest on the CPU",
+                        "{fit} of {ne} routed experts per layer resident ({} MiB left of a {} MiB budget, a bank of at most {cap} slots); the rest on the CPU",
                         left >> 20,
                         budget >> 20
                     );
@@ -411,6 +431,46 @@ impl<'a> GpuModel<'a> {
         }
         ring.flush(ctx)?;
         Ok((Some(bank), maps))
+    }
+
+    /// `n` frames of `first`'s rows (each a decode step when one row) on a fresh state, each
+    /// dispatch in a compute pass per stage (mhc, attn, moe, head) or per kernel
+    /// (`granularity`) timed by GPU timestamps; per stage or kernel its passes per frame and
+    /// seconds per frame. Refused with experts on the CPU (a frame there is many
+    /// submissions).
+    pub fn profile_frames(
+        &self,
+        first: &[u32],
+        n: usize,
+        granularity: Granularity,
+    ) -> Result<Vec<(String, usize, f64)>, ForwardError> {
+        let mut st = self.new_state();
+        let mut total: Vec<(String, usize, f64)> = Vec::new();
+        for _ in 0..n {
+            self.check(first, &st)?;
+            let mut stages = Vec::new();
+            self.frame(
+                first,
+                &mut st,
+                Head::Last,
+                None,
+                Some((granularity, &mut stages)),
+            )?;
+            for (name, sec) in stages {
+                match total.iter_mut().find(|(n, _, _)| *n == name) {
+                    Some(e) => {
+                        e.1 += 1;
+                        e.2 += sec;
+                    }
+                    None => total.push((name, 1, sec)),
+                }
+            }
+        }
+        for e in &mut total {
+            e.1 /= n.max(1);
+            e.2 /= n.max(1) as f64;
+        }
+        Ok(total)
     }
 
     /// Routed experts resident, of all (every layer's).
@@ -526,6 +586,7 @@ impl<'a> GpuModel<'a> {
         st: &mut GpuState,
         head: Head,
         taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
+        stages: Option<(Granularity, &mut Vec<(String, f64)>)>,
     ) -> Result<Vec<f32>, ForwardError> {
         let c = &self.model.config;
         let ctx = &self.res.dev.ctx;
@@ -562,7 +623,14 @@ impl<'a> GpuModel<'a> {
         let c = &self.model.config;
         let routed = (nt * c.num_experts_per_tok * c.num_hidden_layers) as u64;
         self.res.stats.routed.fetch_add(routed, Ordering::Relaxed);
+        let mut profile = None;
         if g.has_breaks() {
+            if stages.is_some() {
+                return Err(unsupported(
+                    "a profile of a model with experts on the CPU (profile it all-resident)".into(),
+                )
+                .into());
+            }
             self.run_breaks(g, nt, taps, &tail)?;
         } else {
             let mut enc = ctx
@@ -570,9 +638,15 @@ impl<'a> GpuModel<'a> {
                 .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                     label: Some("deepseek frame"),
                 });
-            g.record(ctx, &mut enc, taps);
+            match &stages {
+                Some((gran, _)) => profile = g.record_profiled(ctx, &mut enc, *gran),
+                None => g.record(ctx, &mut enc, taps),
+            }
             tail(&mut enc);
             ctx.checked("a deepseek_v4 frame", || ctx.queue.submit([enc.finish()]))?;
+        }
+        if let (Some(p), Some((_, out))) = (profile, stages) {
+            out.extend(p.read(ctx)?);
         }
         st.pos += nt;
         if read == 0 {
@@ -922,7 +996,7 @@ impl CausalLm for GpuModel<'_> {
                 (true, false) => Head::None,
             };
             let mut taps = Vec::new();
-            logits.extend(self.frame(f, st, head, traced.then_some(&mut taps))?);
+            logits.extend(self.frame(f, st, head, traced.then_some(&mut taps), None)?);
             traces.add(&self.res.dev.ctx, taps)?;
         }
         traces.emit(trace);

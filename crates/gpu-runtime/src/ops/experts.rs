@@ -69,6 +69,28 @@ impl ExpertBank {
         Ok(bank)
     }
 
+    /// The most slots a bank of `rows x cols` experts of `dtype` can have on `ctx`: as many
+    /// segments as it binds ([`MAX_SEGMENTS`] with binding arrays, else what a fixed set of
+    /// bindings leaves), each as many slots as one storage binding holds (a 2 GiB binding
+    /// limit caps a bank of DeepSeek-V4-Flash's 8.9 MB FP4 gate/up matrices at 3,856 slots).
+    pub fn capacity(ctx: &GpuContext, dtype: DType, rows: usize, cols: usize) -> usize {
+        let Ok(layout) = Layout::new(dtype, rows, cols) else {
+            return 0;
+        };
+        let slot_bytes = (layout.nbytes as u64).next_multiple_of(16);
+        let fit = (ctx.max_binding() / slot_bytes.max(1)) as usize;
+        let bindings = ctx.limits.max_storage_buffers_per_shader_stage as usize;
+        let segments = (1..=MAX_SEGMENTS)
+            .rev()
+            .find(|&n| {
+                ctx.caps.binding_arrays
+                    || n == 1
+                    || Segments::bound(n).count() as usize + 4 <= bindings
+            })
+            .unwrap_or(1);
+        fit * segments
+    }
+
     /// A bank of `slots` slots for `rows x cols` experts of `dtype`, contents undefined:
     /// segments of `segment_slots` slots (tests force small ones), else of as many as one
     /// storage binding holds. More than [`MAX_SEGMENTS`] segments, or more storage bindings
