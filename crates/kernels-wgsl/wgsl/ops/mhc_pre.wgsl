@@ -7,8 +7,8 @@
 // layout of `mix` (pre, post, C row-major). Head (`head` = 1, m = N): `pre = sigmoid(mix * s0 +
 // base) + eps` only. Then the collapse `u = sum_k pre_k X_k` over the streams `x` `[nt, N, D]`
 // (streams added in order, from 0) and the block's RMSNorm with weight `w` (`y = w * (u / rms)`),
-// into `y` `[nt, D]`. The maps are one lane's work (N <= 8: a few dozen values); the collapse
-// and the norm are the workgroup's.
+// into `y` `[nt, D]`. The gates are one lane's work, the comb matrix N lanes' (N <= 8); the
+// collapse and the norm are the workgroup's.
 struct Params {
     nt: u32,
     n: u32,
@@ -33,20 +33,13 @@ struct Params {
 const MAXN: u32 = 8u;
 var<workgroup> pre_w: array<f32, 8>;
 
-// Sinkhorn-Knopp's column step on the row-major `N x N` matrix at `at` of `maps`.
-fn cols(at: u32, n: u32, eps: f32) {
-    for (var k = 0u; k < n; k++) {
-        var s = 0.0;
-        for (var j = 0u; j < n; j++) {
-            s += maps[at + j * n + k];
-        }
-        for (var j = 0u; j < n; j++) {
-            maps[at + j * n + k] = maps[at + j * n + k] / (s + eps);
-        }
-    }
-}
+// The comb matrix while Sinkhorn-Knopp runs, in workgroup memory: lane j < N normalises row
+// j, lane k < N column k, each summing in order as the CPU does (one lane doing all of it
+// through a storage buffer took 140 us a call on an H100).
+var<workgroup> cm: array<f32, 64>;
 
-fn site_maps(t: u32) {
+// `pre` (and for a site `post`), one lane's work.
+fn gates(t: u32) {
     let n = P.n;
     let eps = bitcast<f32>(P.hc_eps);
     let m = select((2u + n) * n, n, P.head == 1u);
@@ -61,41 +54,87 @@ fn site_maps(t: u32) {
         return;
     }
     let s1 = bitcast<f32>(P.s1);
-    let s2 = bitcast<f32>(P.s2);
     for (var k = 0u; k < n; k++) {
         maps[src + n + k] = 2.0 * sigmoid(mix[src + n + k] * s1 + base[n + k]);
     }
-    let c = src + 2u * n;
-    for (var j = 0u; j < n; j++) {
-        // The row's softmax, as the CPU's: max from -inf, exponentials summed in order.
-        var mx = -3.4028235e38;
-        for (var k = 0u; k < n; k++) {
-            let at = 2u * n + j * n + k;
-            mx = max(mx, mix[src + at] * s2 + base[at]);
-        }
-        var z = 0.0;
-        for (var k = 0u; k < n; k++) {
-            let at = 2u * n + j * n + k;
-            let e = exp(mix[src + at] * s2 + base[at] - mx);
-            maps[c + j * n + k] = e;
-            z += e;
-        }
-        for (var k = 0u; k < n; k++) {
-            maps[c + j * n + k] = maps[c + j * n + k] / z + eps;
-        }
+}
+
+// Row `j` of the comb matrix: the row's softmax (as the CPU's: max from -inf, exponentials
+// summed in order) plus eps.
+fn comb_row(t: u32, j: u32) {
+    let n = P.n;
+    let eps = bitcast<f32>(P.hc_eps);
+    let src = t * (2u + n) * n;
+    let s2 = bitcast<f32>(P.s2);
+    var mx = -3.4028235e38;
+    for (var k = 0u; k < n; k++) {
+        let at = 2u * n + j * n + k;
+        mx = max(mx, mix[src + at] * s2 + base[at]);
     }
-    cols(c, n, eps);
+    var z = 0.0;
+    for (var k = 0u; k < n; k++) {
+        let at = 2u * n + j * n + k;
+        let e = exp(mix[src + at] * s2 + base[at] - mx);
+        cm[j * n + k] = e;
+        z += e;
+    }
+    for (var k = 0u; k < n; k++) {
+        cm[j * n + k] = cm[j * n + k] / z + eps;
+    }
+}
+
+fn norm_row(j: u32, n: u32, eps: f32) {
+    var s = 0.0;
+    for (var k = 0u; k < n; k++) {
+        s += cm[j * n + k];
+    }
+    for (var k = 0u; k < n; k++) {
+        cm[j * n + k] = cm[j * n + k] / (s + eps);
+    }
+}
+
+fn norm_col(k: u32, n: u32, eps: f32) {
+    var s = 0.0;
+    for (var j = 0u; j < n; j++) {
+        s += cm[j * n + k];
+    }
+    for (var j = 0u; j < n; j++) {
+        cm[j * n + k] = cm[j * n + k] / (s + eps);
+    }
+}
+
+// The site's maps: `pre`, `post`, and the comb matrix made doubly stochastic (a column
+// normalisation, then `iters - 1` row + column rounds), written to `maps`.
+fn site_maps(t: u32, li: u32) {
+    let n = P.n;
+    let eps = bitcast<f32>(P.hc_eps);
+    if (li == 0u) {
+        gates(t);
+    }
+    if (P.head == 1u) {
+        return;
+    }
+    if (li < n) {
+        comb_row(t, li);
+    }
+    workgroupBarrier();
+    if (li < n) {
+        norm_col(li, n, eps);
+    }
+    workgroupBarrier();
     for (var it = 1u; it < P.iters; it++) {
-        for (var j = 0u; j < n; j++) {
-            var s = 0.0;
-            for (var k = 0u; k < n; k++) {
-                s += maps[c + j * n + k];
-            }
-            for (var k = 0u; k < n; k++) {
-                maps[c + j * n + k] = maps[c + j * n + k] / (s + eps);
-            }
+        if (li < n) {
+            norm_row(li, n, eps);
         }
-        cols(c, n, eps);
+        workgroupBarrier();
+        if (li < n) {
+            norm_col(li, n, eps);
+        }
+        workgroupBarrier();
+    }
+    let c = t * (2u + n) * n + 2u * n;
+    if (li < n * n) {
+        maps[c + li] = cm[li];
     }
 }
 
@@ -105,9 +144,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (t >= P.nt) {
         return;
     }
-    if (li == 0u) {
-        site_maps(t);
-    }
+    site_maps(t, li);
     workgroupBarrier();
     let n = P.n;
     let d = P.d;
