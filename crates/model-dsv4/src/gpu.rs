@@ -355,7 +355,7 @@ impl<'a> GpuModel<'a> {
                 let reserve = (budget / 20).max(64 << 20);
                 let left = budget.saturating_sub(dev.resident_bytes() + reserve);
                 // ... and no more than the bank's segments bind (on a 2 GiB binding limit,
-                // 3,856 of the release's FP4 experts).
+                // 3,840 of the release's FP4 experts).
                 let cap = model.weights.layers.first().map_or(0, |l| {
                     l.moe.routed.experts.first().map_or(0, |x| {
                         [&x.gate_up, &x.down]

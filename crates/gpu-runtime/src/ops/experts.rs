@@ -72,7 +72,7 @@ impl ExpertBank {
     /// The most slots a bank of `rows x cols` experts of `dtype` can have on `ctx`: as many
     /// segments as it binds ([`MAX_SEGMENTS`] with binding arrays, else what a fixed set of
     /// bindings leaves), each as many slots as one storage binding holds (a 2 GiB binding
-    /// limit caps a bank of DeepSeek-V4-Flash's 8.9 MB FP4 gate/up matrices at 3,856 slots).
+    /// limit caps a bank of DeepSeek-V4-Flash's 8.9 MB FP4 gate/up matrices at 3,840 slots: 16 segments of 240).
     pub fn capacity(ctx: &GpuContext, dtype: DType, rows: usize, cols: usize) -> usize {
         let Ok(layout) = Layout::new(dtype, rows, cols) else {
             return 0;
