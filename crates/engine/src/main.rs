@@ -983,6 +983,7 @@ fn read_bandwidth(model: &engine::model::AnyModel<'_>) -> anyhow::Result<f64> {
     let ctx = match model {
         engine::model::AnyModel::Qwen4Gpu(g) => g.ctx(),
         engine::model::AnyModel::Dsv4Gpu(g) => g.ctx(),
+        engine::model::AnyModel::Dsv41Gpu(g) => g.ctx(),
         _ => return Ok(engine::bench::cpu_read_bandwidth(1 << 30, 0.5)),
     };
     // As `bench kernels` does: a probe, then about half a second of reads (a short burst

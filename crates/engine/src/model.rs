@@ -125,6 +125,8 @@ pub enum AnyModel<'a> {
     Qwen4Gpu(Box<model_qwen4::GpuModel<'a>>),
     /// DeepSeek-V4-Flash, resident on the GPU.
     Dsv4Gpu(Box<model_dsv4::GpuModel<'a>>),
+    /// DeepSeek-V4.1-Flash, resident on the GPU.
+    Dsv41Gpu(Box<model_dsv4::v41::gpu::GpuModel<'a>>),
 }
 
 /// The sequence state of an [`AnyModel`]; `Clone` is the snapshot.
@@ -140,6 +142,8 @@ pub enum AnyState {
     Qwen4Gpu(Box<model_qwen4::GpuState>),
     /// For [`AnyModel::Dsv4Gpu`]: the caches on the device.
     Dsv4Gpu(Box<model_dsv4::GpuState>),
+    /// For [`AnyModel::Dsv41Gpu`]: the caches on the device (and the n-gram look-back).
+    Dsv41Gpu(Box<model_dsv4::v41::gpu::GpuState>),
 }
 
 impl<'a> AnyModel<'a> {
@@ -175,14 +179,19 @@ impl<'a> AnyModel<'a> {
         }
         match cpu {
             AnyModel::Qwen4(model) => Self::place_qwen4(model, place),
-            AnyModel::Dsv4(model) => Self::place_dsv4(model, place),
-            cpu => {
-                tracing::warn!(
-                    "running on the CPU: no GPU forward for {} yet",
-                    cmf.header().architecture
-                );
-                Ok(cpu)
-            }
+            AnyModel::Dsv4(model) => Self::place_ds(
+                model,
+                place,
+                |g| AnyModel::Dsv4Gpu(Box::new(g)),
+                AnyModel::Dsv4,
+            ),
+            AnyModel::Dsv41(model) => Self::place_ds(
+                *model,
+                place,
+                |g| AnyModel::Dsv41Gpu(Box::new(g)),
+                |m| AnyModel::Dsv41(Box::new(m)),
+            ),
+            cpu => Ok(cpu),
         }
     }
 
@@ -216,28 +225,42 @@ impl<'a> AnyModel<'a> {
         Ok(Some(ctx))
     }
 
-    /// Places a bound deepseek_v4 model as `place` asks (see [`AnyModel::bind_on`]): every
-    /// weight resident (the expert bank with cold experts on the CPU is still to come, so
-    /// `--cpu-moe` and budgets below the model keep it on the CPU, with a warning).
+    /// Places a bound deepseek_v4 model as `place` asks (see [`AnyModel::bind_on`]).
     pub fn place_dsv4(
         model: model_dsv4::Model<'a>,
         place: &Placement,
     ) -> Result<AnyModel<'a>, BindError> {
+        Self::place_ds(
+            model,
+            place,
+            |g| AnyModel::Dsv4Gpu(Box::new(g)),
+            AnyModel::Dsv4,
+        )
+    }
+
+    /// Places a bound deepseek_v4 or deepseek_v41 model as `place` asks: the non-expert
+    /// weights resident, the routed experts in the global bank as the budget (or
+    /// `--n-cpu-moe`) allows, the rest computed on the CPU; on the CPU where the device is not
+    /// used or refuses the model (with a warning).
+    fn place_ds<M: model_dsv4::gpu::Variant<'a>>(
+        model: M,
+        place: &Placement,
+        gpu: impl FnOnce(model_dsv4::GpuModel<'a, M, M::Blocks>) -> AnyModel<'a>,
+        cpu: impl FnOnce(M) -> AnyModel<'a>,
+    ) -> Result<AnyModel<'a>, BindError> {
         if place.backend == BackendChoice::Cpu {
-            return Ok(AnyModel::Dsv4(model));
+            return Ok(cpu(model));
         }
         let Some(ctx) = Self::device_for(place)? else {
-            return Ok(AnyModel::Dsv4(model));
+            return Ok(cpu(model));
         };
         let ctx_len = place.ctx.unwrap_or(DEFAULT_DEVICE_CTX).max(1);
         // `--n-cpu-moe N`: the first N layers' experts on the CPU, the rest resident (the
         // static split llama.cpp offers); else as many per layer as the budget holds.
         let residency = match place.cpu_moe {
             Some(n) => {
-                let (nl, ne) = (
-                    model.config.num_hidden_layers,
-                    model.config.n_routed_experts,
-                );
+                let sh = model.shape();
+                let (nl, ne) = (sh.layers, sh.experts);
                 model_dsv4::Residency::PerLayer(
                     (0..nl).map(|l| if l < n { 0 } else { ne }).collect(),
                 )
@@ -256,14 +279,14 @@ impl<'a> AnyModel<'a> {
                     "on the GPU: {} MiB of weights resident ({hot} of {all} routed experts; the rest on the CPU), context {ctx_len}",
                     g.resident_bytes() >> 20
                 );
-                Ok(AnyModel::Dsv4Gpu(Box::new(g)))
+                Ok(gpu(g))
             }
             Err(u) => {
                 tracing::warn!(
                     "running on the CPU: the GPU did not take the model: {}",
                     u.error
                 );
-                Ok(AnyModel::Dsv4(u.model))
+                Ok(cpu(u.model))
             }
         }
     }
@@ -351,7 +374,7 @@ impl<'a> AnyModel<'a> {
                 let m = &g.model;
                 return Some(m.weights.bytes_per_token(m.config.num_experts_per_tok));
             }
-            AnyModel::Dsv41(_) => return None,
+            AnyModel::Dsv41(_) | AnyModel::Dsv41Gpu(_) => return None,
         };
         Some(m.weights.bytes_per_token(m.config.num_experts_per_tok))
     }
@@ -361,6 +384,7 @@ impl<'a> AnyModel<'a> {
         match self {
             AnyModel::Qwen4Gpu(g) => g.ctx().info.name.clone(),
             AnyModel::Dsv4Gpu(g) => g.ctx().info.name.clone(),
+            AnyModel::Dsv41Gpu(g) => g.ctx().info.name.clone(),
             _ => format!("CPU ({} threads)", rayon::current_num_threads()),
         }
     }
@@ -371,6 +395,11 @@ impl<'a> AnyModel<'a> {
         match self {
             AnyModel::Qwen4Gpu(g) => g.expert_share(),
             AnyModel::Dsv4Gpu(g) => {
+                let (resident, all) = g.resident_experts();
+                let s = g.cold_stats();
+                (resident < all).then(|| 1.0 - s.cold as f64 / s.routed.max(1) as f64)
+            }
+            AnyModel::Dsv41Gpu(g) => {
                 let (resident, all) = g.resident_experts();
                 let s = g.cold_stats();
                 (resident < all).then(|| 1.0 - s.cold as f64 / s.routed.max(1) as f64)
@@ -400,7 +429,7 @@ impl<'a> AnyModel<'a> {
     /// `gpu` or `cpu`: where the forward runs.
     pub fn backend_name(&self) -> &'static str {
         match self {
-            AnyModel::Qwen4Gpu(_) | AnyModel::Dsv4Gpu(_) => "gpu",
+            AnyModel::Qwen4Gpu(_) | AnyModel::Dsv4Gpu(_) | AnyModel::Dsv41Gpu(_) => "gpu",
             _ => "cpu",
         }
     }
@@ -413,6 +442,7 @@ impl<'a> AnyModel<'a> {
             AnyModel::Dsv41(m) => m.config.vocab_size,
             AnyModel::Qwen4Gpu(m) => m.model.config.vocab_size,
             AnyModel::Dsv4Gpu(m) => m.model.config.vocab_size,
+            AnyModel::Dsv41Gpu(m) => m.model.config.vocab_size,
         }
     }
 
@@ -424,6 +454,7 @@ impl<'a> AnyModel<'a> {
             AnyModel::Dsv41(m) => AnyState::Dsv41(Box::new(m.new_state())),
             AnyModel::Qwen4Gpu(m) => AnyState::Qwen4Gpu(Box::new(m.new_state())),
             AnyModel::Dsv4Gpu(m) => AnyState::Dsv4Gpu(Box::new(m.new_state())),
+            AnyModel::Dsv41Gpu(m) => AnyState::Dsv41Gpu(Box::new(m.new_state())),
         }
     }
 
@@ -435,6 +466,7 @@ impl<'a> AnyModel<'a> {
             (AnyModel::Dsv41(m), AnyState::Dsv41(s)) => Ok(m.forward(tokens, s)?),
             (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => Ok(m.forward(tokens, s)?),
             (AnyModel::Dsv4Gpu(m), AnyState::Dsv4Gpu(s)) => Ok(m.forward(tokens, s)?),
+            (AnyModel::Dsv41Gpu(m), AnyState::Dsv41Gpu(s)) => Ok(m.forward(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
     }
@@ -452,6 +484,7 @@ impl<'a> AnyModel<'a> {
             (AnyModel::Dsv41(m), AnyState::Dsv41(s)) => Ok(m.forward_last(tokens, s)?),
             (AnyModel::Qwen4Gpu(m), AnyState::Qwen4Gpu(s)) => Ok(m.forward_last(tokens, s)?),
             (AnyModel::Dsv4Gpu(m), AnyState::Dsv4Gpu(s)) => Ok(m.forward_last(tokens, s)?),
+            (AnyModel::Dsv41Gpu(m), AnyState::Dsv41Gpu(s)) => Ok(m.forward_last(tokens, s)?),
             _ => Err(ForwardError::StateMismatch),
         }
     }
@@ -507,6 +540,7 @@ impl<'a> AnyModel<'a> {
         match st {
             AnyState::Qwen4Gpu(s) => Ok(AnyState::Qwen4Gpu(Box::new(s.try_clone()?))),
             AnyState::Dsv4Gpu(s) => Ok(AnyState::Dsv4Gpu(Box::new(s.try_clone()?))),
+            AnyState::Dsv41Gpu(s) => Ok(AnyState::Dsv41Gpu(Box::new(s.try_clone()?))),
             st => Ok(st.clone()),
         }
     }
@@ -517,7 +551,10 @@ impl<'a> AnyModel<'a> {
         match (&mut *st, snap) {
             (AnyState::Qwen4Gpu(s), AnyState::Qwen4Gpu(snap)) => Ok(s.restore(snap)?),
             (AnyState::Dsv4Gpu(s), AnyState::Dsv4Gpu(snap)) => Ok(s.restore(snap)?),
-            (AnyState::Qwen4Gpu(_) | AnyState::Dsv4Gpu(_), _) => Err(ForwardError::StateMismatch),
+            (AnyState::Dsv41Gpu(s), AnyState::Dsv41Gpu(snap)) => Ok(s.restore(snap)?),
+            (AnyState::Qwen4Gpu(_) | AnyState::Dsv4Gpu(_) | AnyState::Dsv41Gpu(_), _) => {
+                Err(ForwardError::StateMismatch)
+            }
             _ => {
                 *st = snap.clone();
                 Ok(())
@@ -540,6 +577,7 @@ impl AnyState {
             AnyState::Dsv41(s) => s.pos,
             AnyState::Qwen4Gpu(s) => s.pos,
             AnyState::Dsv4Gpu(s) => s.pos,
+            AnyState::Dsv41Gpu(s) => s.pos,
         }
     }
 
@@ -551,6 +589,7 @@ impl AnyState {
             AnyState::Dsv41(s) => s.bytes() as u64,
             AnyState::Qwen4Gpu(s) => s.bytes(),
             AnyState::Dsv4Gpu(s) => s.bytes(),
+            AnyState::Dsv41Gpu(s) => s.bytes(),
         }
     }
 }

@@ -262,7 +262,8 @@ pub fn drafter<'m>(
         }
         crate::model::AnyModel::Dsv4(_)
         | crate::model::AnyModel::Dsv41(_)
-        | crate::model::AnyModel::Dsv4Gpu(_) => "drafting is built for qwen4_exp models only",
+        | crate::model::AnyModel::Dsv4Gpu(_)
+        | crate::model::AnyModel::Dsv41Gpu(_) => "drafting is built for qwen4_exp models only",
     };
     match mode {
         MtpMode::Auto => {

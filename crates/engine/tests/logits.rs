@@ -220,7 +220,7 @@ fn logits_of_a_deepseek_v4_model_match_transformers() {
 
 /// `cortiq logits --backend wgpu` on a conversion that keeps every weight exact (`--quant
 /// bf16` for the qwen4_exp fixtures, whose checkpoints are bf16; `--quant source` for the
-/// deepseek_v4 ones, whose release layout mixes FP8, FP4, bf16 and f32) against
+/// deepseek_v4 and deepseek_v41 ones, whose release layout mixes FP8, FP4, bf16 and f32) against
 /// transformers' f32 logits within 1e-4 x max|logit|, prefill and `--decode-from K`; the
 /// model must have run on the device (the backend named in the placement). Needs a GPU (lavapipe in CI; skipped
 /// without one unless `CORTIQ_REQUIRE_GPU=1`).
@@ -250,6 +250,8 @@ fn gpu_logits_on_exact_conversions_match_transformers() {
         ("deepseek_v4_a", Profile::Source),
         ("deepseek_v4_b", Profile::Source),
         ("deepseek_v4_c", Profile::Source),
+        ("deepseek_v41_a", Profile::Source),
+        ("deepseek_v41_b", Profile::Source),
     ];
     for (case, profile) in cases {
         let cmf = dir.path().join(format!("{case}.cmf"));

@@ -102,6 +102,12 @@ ops! {
     DsIndex => "ds_index",
     /// DeepSeek's attention over the sliding window, the compressed entries and the sink.
     DsAttend => "ds_attend",
+    /// DeepSeek-V4.1's FP8/FP4 fake quantisers (and a KV source's publish of its groups).
+    DsQat => "ds_qat",
+    /// DeepSeek-V4.1's two-level top-k: the candidate blocks.
+    DsBlocks => "ds_blocks",
+    /// DeepSeek-V4.1's Engram gate and stream update.
+    EngramGate => "engram_gate",
 }
 
 impl Op {

@@ -235,11 +235,11 @@ pub(crate) fn grouped_out(
     linear(&w.o_b, &mid, t)
 }
 
-/// A layer's attention on the device: the query path (`q_a`, its norm, `q_b`, the per-head
-/// unweighted norm, RoPE), the K = V latent into the window ring, the compressor and indexer,
-/// `ds_attend`, V's RoPE undone, and the grouped output projection (`o_a`'s groups as a bank
-/// of the grouped kernel: slot `(row, g)` reads the row's group `g` of heads), then `o_b`.
-pub struct AttnGpu {
+/// The projections of a layer's attention on the device (V4's and V4.1's): the query path
+/// (`q_a`, its norm, `q_b`), the K = V latent (`kv`, its norm), the sinks, and the output
+/// (`o_a`'s groups as a bank of the grouped kernel: slot `(row, g)` reads the row's group `g`
+/// of heads, then `o_b`).
+pub struct AttnProj {
     q_a: std::sync::Arc<gpu_runtime::GpuMatrix>,
     q_a_norm: (wgpu::Buffer, usize),
     q_b: std::sync::Arc<gpu_runtime::GpuMatrix>,
@@ -247,7 +247,103 @@ pub struct AttnGpu {
     kv_norm: (wgpu::Buffer, usize),
     o_a: gpu_runtime::ops::experts::ExpertBank,
     o_b: std::sync::Arc<gpu_runtime::GpuMatrix>,
-    sinks: wgpu::Buffer,
+    /// The heads' sink logits.
+    pub sinks: wgpu::Buffer,
+}
+
+impl AttnProj {
+    /// Uploads `w`'s projections.
+    pub fn new(
+        dev: &crate::device::Device,
+        w: &AttnWeights<'_>,
+    ) -> Result<AttnProj, gpu_runtime::GpuError> {
+        let groups: Vec<model_core::Mat<'_>> = (0..w.o_a.groups())
+            .map(|g| {
+                model_core::Mat::new(format!("{}#{g}", w.o_a.name()), usize::MAX, w.o_a.group(g))
+            })
+            .collect();
+        let refs: Vec<&model_core::Mat<'_>> = groups.iter().collect();
+        Ok(AttnProj {
+            q_a: dev.mat(&w.q_a)?,
+            q_a_norm: (dev.vec("q_a_norm", &w.q_a_norm), w.q_a_norm.len()),
+            q_b: dev.mat(&w.q_b)?,
+            kv: dev.mat(&w.kv)?,
+            kv_norm: (dev.vec("kv_norm", &w.kv_norm), w.kv_norm.len()),
+            o_a: dev.bank(&refs)?,
+            o_b: dev.mat(&w.o_b)?,
+            sinks: dev.vec("sinks", &w.sinks),
+        })
+    }
+
+    /// From `e.s.u` (`nt` rows): `q_res` into `e.s.q_res`, the queries into `e.s.q` (with
+    /// V4's per-head unweighted norm when `head_norm`; `nh` heads of `dh`), the normed
+    /// latents into `e.s.kv`; all before RoPE.
+    pub fn encode_in(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        (nh, dh): (usize, usize),
+        eps: f32,
+        head_norm: bool,
+    ) -> Result<(), gpu_runtime::GpuError> {
+        use gpu_runtime::Epilogue;
+        let s = e.s;
+        let nt = e.nt;
+        let plain = model_core::device::NormWeight::Plain;
+        // `o` holds the raw projections until attention writes it.
+        e.matvec(&self.q_a, &s.u, &s.o, nt, Epilogue::None)?;
+        let (qn, ql) = (&self.q_a_norm.0, self.q_a_norm.1);
+        e.rms_norm_kind(&s.o, (qn, ql), &s.q_res, nt, ql, eps, plain)?;
+        if head_norm {
+            e.matvec(&self.q_b, &s.q_res, &s.o, nt, Epilogue::None)?;
+            e.rms_norm_unweighted(&s.o, &s.q, nt * nh, dh, eps)?;
+        } else {
+            e.matvec(&self.q_b, &s.q_res, &s.q, nt, Epilogue::None)?;
+        }
+        e.matvec(&self.kv, &s.u, &s.ckv, nt, Epilogue::None)?;
+        let (kn, kl) = (&self.kv_norm.0, self.kv_norm.1);
+        e.rms_norm_kind(&s.ckv, (kn, kl), &s.kv, nt, kl, eps, plain)
+    }
+
+    /// From the attention output `e.s.o` (`nh` heads of `dh`, V still rotated by the table
+    /// `cs` of `pairs` pairs): V's RoPE undone, the grouped output projection into `e.s.y`.
+    pub fn encode_out(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        (nh, dh): (usize, usize),
+        (cs, pairs): (&wgpu::Buffer, usize),
+    ) -> Result<(), gpu_runtime::GpuError> {
+        use gpu_runtime::Epilogue;
+        let s = e.s;
+        let nt = e.nt;
+        let p = [
+            (nt * nh * pairs) as u32,
+            nh as u32,
+            dh as u32,
+            pairs as u32,
+            1,
+        ];
+        e.op_lanes(kernels_wgsl::Op::DsRope, &p, &[&s.o, cs], nt * nh * pairs)?;
+        let groups = self.o_a.count;
+        let slots = nt * groups;
+        e.grouped(
+            &self.o_a,
+            &s.o,
+            slots,
+            &s.o_ids,
+            &s.o_mid,
+            slots,
+            1,
+            Epilogue::None,
+        )?;
+        e.matvec(&self.o_b, &s.o_mid, &s.y, nt, Epilogue::None)
+    }
+}
+
+/// A layer's attention on the device: the projections ([`AttnProj`], V4's per-head query
+/// norm), RoPE, the K = V latent into the window ring, the compressor and indexer,
+/// `ds_attend`, and the output.
+pub struct AttnGpu {
+    proj: AttnProj,
     comp: Option<crate::compressor::CompGpu>,
     index: Option<crate::indexer::IndexGpu>,
     kind: AttnKind,
@@ -301,21 +397,8 @@ impl AttnGpu {
             Some(iw) => Some(crate::indexer::IndexGpu::new(dev, iw, c, rate)?),
             None => None,
         };
-        let groups: Vec<model_core::Mat<'_>> = (0..w.o_a.groups())
-            .map(|g| {
-                model_core::Mat::new(format!("{}#{g}", w.o_a.name()), usize::MAX, w.o_a.group(g))
-            })
-            .collect();
-        let refs: Vec<&model_core::Mat<'_>> = groups.iter().collect();
         Ok(AttnGpu {
-            q_a: dev.mat(&w.q_a)?,
-            q_a_norm: (dev.vec("q_a_norm", &w.q_a_norm), w.q_a_norm.len()),
-            q_b: dev.mat(&w.q_b)?,
-            kv: dev.mat(&w.kv)?,
-            kv_norm: (dev.vec("kv_norm", &w.kv_norm), w.kv_norm.len()),
-            o_a: dev.bank(&refs)?,
-            o_b: dev.mat(&w.o_b)?,
-            sinks: dev.vec("sinks", &w.sinks),
+            proj: AttnProj::new(dev, w)?,
             comp,
             index,
             kind,
@@ -349,22 +432,12 @@ impl AttnGpu {
         ctx_len: usize,
     ) -> Result<(), gpu_runtime::GpuError> {
         use crate::config::AttnKind::*;
-        use gpu_runtime::Epilogue;
         use kernels_wgsl::Op;
         let s = e.s;
         let (nh, dh) = (c.num_attention_heads, c.head_dim);
         let eps = c.rms_norm_eps as f32;
-        let plain = model_core::device::NormWeight::Plain;
         let (cs, pairs) = ropes.of(self.kind);
-        // `o` holds the raw projections until attention writes it.
-        e.matvec(&self.q_a, &s.u, &s.o, nt, Epilogue::None)?;
-        let (qn, ql) = (&self.q_a_norm.0, self.q_a_norm.1);
-        e.rms_norm_kind(&s.o, (qn, ql), &s.q_res, nt, ql, eps, plain)?;
-        e.matvec(&self.q_b, &s.q_res, &s.o, nt, Epilogue::None)?;
-        e.rms_norm_unweighted(&s.o, &s.q, nt * nh, dh, eps)?;
-        e.matvec(&self.kv, &s.u, &s.ckv, nt, Epilogue::None)?;
-        let (kn, kl) = (&self.kv_norm.0, self.kv_norm.1);
-        e.rms_norm_kind(&s.ckv, (kn, kl), &s.kv, nt, kl, eps, plain)?;
+        self.proj.encode_in(e, (nh, dh), eps, true)?;
         let p = [
             (nt * nh * pairs) as u32,
             nh as u32,
@@ -404,28 +477,8 @@ impl AttnGpu {
             (dh as f32).powf(-0.5).to_bits(),
         ];
         let ent = st.comp.as_ref().map_or(&s.scores, |x| &x.entries);
-        let bufs = [&s.q, &st.window, ent, &s.sel, &self.sinks, &s.lg, &s.o];
+        let bufs = [&s.q, &st.window, ent, &s.sel, &self.proj.sinks, &s.lg, &s.o];
         e.op(Op::DsAttend, &p, &bufs, (nh as u32, nt as u32))?;
-        let p = [
-            (nt * nh * pairs) as u32,
-            nh as u32,
-            dh as u32,
-            pairs as u32,
-            1,
-        ];
-        e.op_lanes(Op::DsRope, &p, &[&s.o, cs], nt * nh * pairs)?;
-        let groups = self.o_a.count;
-        let slots = nt * groups;
-        e.grouped(
-            &self.o_a,
-            &s.o,
-            slots,
-            &s.o_ids,
-            &s.o_mid,
-            slots,
-            1,
-            Epilogue::None,
-        )?;
-        e.matvec(&self.o_b, &s.o_mid, &s.y, nt, Epilogue::None)
+        self.proj.encode_out(e, (nh, dh), (cs, pairs))
     }
 }

@@ -84,8 +84,83 @@ pub struct Scratch {
     pub so: wgpu::Buffer,
     /// The logits `[8, vocab]`.
     pub logits: wgpu::Buffer,
+    /// V4.1: the attention site's maps `[8, (2+N)*N]` (`maps` holds the MoE site's: each
+    /// site's collapse reads the other's `pre`).
+    pub maps2: wgpu::Buffer,
+    /// V4.1: the one-hot `pre` before the first layer (stream 0), in the maps' layout.
+    pub onehot: wgpu::Buffer,
+    /// V4.1: a KV source's pre-RoPE latents of the frame's candidate groups `[8, max(Dh, Di)]`.
+    pub lat: wgpu::Buffer,
+    /// V4.1: their indexer keys before publishing `[8, Di]`.
+    pub klat: wgpu::Buffer,
+    /// V4.1: the candidate source's entry mask `[8, max entries]`.
+    pub cand: wgpu::Buffer,
+    /// V4.1: the candidate source's block scores `[8, max entries]`.
+    pub bsc: wgpu::Buffer,
+    /// V4.1: an Engram layer's keys and value `[8, (N+1)*D]`.
+    pub ekv: wgpu::Buffer,
     /// Entries the finest compressor holds at most (the row stride of `lg`).
     pub maxe: usize,
+}
+
+/// The widths the scratch is sized for (either architecture's config).
+#[derive(Debug, Clone)]
+pub struct ScratchDims {
+    /// `hc_mult`.
+    pub n: usize,
+    /// `hidden_size`.
+    pub d: usize,
+    /// `num_attention_heads`.
+    pub nh: usize,
+    /// `head_dim`.
+    pub dh: usize,
+    /// `index_n_heads`.
+    pub ni: usize,
+    /// `index_head_dim`.
+    pub di: usize,
+    /// `q_lora_rank`.
+    pub q_lora: usize,
+    /// `o_groups`.
+    pub groups: usize,
+    /// `o_lora_rank`.
+    pub o_lora: usize,
+    /// `sliding_window`.
+    pub window: usize,
+    /// The smallest compression rate of any layer (`None`: no compressed layer).
+    pub min_rate: Option<usize>,
+    /// `n_routed_experts`.
+    pub experts: usize,
+    /// `num_experts_per_tok`.
+    pub top_k: usize,
+    /// `moe_intermediate_size`.
+    pub inter: usize,
+    /// `vocab_size`.
+    pub vocab: usize,
+}
+
+impl ScratchDims {
+    /// A deepseek_v4 config's.
+    pub fn v4(c: &DeepseekV4Config) -> ScratchDims {
+        ScratchDims {
+            n: c.hc_mult,
+            d: c.hidden_size,
+            nh: c.num_attention_heads,
+            dh: c.head_dim,
+            ni: c.index_n_heads,
+            di: c.index_head_dim,
+            q_lora: c.q_lora_rank,
+            groups: c.o_groups,
+            o_lora: c.o_lora_rank,
+            window: c.sliding_window,
+            min_rate: (0..c.num_hidden_layers)
+                .filter_map(|il| c.rate(c.attn_kind(il)))
+                .min(),
+            experts: c.n_routed_experts,
+            top_k: c.num_experts_per_tok,
+            inter: c.moe_intermediate_size,
+            vocab: c.vocab_size,
+        }
+    }
 }
 
 /// Entries a compressor of `rate` can hold in a context of `ctx_len` positions.
@@ -96,7 +171,12 @@ pub fn max_entries(ctx_len: usize, rate: usize) -> usize {
 /// Rows of a sliding window's ring: the window, plus a frame's rows written before its first
 /// query reads (a query at `p` reads `p + 1 - window ..= p`; the frame writes up to `p + 7`).
 pub fn window_ring(c: &DeepseekV4Config) -> usize {
-    c.sliding_window + MAX_BATCH
+    ring_of(c.sliding_window)
+}
+
+/// [`window_ring`] of a window of `window` positions.
+pub fn ring_of(window: usize) -> usize {
+    window + MAX_BATCH
 }
 
 /// Rows of a compressor's projection ring: the window the next entry overlaps, its own, and a
@@ -108,19 +188,21 @@ pub fn comp_ring(rate: usize) -> usize {
 impl Scratch {
     /// Sized for `c` and contexts of `ctx_len`.
     pub fn new(ctx: &GpuContext, c: &DeepseekV4Config, ctx_len: usize) -> Scratch {
+        Scratch::with(ctx, &ScratchDims::v4(c), ctx_len)
+    }
+
+    /// Sized for `dims` and contexts of `ctx_len`.
+    pub fn with(ctx: &GpuContext, c: &ScratchDims, ctx_len: usize) -> Scratch {
         let b = MAX_BATCH;
-        let (n, d) = (c.hc_mult, c.hidden_size);
-        let (nh, dh, di) = (c.num_attention_heads, c.head_dim, c.index_head_dim);
+        let (n, d) = (c.n, c.d);
+        let (nh, dh, di) = (c.nh, c.dh, c.di);
         let m = (2 + n) * n;
-        let min_rate = (0..c.num_hidden_layers)
-            .filter_map(|il| c.rate(c.attn_kind(il)))
-            .min()
-            .unwrap_or(ctx_len.max(1));
-        let maxe = max_entries(ctx_len, min_rate).max(1);
-        let (k, i) = (c.num_experts_per_tok, c.moe_intermediate_size);
-        let groups = c.o_groups;
+        let maxe = max_entries(ctx_len, c.min_rate.unwrap_or(ctx_len.max(1))).max(1);
+        let (k, i) = (c.top_k, c.inter);
+        let groups = c.groups;
         let s = |l: &str, len: usize| graph::storage(ctx, l, len);
         let o_ids: Vec<u32> = (0..b * groups).map(|x| (x % groups) as u32).collect();
+        let onehot: Vec<f32> = (0..b * m).map(|x| f32::from(x % m == 0)).collect();
         Scratch {
             x: s("x", b * n * d),
             x_last: s("x last", n * d),
@@ -130,20 +212,20 @@ impl Scratch {
             u: s("u", b * d),
             y: s("y", b * d),
             tokens: s("tokens", b),
-            q_res: s("q_res", b * c.q_lora_rank),
+            q_res: s("q_res", b * c.q_lora),
             q: s("q", b * nh * dh),
             kv: s("kv", b * dh),
             ckv: s("ckv", b * 2 * dh.max(di)),
             cgate: s("cgate", b * 2 * dh.max(di)),
-            qi: s("qi", b * c.index_n_heads * di),
-            iw: s("iw", b * c.index_n_heads),
+            qi: s("qi", b * c.ni * di),
+            iw: s("iw", b * c.ni),
             scores: s("scores", b * maxe),
             sel: s("sel", b * maxe),
-            lg: s("lg", b * nh * (c.sliding_window + maxe)),
+            lg: s("lg", b * nh * (c.window + maxe)),
             o: s("o", b * nh * dh),
-            o_mid: s("o mid", b * groups * c.o_lora_rank),
+            o_mid: s("o mid", b * groups * c.o_lora),
             o_ids: graph::upload_words(ctx, "o groups", &o_ids),
-            logits_e: s("router logits", b * c.n_routed_experts),
+            logits_e: s("router logits", b * c.experts),
             ids: s("ids", b * k),
             wts: s("wts", b * k),
             bank_ids: s("bank ids", b * k),
@@ -155,7 +237,14 @@ impl Scratch {
             su: s("su", b * i),
             sm: s("sm", b * i),
             so: s("so", b * d),
-            logits: s("logits", b * c.vocab_size),
+            logits: s("logits", b * c.vocab),
+            maps2: s("maps2", b * m),
+            onehot: graph::upload_f32(ctx, "one-hot pre", &onehot),
+            lat: s("latents", b * dh.max(di)),
+            klat: s("key latents", b * di),
+            cand: s("candidates", b * maxe),
+            bsc: s("block scores", b * maxe),
+            ekv: s("engram kv", b * (n + 1) * d),
             maxe,
         }
     }

@@ -6,6 +6,11 @@
 //! goes up in the frame uniform, the host writes the embedding rows and token ids and reads
 //! back the logits. Block by block it is the CPU forward ([`crate::forward`]): the same trace
 //! names, compared in the tests.
+//!
+//! What differs between deepseek_v4 and deepseek_v41 on the device is a [`Variant`]: the
+//! non-expert blocks it uploads, the caches a sequence holds, the host inputs of a frame (V4.1's
+//! Engram rows) and how a frame is encoded. The rest (the global expert bank, the cold path,
+//! the learned cache, frames, snapshots) is this module's, shared.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -28,6 +33,7 @@ use crate::forward::{ForwardError, Model};
 use crate::hc::{self, HcDims, HcGpu};
 use crate::moe::{GlobalBank, MoeGpu, NONE_SLOT, Router};
 use crate::ops::Rope;
+use crate::weights::MoeWeights;
 
 static NEXT_UID: AtomicU64 = AtomicU64::new(2 << 40);
 
@@ -37,16 +43,9 @@ static NEXT_UID: AtomicU64 = AtomicU64::new(2 << 40);
 /// small experts let every layer admit one.
 pub const ADMIT_BYTES: u64 = 32 << 20;
 
-struct LayerGpu {
-    attn_hc: HcGpu,
-    attn: AttnGpu,
-    ffn_hc: HcGpu,
-    moe: MoeGpu,
-}
-
 /// What a frame computes after the layers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-enum Head {
+pub enum Head {
     /// Nothing (a prefill frame before the last).
     None,
     /// The logits of every row.
@@ -55,18 +54,333 @@ enum Head {
     Last,
 }
 
-/// A model whose weights live on the device, with the CPU model it was uploaded from (the
-/// embedding rows are gathered from that one's mapped file).
-pub struct GpuModel<'a> {
-    /// The CPU model.
-    pub model: Model<'a>,
-    res: Resident,
-    traced: AtomicBool,
+/// The widths the shared machinery needs.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    /// Decoder layers.
+    pub layers: usize,
+    /// `n_routed_experts`.
+    pub experts: usize,
+    /// `num_experts_per_tok`.
+    pub top_k: usize,
+    /// `hidden_size`.
+    pub hidden: usize,
+    /// `hc_mult`.
+    pub hc_mult: usize,
+    /// `moe_intermediate_size`.
+    pub inter: usize,
+    /// `vocab_size`.
+    pub vocab: usize,
 }
 
-struct Resident {
+/// The [`Shape`] of a config (V4's and V4.1's name the fields alike).
+macro_rules! shape_of {
+    ($c:expr) => {
+        $crate::gpu::Shape {
+            layers: $c.num_hidden_layers,
+            experts: $c.n_routed_experts,
+            top_k: $c.num_experts_per_tok,
+            hidden: $c.hidden_size,
+            hc_mult: $c.hc_mult,
+            inter: $c.moe_intermediate_size,
+            vocab: $c.vocab_size,
+        }
+    };
+}
+pub(crate) use shape_of;
+
+/// One sequence's device caches of a [`Variant`].
+pub trait Caches: Sized + Send {
+    /// Every buffer in a fixed order (what a snapshot copies).
+    fn buffers(&self) -> Vec<&wgpu::Buffer>;
+    /// The same caches in new buffers made by `dup` (contents copied afterwards).
+    fn dup(&self, dup: &dyn Fn(&wgpu::Buffer) -> wgpu::Buffer) -> Self;
+}
+
+/// What deepseek_v4 and deepseek_v41 do differently on the device.
+pub trait Variant<'a>: Sized {
+    /// The CPU forward's error (a device failure converts into it).
+    type Error: From<ForwardError>
+        + From<model_core::InputError>
+        + std::error::Error
+        + Send
+        + Sync
+        + 'static;
+    /// The device weights of everything but the routed experts (and the MoE blocks).
+    type Blocks: Send + Sync;
+    /// One sequence's device caches.
+    type Caches: Caches;
+    /// One sequence's host state between frames.
+    type Host: Clone + Send;
+
+    /// The widths.
+    fn shape(&self) -> Shape;
+    /// Layer `il`'s MoE weights (the routed experts the CPU runs when cold).
+    fn moe(&self, il: usize) -> &MoeWeights<'a>;
+    /// The embedding.
+    fn embed(&self) -> &model_core::Mat<'a>;
+    /// The router's constants.
+    fn router(&self) -> Router;
+    /// Uploads the blocks for contexts of `ctx_len` (refusing a geometry the kernels do not
+    /// take), and sizes the frame scratch.
+    fn upload_blocks(
+        &self,
+        dev: &Device,
+        ctx_len: usize,
+    ) -> Result<(Self::Blocks, Scratch), GpuError>;
+    /// An empty sequence's caches.
+    fn caches(&self, b: &Self::Blocks, ctx: &GpuContext, ctx_len: usize) -> Self::Caches;
+    /// An empty sequence's host state.
+    fn host(&self) -> Self::Host;
+    /// Checks a frame's `tokens` and writes its host-side inputs (beyond the embedding rows
+    /// and token ids), advancing `host`.
+    fn inputs(
+        &self,
+        b: &Self::Blocks,
+        ctx: &GpuContext,
+        tokens: &[u32],
+        host: &mut Self::Host,
+    ) -> Result<(), Self::Error>;
+    /// Records a frame of `nt` rows on the caches `st` (the streams in `e.s.x`), its MoE
+    /// blocks `moe`, then what `head` asks for into `e.s.logits`.
+    #[allow(clippy::too_many_arguments)]
+    fn encode(
+        &self,
+        b: &Self::Blocks,
+        moe: &[MoeGpu],
+        bank: Option<&GlobalBank>,
+        e: &mut Enc<'_>,
+        st: &Self::Caches,
+        head: Head,
+        ctx_len: usize,
+    ) -> Result<(), GpuError>;
+}
+
+/// deepseek_v4's blocks on the device.
+pub struct V4Blocks {
+    layers: Vec<(HcGpu, AttnGpu, HcGpu)>,
+    head: HcGpu,
+    lm_head: Arc<GpuMatrix>,
+    ropes: RopeGpu,
+}
+
+/// deepseek_v4's caches: each layer's.
+pub struct V4Caches(Vec<AttnDeviceState>);
+
+impl Caches for V4Caches {
+    fn buffers(&self) -> Vec<&wgpu::Buffer> {
+        self.0.iter().flat_map(|l| l.buffers()).collect()
+    }
+
+    fn dup(&self, dup: &dyn Fn(&wgpu::Buffer) -> wgpu::Buffer) -> Self {
+        let comp = |c: &crate::compressor::CompDeviceState| crate::compressor::CompDeviceState {
+            kv: dup(&c.kv),
+            gate: dup(&c.gate),
+            entries: dup(&c.entries),
+        };
+        V4Caches(
+            self.0
+                .iter()
+                .map(|l| AttnDeviceState {
+                    window: dup(&l.window),
+                    comp: l.comp.as_ref().map(comp),
+                    index: l.index.as_ref().map(comp),
+                })
+                .collect(),
+        )
+    }
+}
+
+impl<'a> Variant<'a> for Model<'a> {
+    type Error = ForwardError;
+    type Blocks = V4Blocks;
+    type Caches = V4Caches;
+    type Host = ();
+
+    fn shape(&self) -> Shape {
+        shape_of!(self.config)
+    }
+
+    fn moe(&self, il: usize) -> &MoeWeights<'a> {
+        &self.weights.layers[il].moe
+    }
+
+    fn embed(&self) -> &model_core::Mat<'a> {
+        &self.weights.embed_tokens
+    }
+
+    fn router(&self) -> Router {
+        Router::of(&self.config)
+    }
+
+    fn upload_blocks(&self, dev: &Device, ctx_len: usize) -> Result<(V4Blocks, Scratch), GpuError> {
+        let c = &self.config;
+        let w = &self.weights;
+        let (nh, dh, di) = (c.num_attention_heads, c.head_dim, c.index_head_dim);
+        // The attention's scratch reuse: `o` holds `q_a`'s and `q_b`'s raw outputs, `ckv`
+        // the latent's.
+        if c.q_lora_rank > nh * dh || c.hc_mult > 8 || ctx_len == 0 {
+            return Err(unsupported(format!(
+                "q_lora_rank {} > heads x head_dim {}, hc_mult {} > 8, or ctx {ctx_len}",
+                c.q_lora_rank,
+                nh * dh,
+                c.hc_mult
+            )));
+        }
+        if (nh * dh) % c.o_groups != 0 || di > 2 * dh.max(di) {
+            return Err(unsupported(format!(
+                "{nh} heads of {dh} in {} groups",
+                c.o_groups
+            )));
+        }
+        let dims = HcDims {
+            n: c.hc_mult,
+            d: c.hidden_size,
+            norm_eps: c.rms_norm_eps as f32,
+            hc_eps: c.hc_eps as f32,
+            iters: c.hc_sinkhorn_iters,
+        };
+        let head = HcGpu::head(dev, &w.hc_head, &w.norm, &dims)?;
+        let lm_head = dev.mat(&w.lm_head)?;
+        let layers = w
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(il, lw)| {
+                Ok((
+                    HcGpu::site(dev, &lw.attn_hc, &lw.input_layernorm, &dims)?,
+                    AttnGpu::new(dev, &lw.attn, c, c.attn_kind(il))?,
+                    HcGpu::site(dev, &lw.ffn_hc, &lw.post_attention_layernorm, &dims)?,
+                ))
+            })
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        let main = Rope::new(c.rope_main(), dh);
+        let compress = Rope::new(c.rope_compress(), dh);
+        let blocks = V4Blocks {
+            layers,
+            head,
+            lm_head,
+            ropes: RopeGpu::new(&dev.ctx, &main, &compress, ctx_len),
+        };
+        Ok((blocks, Scratch::new(&dev.ctx, c, ctx_len)))
+    }
+
+    fn caches(&self, b: &V4Blocks, ctx: &GpuContext, ctx_len: usize) -> V4Caches {
+        let c = &self.config;
+        V4Caches(
+            b.layers
+                .iter()
+                .map(|(_, attn, _)| attn.state(ctx, c, ctx_len))
+                .collect(),
+        )
+    }
+
+    fn host(&self) {}
+
+    fn inputs(
+        &self,
+        _: &V4Blocks,
+        _: &GpuContext,
+        _: &[u32],
+        _: &mut (),
+    ) -> Result<(), ForwardError> {
+        Ok(())
+    }
+
+    fn encode(
+        &self,
+        b: &V4Blocks,
+        moe: &[MoeGpu],
+        bank: Option<&GlobalBank>,
+        e: &mut Enc<'_>,
+        st: &V4Caches,
+        head: Head,
+        ctx_len: usize,
+    ) -> Result<(), GpuError> {
+        let c = &self.config;
+        let (n, d) = (c.hc_mult, c.hidden_size);
+        let s = e.s;
+        let nt = e.nt;
+        for (il, ((attn_hc, attn, ffn_hc), moe)) in b.layers.iter().zip(moe).enumerate() {
+            attn_hc.encode_pre(e, &s.x, nt)?;
+            e.tap(ATTN_INPUT, il, &s.u, nt * d);
+            e.g.mark("mhc");
+            attn.encode(e, c, &b.ropes, &st.0[il], nt, ctx_len)?;
+            e.tap(ATTN_OUT, il, &s.y, nt * d);
+            e.g.mark("attn");
+            attn_hc.encode_post(e, &s.x, nt)?;
+            e.tap(ATTN_STREAMS, il, &s.x, nt * n * d);
+            ffn_hc.encode_pre(e, &s.x, nt)?;
+            e.tap(MLP_INPUT, il, &s.u, nt * d);
+            e.g.mark("mhc");
+            moe.encode(e, bank, nt, il)?;
+            e.tap(MOE_OUT, il, &s.y, nt * d);
+            e.g.mark("moe");
+            ffn_hc.encode_post(e, &s.x, nt)?;
+            e.tap(LAYER_OUT, il, &s.x, nt * n * d);
+            e.g.mark("mhc");
+        }
+        encode_head(
+            e,
+            c.num_hidden_layers,
+            (n, d, c.vocab_size),
+            head,
+            &b.lm_head,
+            |e, x, rows| b.head.encode_pre(e, x, rows),
+        )
+    }
+}
+
+/// The head of a frame after the layers (none, every row, or the last row's streams copied
+/// out first): `collapse` writes the normed rows into `e.s.u`, `lm_head` the logits.
+pub(crate) fn encode_head(
+    e: &mut Enc<'_>,
+    nl: usize,
+    (n, d, vocab): (usize, usize, usize),
+    head: Head,
+    lm_head: &GpuMatrix,
+    collapse: impl FnOnce(&mut Enc<'_>, &wgpu::Buffer, usize) -> Result<(), GpuError>,
+) -> Result<(), GpuError> {
+    let s = e.s;
+    let nt = e.nt;
+    let rows = match head {
+        Head::None => return Ok(()),
+        Head::All => {
+            collapse(e, &s.x, nt)?;
+            nt
+        }
+        Head::Last => {
+            let off = ((nt - 1) * n * d) as u32;
+            e.map(3, off, &s.x, &s.u, &s.x_last, n * d)?;
+            collapse(e, &s.x_last, 1)?;
+            1
+        }
+    };
+    e.tap(HEAD_OUT, nl, &s.u, rows * d);
+    e.matvec(lm_head, &s.u, &s.logits, rows, Epilogue::None)?;
+    e.tap(LOGITS, nl, &s.logits, rows * vocab);
+    e.g.mark("head");
+    Ok(())
+}
+
+/// A model whose weights live on the device, with the CPU model it was uploaded from (the
+/// embedding rows are gathered from that one's mapped file, the cold experts computed from
+/// it): deepseek_v4 ([`Model`], the default) or deepseek_v41 ([`crate::v41::Model`]).
+///
+/// `B` is `M`'s [`Variant::Blocks`], spelled out so that the model stays covariant in `'a`
+/// (an associated type would pin it).
+pub struct GpuModel<'a, M = Model<'a>, B = V4Blocks> {
+    /// The CPU model.
+    pub model: M,
+    res: Resident<B>,
+    traced: AtomicBool,
+    _a: std::marker::PhantomData<&'a ()>,
+}
+
+struct Resident<B> {
     dev: Device,
-    layers: Vec<LayerGpu>,
+    blocks: B,
+    moe: Vec<MoeGpu>,
     /// Every layer's resident routed experts (`None` when none is).
     bank: Option<GlobalBank>,
     /// The cold path's readback: a layer's cold list `[8k]`, its routed experts `[8k]`, then
@@ -88,23 +402,20 @@ struct Resident {
     team: Option<quant_codecs::team::Team>,
     /// Counters of the cold path.
     stats: ColdCounters,
-    head: HcGpu,
-    lm_head: Arc<GpuMatrix>,
-    ropes: RopeGpu,
     scratch: Scratch,
     ctx_len: usize,
     uid: u64,
 }
 
 /// A model that could not go to the device, handed back with the reason.
-pub struct Unplaced<'a> {
+pub struct Unplaced<M> {
     /// The CPU model.
-    pub model: Model<'a>,
+    pub model: M,
     /// Why.
     pub error: GpuError,
 }
 
-impl std::fmt::Debug for Unplaced<'_> {
+impl<M> std::fmt::Debug for Unplaced<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Unplaced({})", self.error)
     }
@@ -167,90 +478,58 @@ struct ColdCounters {
     admitted: AtomicU64,
 }
 
-impl<'a> GpuModel<'a> {
+impl<'a, B, M: Variant<'a, Blocks = B>> GpuModel<'a, M, B> {
     /// Uploads `model` to `ctx` for sequences of up to `ctx_len` tokens, as many routed
     /// experts resident as the budget holds; on any failure (a geometry the kernels do not
     /// take, the VRAM budget, a pipeline the driver rejects) the CPU model comes back with the
     /// error.
     pub fn new(
-        model: Model<'a>,
+        model: M,
         ctx: Arc<GpuContext>,
         ctx_len: usize,
-    ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
+    ) -> Result<GpuModel<'a, M, B>, Box<Unplaced<M>>> {
         Self::with_experts(model, ctx, ctx_len, &ExpertPlacement::default())
     }
 
     /// [`GpuModel::new`] with the routed experts placed as `place` says.
     pub fn with_experts(
-        model: Model<'a>,
+        model: M,
         ctx: Arc<GpuContext>,
         ctx_len: usize,
         place: &ExpertPlacement,
-    ) -> Result<GpuModel<'a>, Box<Unplaced<'a>>> {
+    ) -> Result<GpuModel<'a, M, B>, Box<Unplaced<M>>> {
         match Self::upload(&model, ctx, ctx_len, place) {
             Ok(res) => Ok(GpuModel {
                 model,
                 res,
                 traced: AtomicBool::new(false),
+                _a: std::marker::PhantomData,
             }),
             Err(error) => Err(Box::new(Unplaced { model, error })),
         }
     }
 
     fn upload(
-        model: &Model<'_>,
+        model: &M,
         ctx: Arc<GpuContext>,
         ctx_len: usize,
         place: &ExpertPlacement,
-    ) -> Result<Resident, GpuError> {
-        let c = &model.config;
-        let w = &model.weights;
-        let (nh, dh, di) = (c.num_attention_heads, c.head_dim, c.index_head_dim);
-        // The attention's scratch reuse: `o` holds `q_a`'s and `q_b`'s raw outputs, `ckv`
-        // the latent's.
-        if c.q_lora_rank > nh * dh || c.hc_mult > 8 || ctx_len == 0 {
+    ) -> Result<Resident<B>, GpuError> {
+        let sh = model.shape();
+        if ctx_len == 0 || sh.hc_mult > 8 {
             return Err(unsupported(format!(
-                "q_lora_rank {} > heads x head_dim {}, hc_mult {} > 8, or ctx {ctx_len}",
-                c.q_lora_rank,
-                nh * dh,
-                c.hc_mult
-            )));
-        }
-        if (nh * dh) % c.o_groups != 0 || di > 2 * dh.max(di) {
-            return Err(unsupported(format!(
-                "{nh} heads of {dh} in {} groups",
-                c.o_groups
+                "hc_mult {} > 8, or ctx {ctx_len}",
+                sh.hc_mult
             )));
         }
         let uid = NEXT_UID.fetch_add(1, Ordering::Relaxed);
         let dev = Device::new(ctx.clone(), uid);
-        let dims = HcDims {
-            n: c.hc_mult,
-            d: c.hidden_size,
-            norm_eps: c.rms_norm_eps as f32,
-            hc_eps: c.hc_eps as f32,
-            iters: c.hc_sinkhorn_iters,
-        };
-        let rt = Router::of(c);
+        let rt = model.router();
         // Everything but the routed experts first; what the budget has left is the bank.
-        let head = HcGpu::head(&dev, &w.hc_head, &w.norm, &dims)?;
-        let lm_head = dev.mat(&w.lm_head)?;
-        let parts = w
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(il, lw)| {
-                Ok((
-                    HcGpu::site(&dev, &lw.attn_hc, &lw.input_layernorm, &dims)?,
-                    AttnGpu::new(&dev, &lw.attn, c, c.attn_kind(il))?,
-                    HcGpu::site(&dev, &lw.ffn_hc, &lw.post_attention_layernorm, &dims)?,
-                ))
-            })
-            .collect::<Result<Vec<_>, GpuError>>()?;
-        let scratch = Scratch::new(&ctx, c, ctx_len);
+        let (blocks, scratch) = model.upload_blocks(&dev, ctx_len)?;
         let resident = Self::residency(model, &dev, place)?;
         let (bank, slots) = Self::fill_bank(model, &dev, &resident, place.segment_slots)?;
-        let ne = c.n_routed_experts;
+        let ne = sh.experts;
         let bank_base = resident
             .iter()
             .scan(0, |at, &n| {
@@ -267,37 +546,18 @@ impl<'a> GpuModel<'a> {
                 learns.then(|| LayerCache::new(ne, &(0..n as u32).collect::<Vec<_>>(), None))
             })
             .collect();
-        let layers = parts
-            .into_iter()
-            .zip(&w.layers)
-            .zip(slots)
-            .map(|(((attn_hc, attn, ffn_hc), lw), slots)| {
-                let moe = MoeGpu::new(
-                    &dev,
-                    &lw.moe,
-                    &rt,
-                    &slots,
-                    (c.hidden_size, c.moe_intermediate_size),
-                )?;
-                Ok(LayerGpu {
-                    attn_hc,
-                    attn,
-                    ffn_hc,
-                    moe,
-                })
-            })
+        let moe = slots
+            .iter()
+            .enumerate()
+            .map(|(il, slots)| MoeGpu::new(&dev, model.moe(il), &rt, slots, (sh.hidden, sh.inter)))
             .collect::<Result<Vec<_>, GpuError>>()?;
-        let main = Rope::new(c.rope_main(), dh);
-        let compress = Rope::new(c.rope_compress(), dh);
-        let k = c.num_experts_per_tok;
+        let k = sh.top_k;
         Ok(Resident {
-            head,
-            lm_head,
-            ropes: RopeGpu::new(&ctx, &main, &compress, ctx_len),
+            blocks,
+            moe,
             scratch,
-            layers,
             bank,
-            cold_stage: readback_buffer(&ctx, MAX_BATCH * (2 * k + c.hidden_size)),
+            cold_stage: readback_buffer(&ctx, MAX_BATCH * (2 * k + sh.hidden)),
             bank_base,
             caches: Mutex::new(caches),
             policy: place.policy,
@@ -306,13 +566,19 @@ impl<'a> GpuModel<'a> {
                     .ok()
                     .and_then(|v| v.parse::<u64>().ok())
                     .map_or(ADMIT_BYTES, |m| m << 20);
-                let per = model.weights.layers.first().map_or(1, |l| {
-                    l.moe.routed.experts.first().map_or(1, |x| {
-                        (x.gate_up.bytes().len() + x.down.bytes().len()) as u64
+                let per = (sh.layers > 0)
+                    .then(|| {
+                        model
+                            .moe(0)
+                            .routed
+                            .experts
+                            .first()
+                            .map(|x| (x.gate_up.bytes().len() + x.down.bytes().len()) as u64)
                     })
-                });
+                    .flatten()
+                    .unwrap_or(1);
                 let n = (budget / per.max(1)).max(1) as usize;
-                c.num_hidden_layers.div_ceil(n).max(1)
+                sh.layers.div_ceil(n).max(1)
             },
             frames: AtomicU64::new(0),
             team: (resident.iter().any(|&n| n < ne) && quant_codecs::ops::fast_int8())
@@ -325,13 +591,12 @@ impl<'a> GpuModel<'a> {
     }
 
     /// How many of each layer's routed experts go to the bank.
-    fn residency(
-        model: &Model<'_>,
-        dev: &Device,
-        place: &ExpertPlacement,
-    ) -> Result<Vec<usize>, GpuError> {
-        let c = &model.config;
-        let (nl, ne) = (c.num_hidden_layers, c.n_routed_experts);
+    fn residency(model: &M, dev: &Device, place: &ExpertPlacement) -> Result<Vec<usize>, GpuError> {
+        let sh = model.shape();
+        let (nl, ne) = (sh.layers, sh.experts);
+        let first = (nl > 0)
+            .then(|| model.moe(0).routed.experts.first())
+            .flatten();
         match &place.residency {
             Residency::PerLayer(n) if n.len() == nl => Ok(n.iter().map(|&n| n.min(ne)).collect()),
             Residency::PerLayer(n) => Err(unsupported(format!(
@@ -339,16 +604,9 @@ impl<'a> GpuModel<'a> {
                 n.len()
             ))),
             Residency::Budget => {
-                let per = model.weights.layers.first().map_or(0, |l| {
-                    let pad = |m: &model_core::bind::Mat<'_>| {
-                        (m.bytes().len() as u64).next_multiple_of(16)
-                    };
-                    l.moe
-                        .routed
-                        .experts
-                        .first()
-                        .map_or(0, |x| pad(&x.gate_up) + pad(&x.down))
-                });
+                let pad =
+                    |m: &model_core::bind::Mat<'_>| (m.bytes().len() as u64).next_multiple_of(16);
+                let per = first.map_or(0, |x| pad(&x.gate_up) + pad(&x.down));
                 // The state and the frames' buffers come out of the same budget: keep a
                 // twentieth of it (at least 64 MiB) for them.
                 let budget = dev.budget();
@@ -356,22 +614,20 @@ impl<'a> GpuModel<'a> {
                 let left = budget.saturating_sub(dev.resident_bytes() + reserve);
                 // ... and no more than the bank's segments bind (on a 2 GiB binding limit,
                 // 3,840 of the release's FP4 experts).
-                let cap = model.weights.layers.first().map_or(0, |l| {
-                    l.moe.routed.experts.first().map_or(0, |x| {
-                        [&x.gate_up, &x.down]
-                            .map(|m| {
-                                let m = m.mat();
-                                gpu_runtime::ops::experts::ExpertBank::capacity(
-                                    &dev.ctx,
-                                    m.dtype(),
-                                    m.rows(),
-                                    m.cols(),
-                                )
-                            })
-                            .into_iter()
-                            .min()
-                            .unwrap_or(0)
-                    })
+                let cap = first.map_or(0, |x| {
+                    [&x.gate_up, &x.down]
+                        .map(|m| {
+                            let m = m.mat();
+                            gpu_runtime::ops::experts::ExpertBank::capacity(
+                                &dev.ctx,
+                                m.dtype(),
+                                m.rows(),
+                                m.cols(),
+                            )
+                        })
+                        .into_iter()
+                        .min()
+                        .unwrap_or(0)
                 });
                 let fit = left
                     .checked_div(per)
@@ -392,19 +648,18 @@ impl<'a> GpuModel<'a> {
     /// The global bank of every layer's first `resident[l]` experts (slots in layer order),
     /// and each layer's expert -> slot map.
     fn fill_bank(
-        model: &Model<'_>,
+        model: &M,
         dev: &Device,
         resident: &[usize],
         segment_slots: Option<usize>,
     ) -> Result<(Option<GlobalBank>, Vec<Vec<u32>>), GpuError> {
-        let ne = model.config.n_routed_experts;
+        let sh = model.shape();
+        let ne = sh.experts;
         let total: usize = resident.iter().sum();
         let mut maps = vec![vec![NONE_SLOT; ne]; resident.len()];
-        let first = model
-            .weights
-            .layers
-            .first()
-            .and_then(|l| l.moe.routed.experts.first());
+        let first = (sh.layers > 0)
+            .then(|| model.moe(0).routed.experts.first())
+            .flatten();
         let (Some(first), true) = (first, total > 0) else {
             return Ok((None, maps));
         };
@@ -421,8 +676,8 @@ impl<'a> GpuModel<'a> {
         let ctx = &dev.ctx;
         let mut ring = gpu_runtime::staging::StagingRing::new(ctx);
         let mut slot = 0;
-        for ((lw, &n), map) in model.weights.layers.iter().zip(resident).zip(&mut maps) {
-            for (x, e) in lw.moe.routed.experts.iter().take(n).enumerate() {
+        for (il, (&n, map)) in resident.iter().zip(&mut maps).enumerate() {
+            for (x, e) in model.moe(il).routed.experts.iter().take(n).enumerate() {
                 bank.gate_up.write(ctx, &mut ring, slot, e.gate_up.mat())?;
                 bank.down.write(ctx, &mut ring, slot, e.down.mat())?;
                 map[x] = slot as u32;
@@ -443,7 +698,7 @@ impl<'a> GpuModel<'a> {
         first: &[u32],
         n: usize,
         granularity: Granularity,
-    ) -> Result<Vec<(String, usize, f64)>, ForwardError> {
+    ) -> Result<Vec<(String, usize, f64)>, M::Error> {
         let mut st = self.new_state();
         let mut total: Vec<(String, usize, f64)> = Vec::new();
         for _ in 0..n {
@@ -475,9 +730,9 @@ impl<'a> GpuModel<'a> {
 
     /// Routed experts resident, of all (every layer's).
     pub fn resident_experts(&self) -> (usize, usize) {
-        let c = &self.model.config;
-        let n = self.res.layers.iter().map(|l| l.moe.resident).sum();
-        (n, c.n_routed_experts * c.num_hidden_layers)
+        let sh = self.model.shape();
+        let n = self.res.moe.iter().map(|m| m.resident).sum();
+        (n, sh.experts * sh.layers)
     }
 
     /// How the global bank is bound (segments and binding kind), when there is one.
@@ -523,58 +778,32 @@ impl<'a> GpuModel<'a> {
     }
 
     /// Records a frame of `nt` rows of `st`.
-    fn build(&self, st: &GpuState, nt: usize, head: Head, traced: bool) -> Result<Graph, GpuError> {
-        let c = &self.model.config;
-        let (n, d) = (c.hc_mult, c.hidden_size);
+    fn build(
+        &self,
+        st: &GpuState<M::Caches, M::Host>,
+        nt: usize,
+        head: Head,
+        traced: bool,
+    ) -> Result<Graph, GpuError> {
         let mut g = Graph::new();
-        let s = &self.res.scratch;
         let mut e = Enc {
             g: &mut g,
             dev: &self.res.dev,
-            s,
+            s: &self.res.scratch,
             frame: &st.frame,
             nt,
             traced,
         };
-        for (il, lw) in self.res.layers.iter().enumerate() {
-            lw.attn_hc.encode_pre(&mut e, &s.x, nt)?;
-            e.tap(ATTN_INPUT, il, &s.u, nt * d);
-            e.g.mark("mhc");
-            let ropes = &self.res.ropes;
-            lw.attn
-                .encode(&mut e, c, ropes, &st.layers[il], nt, self.res.ctx_len)?;
-            e.tap(ATTN_OUT, il, &s.y, nt * d);
-            e.g.mark("attn");
-            lw.attn_hc.encode_post(&mut e, &s.x, nt)?;
-            e.tap(ATTN_STREAMS, il, &s.x, nt * n * d);
-            lw.ffn_hc.encode_pre(&mut e, &s.x, nt)?;
-            e.tap(MLP_INPUT, il, &s.u, nt * d);
-            e.g.mark("mhc");
-            lw.moe.encode(&mut e, self.res.bank.as_ref(), nt, il)?;
-            e.tap(MOE_OUT, il, &s.y, nt * d);
-            e.g.mark("moe");
-            lw.ffn_hc.encode_post(&mut e, &s.x, nt)?;
-            e.tap(LAYER_OUT, il, &s.x, nt * n * d);
-            e.g.mark("mhc");
-        }
-        let nl = c.num_hidden_layers;
-        let rows = match head {
-            Head::None => return Ok(g),
-            Head::All => {
-                self.res.head.encode_pre(&mut e, &s.x, nt)?;
-                nt
-            }
-            Head::Last => {
-                let off = ((nt - 1) * n * d) as u32;
-                e.map(3, off, &s.x, &s.u, &s.x_last, n * d)?;
-                self.res.head.encode_pre(&mut e, &s.x_last, 1)?;
-                1
-            }
-        };
-        e.tap(HEAD_OUT, nl, &s.u, rows * d);
-        e.matvec(&self.res.lm_head, &s.u, &s.logits, rows, Epilogue::None)?;
-        e.tap(LOGITS, nl, &s.logits, rows * c.vocab_size);
-        e.g.mark("head");
+        let r = &self.res;
+        self.model.encode(
+            &r.blocks,
+            &r.moe,
+            r.bank.as_ref(),
+            &mut e,
+            &st.caches,
+            head,
+            r.ctx_len,
+        )?;
         Ok(g)
     }
 
@@ -583,21 +812,19 @@ impl<'a> GpuModel<'a> {
     fn frame(
         &self,
         tokens: &[u32],
-        st: &mut GpuState,
+        st: &mut GpuState<M::Caches, M::Host>,
         head: Head,
         taps: Option<&mut Vec<(Tap, wgpu::Buffer)>>,
         stages: Option<(Granularity, &mut Vec<(String, f64)>)>,
-    ) -> Result<Vec<f32>, ForwardError> {
-        let c = &self.model.config;
+    ) -> Result<Vec<f32>, M::Error> {
+        let sh = self.model.shape();
         let ctx = &self.res.dev.ctx;
         let s = &self.res.scratch;
         let nt = tokens.len();
-        let xs = hc::embed_streams(
-            &self.model.weights.embed_tokens,
-            tokens,
-            c.hc_mult,
-            c.hidden_size,
-        );
+        // The host's inputs first: a refused frame leaves the state as it was.
+        self.model
+            .inputs(&self.res.blocks, ctx, tokens, &mut st.host)?;
+        let xs = hc::embed_streams(self.model.embed(), tokens, sh.hc_mult, sh.hidden);
         ctx.queue.write_buffer(&s.x, 0, bytemuck::cast_slice(&xs));
         ctx.queue
             .write_buffer(&s.tokens, 0, bytemuck::cast_slice(tokens));
@@ -605,14 +832,16 @@ impl<'a> GpuModel<'a> {
         let traced = taps.is_some();
         let key = (nt, head, traced);
         if !st.graphs.contains_key(&key) {
-            let g = self.build(st, nt, head, traced)?;
+            let g = self
+                .build(st, nt, head, traced)
+                .map_err(dev_err::<M::Error>)?;
             st.graphs.insert(key, g);
             st.recorded += 1;
         }
         let read = match head {
             Head::None => 0,
-            Head::All => nt * c.vocab_size,
-            Head::Last => c.vocab_size,
+            Head::All => nt * sh.vocab,
+            Head::Last => sh.vocab,
         };
         let g = &st.graphs[&key];
         let tail = |enc: &mut wgpu::CommandEncoder| {
@@ -620,16 +849,14 @@ impl<'a> GpuModel<'a> {
                 enc.copy_buffer_to_buffer(&s.logits, 0, &st.stage, 0, (read * 4) as u64);
             }
         };
-        let c = &self.model.config;
-        let routed = (nt * c.num_experts_per_tok * c.num_hidden_layers) as u64;
+        let routed = (nt * sh.top_k * sh.layers) as u64;
         self.res.stats.routed.fetch_add(routed, Ordering::Relaxed);
         let mut profile = None;
         if g.has_breaks() {
             if stages.is_some() {
-                return Err(unsupported(
+                return Err(dev_err(unsupported(
                     "a profile of a model with experts on the CPU (profile it all-resident)".into(),
-                )
-                .into());
+                )));
             }
             self.run_breaks(g, nt, taps, &tail)?;
         } else {
@@ -643,17 +870,18 @@ impl<'a> GpuModel<'a> {
                 None => g.record(ctx, &mut enc, taps),
             }
             tail(&mut enc);
-            ctx.checked("a deepseek_v4 frame", || ctx.queue.submit([enc.finish()]))?;
+            ctx.checked("a deepseek frame", || ctx.queue.submit([enc.finish()]))
+                .map_err(dev_err::<M::Error>)?;
         }
         if let (Some(p), Some((_, out))) = (profile, stages) {
-            out.extend(p.read(ctx)?);
+            out.extend(p.read(ctx).map_err(dev_err::<M::Error>)?);
         }
         st.pos += nt;
         if read == 0 {
             ctx.wait();
             return Ok(Vec::new());
         }
-        Ok(readback::read_mapped(ctx, &st.stage, read)?)
+        readback::read_mapped(ctx, &st.stage, read).map_err(dev_err::<M::Error>)
     }
 
     /// Runs a frame with cold experts span by span: at a layer's [`Break::Read`] the span so
@@ -671,8 +899,8 @@ impl<'a> GpuModel<'a> {
     ) -> Result<(), ForwardError> {
         let ctx = &self.res.dev.ctx;
         let s = &self.res.scratch;
-        let c = &self.model.config;
-        let (k, d) = (c.num_experts_per_tok, c.hidden_size);
+        let sh = self.model.shape();
+        let (k, d) = (sh.top_k, sh.hidden);
         let spans = g.spans();
         let mut index = None;
         let mut pending: Option<usize> = None;
@@ -698,7 +926,7 @@ impl<'a> GpuModel<'a> {
                 Some(Break::Write(_)) => {}
                 None => tail(&mut enc),
             }
-            let i = ctx.checked("a deepseek_v4 frame", || ctx.queue.submit([enc.finish()]))?;
+            let i = ctx.checked("a deepseek frame", || ctx.queue.submit([enc.finish()]))?;
             if matches!(span.end, Some(Break::Read(_))) {
                 index = Some(i);
                 continue;
@@ -738,12 +966,12 @@ impl<'a> GpuModel<'a> {
         };
         let q = &self.res.dev.ctx.queue;
         let slot = self.res.bank_base[il] + a.slot as usize;
-        let e = &self.model.weights.layers[il].moe.routed.experts[a.expert as usize];
+        let e = &self.model.moe(il).routed.experts[a.expert as usize];
         for (b, m) in [(&bank.gate_up, &e.gate_up), (&bank.down, &e.down)] {
             let (buffer, at) = b.slot_at(slot);
             q.write_buffer(buffer, at, m.bytes());
         }
-        let moe = &self.res.layers[il].moe;
+        let moe = &self.res.moe[il];
         moe.set_slot(q, a.evicted, NONE_SLOT);
         moe.set_slot(q, a.expert, slot as u32);
         self.res.stats.admitted.fetch_add(1, Ordering::Relaxed);
@@ -753,9 +981,9 @@ impl<'a> GpuModel<'a> {
     /// CPU from the MoE input rows `u` (`[nt, D]`, slot `i` reading row `i / k`) and writes
     /// each slot's output row into the expert outputs.
     fn cold_experts(&self, il: usize, cold: &[u32], u: &[f32]) -> Result<(), ForwardError> {
-        let c = &self.model.config;
-        let (k, d, ne) = (c.num_experts_per_tok, c.hidden_size, c.n_routed_experts);
-        let routed = &self.model.weights.layers[il].moe.routed;
+        let sh = self.model.shape();
+        let (k, d, ne) = (sh.top_k, sh.hidden, sh.experts);
+        let routed = &self.model.moe(il).routed;
         let mut by_expert: std::collections::BTreeMap<usize, Vec<usize>> = Default::default();
         for (slot, &x) in cold.iter().enumerate() {
             if x == NONE_SLOT {
@@ -812,8 +1040,8 @@ impl<'a> GpuModel<'a> {
         Ok(())
     }
 
-    fn check(&self, tokens: &[u32], st: &GpuState) -> Result<(), ForwardError> {
-        check_tokens(tokens, self.model.config.vocab_size)?;
+    fn check(&self, tokens: &[u32], st: &GpuState<M::Caches, M::Host>) -> Result<(), ForwardError> {
+        check_tokens(tokens, self.model.shape().vocab)?;
         if st.model != self.res.uid {
             return Err(ForwardError::StateMismatch(
                 "a device state of another model".into(),
@@ -829,48 +1057,51 @@ impl<'a> GpuModel<'a> {
     }
 }
 
+/// A device failure as a forward error of the variant.
+fn dev_err<E: From<ForwardError>>(e: GpuError) -> E {
+    ForwardError::Gpu(e).into()
+}
+
 /// A recorded frame: its rows, what it computes after the layers, whether it is traced.
 type FrameKey = (usize, Head, bool);
 
 /// A sequence on the device: every layer's caches preallocated for the model's context, the
-/// position, the frame uniform and readback buffer, and the frames recorded against these
-/// buffers. `Clone` copies the device buffers (a snapshot); [`GpuState::restore`] copies a
-/// snapshot back into this state's own buffers, so its recorded frames stay valid.
-pub struct GpuState {
+/// position, the frame uniform and readback buffer, the host's state between frames (V4.1's
+/// n-gram look-back), and the frames recorded against these buffers. `Clone` copies the
+/// device buffers (a snapshot); [`GpuState::restore`] copies a snapshot back into this
+/// state's own buffers, so its recorded frames stay valid.
+pub struct GpuState<C = V4Caches, H = ()> {
     ctx: Arc<GpuContext>,
     model: u64,
     /// Tokens seen so far.
     pub pos: usize,
-    layers: Vec<AttnDeviceState>,
+    caches: C,
+    host: H,
     frame: wgpu::Buffer,
     stage: wgpu::Buffer,
     graphs: HashMap<FrameKey, Graph>,
     recorded: usize,
 }
 
-impl std::fmt::Debug for GpuState {
+impl<C, H> std::fmt::Debug for GpuState<C, H> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuState").field("pos", &self.pos).finish()
     }
 }
 
-impl GpuState {
-    fn new(m: &GpuModel<'_>) -> GpuState {
-        let c = &m.model.config;
+impl<C: Caches, H: Clone> GpuState<C, H> {
+    fn new<'a, B, M: Variant<'a, Blocks = B, Caches = C, Host = H>>(
+        m: &GpuModel<'a, M, B>,
+    ) -> GpuState<C, H> {
         let ctx = &m.res.dev.ctx;
-        let layers = m
-            .res
-            .layers
-            .iter()
-            .map(|l| l.attn.state(ctx, c, m.res.ctx_len))
-            .collect();
         GpuState {
             ctx: ctx.clone(),
             model: m.res.uid,
             pos: 0,
-            layers,
+            caches: m.model.caches(&m.res.blocks, ctx, m.res.ctx_len),
+            host: m.model.host(),
             frame: graph::frame_buffer(ctx),
-            stage: readback_buffer(ctx, MAX_BATCH * c.vocab_size),
+            stage: readback_buffer(ctx, MAX_BATCH * m.model.shape().vocab),
             graphs: HashMap::new(),
             recorded: 0,
         }
@@ -883,20 +1114,16 @@ impl GpuState {
 
     /// Device memory the sequence's caches take (what a snapshot allocates).
     pub fn bytes(&self) -> u64 {
-        self.buffers().iter().map(|b| b.size()).sum::<u64>() + self.stage.size()
+        self.caches.buffers().iter().map(|b| b.size()).sum::<u64>() + self.stage.size()
     }
 
     /// A snapshot ([`Clone`]), or the device's refusal (out of device memory) as an error.
-    pub fn try_clone(&self) -> Result<GpuState, ForwardError> {
+    pub fn try_clone(&self) -> Result<GpuState<C, H>, ForwardError> {
         Ok(self.ctx.checked("a sequence snapshot", || self.clone())?)
     }
 
-    fn buffers(&self) -> Vec<&wgpu::Buffer> {
-        self.layers.iter().flat_map(|l| l.buffers()).collect()
-    }
-
     /// Copies `snap` (a snapshot of a sequence of the same model) into this state's buffers.
-    pub fn restore(&mut self, snap: &GpuState) -> Result<(), ForwardError> {
+    pub fn restore(&mut self, snap: &GpuState<C, H>) -> Result<(), ForwardError> {
         if snap.model != self.model {
             return Err(ForwardError::StateMismatch(
                 "a snapshot of another model".into(),
@@ -908,19 +1135,20 @@ impl GpuState {
             .create_command_encoder(&wgpu::CommandEncoderDescriptor {
                 label: Some("restore"),
             });
-        for (dst, src) in self.buffers().into_iter().zip(snap.buffers()) {
+        for (dst, src) in self.caches.buffers().into_iter().zip(snap.caches.buffers()) {
             enc.copy_buffer_to_buffer(src, 0, dst, 0, src.size());
         }
         self.ctx.checked("a state restore", || {
             self.ctx.queue.submit([enc.finish()]);
         })?;
         self.pos = snap.pos;
+        self.host = snap.host.clone();
         Ok(())
     }
 }
 
-impl Clone for GpuState {
-    fn clone(&self) -> GpuState {
+impl<C: Caches, H: Clone> Clone for GpuState<C, H> {
+    fn clone(&self) -> GpuState<C, H> {
         let ctx = &self.ctx;
         let dup = |b: &wgpu::Buffer| {
             ctx.device.create_buffer(&wgpu::BufferDescriptor {
@@ -930,31 +1158,12 @@ impl Clone for GpuState {
                 mapped_at_creation: false,
             })
         };
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| AttnDeviceState {
-                window: dup(&l.window),
-                comp: l.comp.as_ref().map(|c| crate::compressor::CompDeviceState {
-                    kv: dup(&c.kv),
-                    gate: dup(&c.gate),
-                    entries: dup(&c.entries),
-                }),
-                index: l
-                    .index
-                    .as_ref()
-                    .map(|c| crate::compressor::CompDeviceState {
-                        kv: dup(&c.kv),
-                        gate: dup(&c.gate),
-                        entries: dup(&c.entries),
-                    }),
-            })
-            .collect();
         let mut out = GpuState {
             ctx: ctx.clone(),
             model: self.model,
             pos: 0,
-            layers,
+            caches: self.caches.dup(&dup),
+            host: self.host.clone(),
             frame: graph::frame_buffer(ctx),
             stage: dup(&self.stage),
             graphs: HashMap::new(),
@@ -965,25 +1174,25 @@ impl Clone for GpuState {
     }
 }
 
-impl CausalLm for GpuModel<'_> {
-    type State = GpuState;
-    type Error = ForwardError;
+impl<'a, B, M: Variant<'a, Blocks = B>> CausalLm for GpuModel<'a, M, B> {
+    type State = GpuState<M::Caches, M::Host>;
+    type Error = M::Error;
 
     fn vocab_size(&self) -> usize {
-        self.model.config.vocab_size
+        self.model.shape().vocab
     }
 
-    fn new_state(&self) -> GpuState {
+    fn new_state(&self) -> Self::State {
         GpuState::new(self)
     }
 
     fn run(
         &self,
         tokens: &[u32],
-        st: &mut GpuState,
+        st: &mut Self::State,
         trace: &mut Trace<'_>,
         last_only: bool,
-    ) -> Result<Vec<f32>, ForwardError> {
+    ) -> Result<Vec<f32>, M::Error> {
         self.check(tokens, st)?;
         let traced = self.traced.load(Ordering::Relaxed);
         let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
@@ -997,7 +1206,9 @@ impl CausalLm for GpuModel<'_> {
             };
             let mut taps = Vec::new();
             logits.extend(self.frame(f, st, head, traced.then_some(&mut taps), None)?);
-            traces.add(&self.res.dev.ctx, taps)?;
+            traces
+                .add(&self.res.dev.ctx, taps)
+                .map_err(dev_err::<M::Error>)?;
         }
         traces.emit(trace);
         Ok(logits)

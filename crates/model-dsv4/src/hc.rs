@@ -188,13 +188,24 @@ pub fn head(w: &HeadHcWeights<'_>, x: &[f32], t: usize, dims: &HcDims) -> Vec<f3
 
 /// An mHC site on the device (a layer's `attn_hc`/`ffn_hc` with the block's norm after it, or
 /// the head's collapse with the final norm): `mhc_pre` computes the maps with Sinkhorn, the
-/// collapse and the norm in one workgroup per row; `mhc_post` updates the streams.
+/// collapse and the norm in one workgroup per row; `mhc_post` updates the streams. V4.1's
+/// single pass collapses with the previous site's `pre` ([`Prev`]).
 pub struct HcGpu {
-    fn_: std::sync::Arc<gpu_runtime::GpuMatrix>,
+    fn_: Option<std::sync::Arc<gpu_runtime::GpuMatrix>>,
     base: wgpu::Buffer,
     norm: wgpu::Buffer,
     /// `mhc_pre`'s parameters after the row count.
     params: [u32; 9],
+}
+
+/// Where a V4.1 site's collapse takes its `pre` from: the maps of the site before it (row
+/// stride `(2+N)N`, `pre` first), or a one-hot row per token before the first layer.
+#[derive(Clone, Copy)]
+pub struct Prev<'b> {
+    /// The buffer.
+    pub maps: &'b wgpu::Buffer,
+    /// Its row stride in words.
+    pub stride: usize,
 }
 
 impl HcGpu {
@@ -207,7 +218,7 @@ impl HcGpu {
     ) -> Result<HcGpu, gpu_runtime::GpuError> {
         let s = &w.scale;
         Ok(HcGpu {
-            fn_: dev.mat(&w.fn_)?,
+            fn_: Some(dev.mat(&w.fn_)?),
             base: dev.vec("mhc base", &w.base),
             norm: dev.vec("block norm", norm),
             params: [
@@ -232,21 +243,36 @@ impl HcGpu {
         dims: &HcDims,
     ) -> Result<HcGpu, gpu_runtime::GpuError> {
         Ok(HcGpu {
-            fn_: dev.mat(&w.fn_)?,
+            fn_: Some(dev.mat(&w.fn_)?),
             base: dev.vec("mhc head base", &w.base),
             norm: dev.vec("final norm", norm),
-            params: [
-                dims.n as u32,
-                dims.d as u32,
-                1,
-                0,
-                dims.hc_eps.to_bits(),
-                dims.norm_eps.to_bits(),
-                w.scale.to_bits(),
-                0,
-                0,
-            ],
+            params: Self::head_params(1, w.scale, dims),
         })
+    }
+
+    /// V4.1's head: no maps of its own, the collapse with the last site's `pre`
+    /// ([`HcGpu::encode_pre_from`]) and the final norm `norm`.
+    pub fn collapse_head(dev: &crate::device::Device, norm: &[f32], dims: &HcDims) -> HcGpu {
+        HcGpu {
+            fn_: None,
+            base: dev.vec("mhc head base", &[0.0]),
+            norm: dev.vec("final norm", norm),
+            params: Self::head_params(2, 0.0, dims),
+        }
+    }
+
+    fn head_params(mode: u32, scale: f32, dims: &HcDims) -> [u32; 9] {
+        [
+            dims.n as u32,
+            dims.d as u32,
+            mode,
+            0,
+            dims.hc_eps.to_bits(),
+            dims.norm_eps.to_bits(),
+            scale.to_bits(),
+            0,
+            0,
+        ]
     }
 
     /// The site on the streams `x` `[nt, N*D]`: the block's (normed) input into `e.s.u`, the
@@ -257,14 +283,32 @@ impl HcGpu {
         x: &wgpu::Buffer,
         nt: usize,
     ) -> Result<(), gpu_runtime::GpuError> {
+        let maps = &e.s.maps;
+        self.encode_pre_from(e, x, nt, maps, None)
+    }
+
+    /// [`HcGpu::encode_pre`] with the maps into `maps` and, with `prev`, the collapse
+    /// by the previous site's `pre` (V4.1).
+    pub fn encode_pre_from(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        x: &wgpu::Buffer,
+        nt: usize,
+        maps: &wgpu::Buffer,
+        prev: Option<Prev<'_>>,
+    ) -> Result<(), gpu_runtime::GpuError> {
         let (n, d) = (self.params[0] as usize, self.params[1] as usize);
         let eps = f32::from_bits(self.params[5]);
         let s = e.s;
-        e.rms_norm_unweighted(x, &s.xn, nt, n * d, eps)?;
-        e.matvec(&self.fn_, &s.xn, &s.mix, nt, gpu_runtime::Epilogue::None)?;
+        if let Some(fn_) = &self.fn_ {
+            e.rms_norm_unweighted(x, &s.xn, nt, n * d, eps)?;
+            e.matvec(fn_, &s.xn, &s.mix, nt, gpu_runtime::Epilogue::None)?;
+        }
         let mut p = vec![nt as u32];
         p.extend(self.params);
-        let bufs = [&s.mix, &self.base, &s.maps, x, &self.norm, &s.u];
+        p.push(prev.map_or(0, |p| p.stride as u32));
+        let pm = prev.map_or(&s.mix, |p| p.maps);
+        let bufs = [&s.mix, &self.base, maps, x, &self.norm, &s.u, pm];
         e.op(kernels_wgsl::Op::MhcPre, &p, &bufs, (nt as u32, 1))
     }
 
@@ -276,13 +320,25 @@ impl HcGpu {
         x: &wgpu::Buffer,
         nt: usize,
     ) -> Result<(), gpu_runtime::GpuError> {
+        let maps = &e.s.maps;
+        self.encode_post_from(e, x, nt, maps)
+    }
+
+    /// [`HcGpu::encode_post`] with the maps from `maps`.
+    pub fn encode_post_from(
+        &self,
+        e: &mut crate::device::Enc<'_>,
+        x: &wgpu::Buffer,
+        nt: usize,
+        maps: &wgpu::Buffer,
+    ) -> Result<(), gpu_runtime::GpuError> {
         let (n, d) = (self.params[0], self.params[1]);
         let s = e.s;
         let p = [nt as u32 * d, n, d];
         e.op_lanes(
             kernels_wgsl::Op::MhcPost,
             &p,
-            &[x, &s.y, &s.maps],
+            &[x, &s.y, maps],
             nt * d as usize,
         )
     }

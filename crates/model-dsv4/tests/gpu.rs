@@ -6,39 +6,16 @@
 
 mod common;
 
-use std::sync::{Arc, OnceLock};
+use common::gpu_ctx as ctx;
 
 use cmf_format::Cmf;
 use common::{CASES, TOL};
-use gpu_runtime::{GpuContext, GpuOptions};
 use model_core::expert_cache::CachePolicy;
 use model_dsv4::{CausalLm, ExpertPlacement, ForwardError, GpuModel, Model, Residency, Weights};
 use test_support::Profile;
 use test_support::harness as h;
 
 const CTX: usize = 160;
-
-fn ctx() -> Arc<GpuContext> {
-    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
-    CTX.get_or_init(|| {
-        let opts = GpuOptions {
-            pipeline_cache_dir: None,
-            ..GpuOptions::default()
-        };
-        match GpuContext::new(&opts) {
-            Ok(c) => {
-                eprintln!("adapter: {}", c.describe());
-                Some(Arc::new(c))
-            }
-            Err(e) => {
-                eprintln!("no GPU adapter: {e}");
-                None
-            }
-        }
-    })
-    .clone()
-    .expect("a GPU adapter (lavapipe in CI): these tests have nothing to run without one")
-}
 
 fn cpu(cmf: &Cmf) -> Model<'_> {
     let (config, weights) = Weights::bind(cmf).unwrap();

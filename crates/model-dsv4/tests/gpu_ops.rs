@@ -361,3 +361,67 @@ fn moe_blocks_match_the_cpu_with_hash_and_scored_routing() {
         );
     });
 }
+
+/// V4.1's fake quantisers on the device (`ds_qat`) against the CPU's (`v41::qat`, whose own
+/// tests hold them to the f64 grids): rows of every magnitude, with exact midpoints of the
+/// E2M1 and E4M3 grids (ties to even) and values past the clamp, equal value for value.
+/// Exact where the adapter divides as IEEE does (lavapipe); the E4M3-scaled mode divides by
+/// a scale that is not a power of two.
+#[test]
+fn v41_fake_quantisers_match_the_cpu() {
+    use model_dsv4::v41::qat::{self, Fp4Scale};
+    let Some(ctx) = ctx() else { return };
+    let dev = Device::new(ctx.clone(), 1);
+    let (rows, width) = (8usize, 64usize);
+    let mut r = rng(11);
+    let mut x: Vec<f32> = (0..rows * width)
+        .map(|i| r() * 10f32.powi((i / width) as i32 - 4))
+        .collect();
+    // Row 7: amax 6 (scale 1 for the power-of-two FP4 scale): the E2M1 midpoints exactly.
+    let mids = [
+        0.25f32, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -2.5, 6.0, 0.0, -0.0,
+    ];
+    x[7 * width..7 * width + mids.len()].copy_from_slice(&mids);
+    let frame = graph::frame_buffer(&ctx);
+    let cases: [(u32, usize, f32, f32); 3] = [
+        (0, 32, 1e-4, 1.0 / 448.0),
+        (1, 32, 6.0 * 2f32.powi(-126), 1.0 / 6.0),
+        (2, 16, 6.0 * 2f32.powi(-9), 1.0 / 6.0),
+    ];
+    for (mode, block, floor, inv) in cases {
+        let buf = graph::upload_f32(&ctx, "qat", &x);
+        let dummy = graph::storage(&ctx, "dummy", 1);
+        let mut g = Graph::new();
+        let mut e = enc(&mut g, &dev, &frame, rows);
+        let p = [
+            rows as u32,
+            width as u32,
+            block as u32,
+            mode,
+            0,
+            1,
+            1,
+            0,
+            floor.to_bits(),
+            inv.to_bits(),
+        ];
+        e.op(Op::DsQat, &p, &[&dummy, &buf], (rows as u32, 1))
+            .unwrap();
+        let got = &run(&ctx, &g, &[(&buf, rows * width)])[0];
+        let mut want = x.clone();
+        for row in want.chunks_exact_mut(width) {
+            match mode {
+                0 => qat::fp8_ue8m0(row, block),
+                1 => qat::fp4(row, block, Fp4Scale::Ue8m0),
+                _ => qat::fp4(row, block, Fp4Scale::E4m3),
+            }
+        }
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!(g == w, "mode {mode} [{i}]: {g} vs {w} (from {})", x[i]);
+        }
+        assert!(
+            got.iter().zip(&x).any(|(g, x)| g != x),
+            "mode {mode}: nothing was rounded"
+        );
+    }
+}

@@ -7,8 +7,10 @@
 //! The Engram token map is derived from the tokenizer embedded in the converted CMF, as the
 //! engine derives it (tests/v41_engram.rs shows it equals the reference's map).
 
+mod common;
+
 use cmf_format::Cmf;
-use model_dsv4::engram::CompressedTokenMap;
+use common::token_map;
 use model_dsv4::v41::{Model, Weights};
 
 const CASES: [&str; 2] = ["deepseek_v41_a", "deepseek_v41_b"];
@@ -19,21 +21,6 @@ const CASES: [&str; 2] = ["deepseek_v41_a", "deepseek_v41_b"];
 /// Engram, the indexer top-k or the candidate mask moves them by 1.17 / 1.51 / 0.60
 /// (`feature_probes` in the fixtures' cases.json).
 const TOL: f32 = 1e-5;
-
-/// The compressed token map of the tokenizer in `cmf`'s header.
-fn token_map(cmf: &Cmf) -> CompressedTokenMap {
-    let json = cmf
-        .header()
-        .tokenizer
-        .as_ref()
-        .expect("the fixture ships a tokenizer");
-    let tok: tokenizers::Tokenizer = json.to_string().parse().unwrap();
-    let n = tok.get_vocab_size(true) as u32;
-    CompressedTokenMap::from_token_strings((0..n).map(|id| {
-        let text = tok.decode(&[id], false).unwrap();
-        (text, tok.id_to_token(id))
-    }))
-}
 
 fn bind(cmf: &Cmf) -> Model<'_> {
     let (config, weights) = Weights::bind(cmf, Some(token_map(cmf))).unwrap();

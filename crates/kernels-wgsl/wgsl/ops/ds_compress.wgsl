@@ -4,7 +4,9 @@
 // `gate + position_bias` are softmaxed and weight the slots' `kv` (overlapping: the previous
 // window's Ca halves, then this window's Cb halves; otherwise this window's rows), in slot
 // order as the CPU does; then the entry's RMSNorm (plain weight) and RoPE at position `w*rate`.
-// `kvr`/`gr` are the projections' rings (`[ring, width]` by position, `ds_store`).
+// `kvr`/`gr` are the projections' rings (`[ring, width]` by position, `ds_store`). With `raw`
+// (V4.1, whose latents leave the compressor before RoPE) the normed latent of the frame's i-th
+// candidate window goes to row i of `ent`, without RoPE (`ds_qat` publishes it).
 struct Params {
     nt: u32,
     rate: u32,
@@ -15,6 +17,7 @@ struct Params {
     eps: u32,
     half: u32,
     maxe: u32,
+    raw: u32,
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
@@ -51,6 +54,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let end = (w + 1u) * P.rate;
     let mid = w * P.rate;
+    var dst = w * P.hd;
+    if (P.raw == 1u) {
+        dst = wid.x * P.hd;
+    }
     var ss = 0.0;
     for (var ch = li; ch < P.hd; ch += WG) {
         var m = NEG;
@@ -66,13 +73,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let o = select(off, 0u, p < mid);
             e += exp(gate(p, o, ch) - m) / z * kv(p, o, ch);
         }
-        ent[w * P.hd + ch] = e;
+        ent[dst + ch] = e;
         ss += e * e;
     }
     let tot = sum_wg(ss, li);
     let r = 1.0 / sqrt(tot / f32(P.hd) + bitcast<f32>(P.eps));
     for (var ch = li; ch < P.hd; ch += WG) {
-        ent[w * P.hd + ch] = norm[ch] * (ent[w * P.hd + ch] * r);
+        ent[dst + ch] = norm[ch] * (ent[dst + ch] * r);
+    }
+    if (P.raw == 1u) {
+        return;
     }
     storageBarrier();
     let t0 = w * P.rate * 2u * P.half;

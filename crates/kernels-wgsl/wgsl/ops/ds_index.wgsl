@@ -2,7 +2,9 @@
 // entry the row's position sees, `sum_h (w_h / sqrt(nI)) relu(q_I[h] . K_I[s]) / sqrt(dI)` with
 // the heads summed in order as the CPU does, then the top `min(topk, visible)` as a mask
 // `sel[row, s]` (an entry is kept when fewer than k entries beat it, a tie beaten by the lower
-// index: the CPU's order, `-0.0 == +0.0` included).
+// index: the CPU's order, `-0.0 == +0.0` included). With `restricted` (V4.1's two-level top-k,
+// level two) only the entries `cand` `[nt, maxe]` marks compete; the rest score NEG and are
+// never kept.
 struct Params {
     nt: u32,
     ni: u32,
@@ -12,6 +14,7 @@ struct Params {
     maxe: u32,
     wscale: u32,
     sscale: u32,
+    restricted: u32,
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
@@ -20,6 +23,7 @@ struct Params {
 @group(0) @binding(4) var<storage, read_write> keys: array<f32>;
 @group(0) @binding(5) var<storage, read_write> sc: array<f32>;
 @group(0) @binding(6) var<storage, read_write> sel: array<u32>;
+@group(0) @binding(7) var<storage, read_write> cand: array<u32>;
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -37,6 +41,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             acc += max(dot, 0.0) * sscale * (wts[r * P.ni + h] * wscale);
         }
+        if (P.restricted == 1u && cand[r * P.maxe + s] == 0u) {
+            acc = NEG;
+        }
         sc[r * P.maxe + s] = acc;
     }
     storageBarrier();
@@ -50,6 +57,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 rank++;
             }
         }
-        sel[r * P.maxe + s] = select(0u, 1u, rank < k);
+        sel[r * P.maxe + s] = select(0u, 1u, rank < k && v > NEG);
     }
 }

@@ -8,7 +8,10 @@
 // base) + eps` only. Then the collapse `u = sum_k pre_k X_k` over the streams `x` `[nt, N, D]`
 // (streams added in order, from 0) and the block's RMSNorm with weight `w` (`y = w * (u / rms)`),
 // into `y` `[nt, D]`. The gates are one lane's work, the comb matrix N lanes' (N <= 8); the
-// collapse and the norm are the workgroup's.
+// collapse and the norm are the workgroup's. V4.1's single-pass mHC collapses with the
+// PREVIOUS site's `pre`: with `prev` > 0 the collapse reads `pre` from `prev_maps` `[nt, prev]`
+// (that site's maps, or a one-hot row before the first layer) instead of this site's; `head` = 2
+// computes no maps at all (V4.1's head: the last site's `pre`, then the final norm).
 struct Params {
     nt: u32,
     n: u32,
@@ -20,6 +23,7 @@ struct Params {
     s0: u32,
     s1: u32,
     s2: u32,
+    prev: u32,
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
@@ -29,6 +33,7 @@ struct Params {
 @group(0) @binding(5) var<storage, read_write> x: array<f32>;
 @group(0) @binding(6) var<storage, read_write> w: array<f32>;
 @group(0) @binding(7) var<storage, read_write> y: array<f32>;
+@group(0) @binding(8) var<storage, read_write> prev_maps: array<f32>;
 
 const MAXN: u32 = 8u;
 var<workgroup> pre_w: array<f32, 8>;
@@ -144,9 +149,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (t >= P.nt) {
         return;
     }
-    site_maps(t, li);
+    if (P.head != 2u) {
+        site_maps(t, li);
+    }
     workgroupBarrier();
     let n = P.n;
+    if (P.prev != 0u && li < n) {
+        pre_w[li] = prev_maps[t * P.prev + li];
+    }
+    workgroupBarrier();
     let d = P.d;
     let xs = t * n * d;
     var ss = 0.0;

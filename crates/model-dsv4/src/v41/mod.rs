@@ -32,6 +32,7 @@
 
 pub mod attention;
 pub mod compressor;
+pub mod gpu;
 pub mod indexer;
 pub mod qat;
 pub mod state;
@@ -67,6 +68,9 @@ pub enum ForwardError {
     /// An Engram table row could not be read.
     #[error(transparent)]
     Table(#[from] EngramTableError),
+    /// The device forward failed (or was refused: a foreign state, the context exceeded).
+    #[error(transparent)]
+    Device(#[from] crate::forward::ForwardError),
 }
 
 /// A bound model: config + weights.
@@ -109,15 +113,15 @@ impl<'a> Model<'a> {
     }
 
     /// The Engram rows of `tokens` for every Engram layer, `[layer][t, n_cols * hd]`, advancing
-    /// the look-back in `st` (untouched on error).
-    fn engram_rows(
+    /// the look-back `ngram` (untouched on error).
+    pub(crate) fn engram_rows(
         &self,
         tokens: &[u32],
-        st: &mut SeqState,
+        ngram: &mut Option<crate::engram::NgramContext>,
     ) -> Result<Vec<Option<Vec<f32>>>, ForwardError> {
         let w = &self.weights;
         let mut per_layer: Vec<Option<Vec<f32>>> = vec![None; w.layers.len()];
-        let (Some(hasher), Some(ctx)) = (&w.hasher, st.ngram.as_mut()) else {
+        let (Some(hasher), Some(ctx)) = (&w.hasher, ngram.as_mut()) else {
             return Ok(per_layer);
         };
         let mut ctx_next = ctx.clone();
@@ -177,7 +181,7 @@ impl CausalLm for Model<'_> {
             iters: c.hc_sinkhorn_iters,
         };
         // Everything fallible first: a refused forward leaves the state as it was.
-        let engram_rows = self.engram_rows(tokens, st)?;
+        let engram_rows = self.engram_rows(tokens, &mut st.ngram)?;
 
         // Embedding, repeated into the N streams.
         let mut x = hc::embed_streams(&w.embed_tokens, tokens, n, d);
