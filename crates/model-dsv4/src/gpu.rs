@@ -227,10 +227,10 @@ impl<'a> Variant<'a> for Model<'a> {
                 c.hc_mult
             )));
         }
-        if (nh * dh) % c.o_groups != 0 || di > 2 * dh.max(di) {
+        if (nh * dh) % c.o_groups != 0 || di > 2 * dh.max(di) || c.index_n_heads > 512 {
             return Err(unsupported(format!(
-                "{nh} heads of {dh} in {} groups",
-                c.o_groups
+                "{nh} heads of {dh} in {} groups, or {} indexer heads (ds_index takes 512)",
+                c.o_groups, c.index_n_heads
             )));
         }
         let dims = HcDims {

@@ -173,12 +173,14 @@ impl<'a> Variant<'a> for Model<'a> {
         let roles = c.roles();
         let (nh, dh, di) = (c.num_attention_heads, c.head_dim, c.index_head_dim);
         // `o` holds `q_a`'s raw output; the compressor's rings and `lat` hold Dh or Di wide rows.
-        if c.q_lora_rank > nh * dh || (nh * dh) % c.o_groups != 0 {
+        if c.q_lora_rank > nh * dh || (nh * dh) % c.o_groups != 0 || c.index_n_heads > 512 {
             return Err(unsupported(format!(
-                "q_lora_rank {} > heads x head_dim {}, or {nh} heads of {dh} in {} groups",
+                "q_lora_rank {} > heads x head_dim {}, {nh} heads of {dh} in {} groups, or {} \
+                 indexer heads (ds_index takes 512)",
                 c.q_lora_rank,
                 nh * dh,
-                c.o_groups
+                c.o_groups,
+                c.index_n_heads
             )));
         }
         // The selection and candidate masks cross layers with one row stride: a reusing
