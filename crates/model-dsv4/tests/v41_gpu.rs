@@ -143,19 +143,21 @@ fn compare_blocks(
                 None => bind(cmf),
             };
             g.set_tracing(true);
-            let ids = test_support::ids(case, 0);
-            let mut steps: Vec<Vec<u32>> = vec![ids[..13].to_vec()];
-            steps.extend((13..40).map(|p| vec![ids[p % ids.len()]]));
-            let (mut sc, mut sg) = (c.new_state(), g.new_state());
-            let mut names = 0;
-            for (si, step) in steps.iter().enumerate() {
-                let what = format!("{case} {profile:?} step {si}");
-                let (n, f) = h::compare_step(&what, &c, &mut sc, &g, &mut sg, step, tol);
-                names += n;
-                failures.extend(f);
+            for prompt in 0..3 {
+                let ids = test_support::ids(case, prompt);
+                let mut steps: Vec<Vec<u32>> = vec![ids[..13].to_vec()];
+                steps.extend((13..40).map(|p| vec![ids[p % ids.len()]]));
+                let (mut sc, mut sg) = (c.new_state(), g.new_state());
+                let mut names = 0;
+                for (si, step) in steps.iter().enumerate() {
+                    let what = format!("{case} {profile:?} p{prompt} step {si}");
+                    let (n, f) = h::compare_step(&what, &c, &mut sc, &g, &mut sg, step, tol);
+                    names += n;
+                    failures.extend(f);
+                }
+                eprintln!("{case} {profile:?} p{prompt}: {names} intermediates compared");
+                assert!(names > 0);
             }
-            eprintln!("{case} {profile:?}: {names} intermediates compared");
-            assert!(names > 0);
         });
     }
     failures
