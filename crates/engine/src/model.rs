@@ -271,6 +271,7 @@ impl<'a> AnyModel<'a> {
             residency,
             segment_slots: None,
             policy: place.policy.unwrap_or_default(),
+            warm: place.expert_state.as_deref().and_then(load_expert_scores),
         };
         match model_dsv4::GpuModel::with_experts(model, Arc::from(ctx), ctx_len, &experts) {
             Ok(g) => {
@@ -413,13 +414,19 @@ impl<'a> AnyModel<'a> {
     /// model without cold experts. Written to a temporary file and renamed, so a reader
     /// never sees half of it.
     pub fn save_expert_scores(&self, path: &Path) -> std::io::Result<bool> {
-        let AnyModel::Qwen4Gpu(g) = self else {
-            return Ok(false);
-        };
-        if g.expert_share().is_none() {
+        if self.expert_share().is_none() {
             return Ok(false);
         }
-        let json = serde_json::to_vec(&g.expert_scores())?;
+        let scores = match self {
+            AnyModel::Qwen4Gpu(g) => g.expert_scores(),
+            AnyModel::Dsv4Gpu(g) => g.expert_scores(),
+            AnyModel::Dsv41Gpu(g) => g.expert_scores(),
+            _ => return Ok(false),
+        };
+        if scores.iter().all(Vec::is_empty) {
+            return Ok(false);
+        }
+        let json = serde_json::to_vec(&scores)?;
         let tmp = path.with_extension("experts.tmp");
         std::fs::write(&tmp, json)?;
         std::fs::rename(&tmp, path)?;

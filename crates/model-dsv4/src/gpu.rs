@@ -441,7 +441,7 @@ pub enum Residency {
 }
 
 /// How the routed experts are placed ([`GpuModel::with_experts`]).
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct ExpertPlacement {
     /// Which are resident.
     pub residency: Residency,
@@ -451,6 +451,10 @@ pub struct ExpertPlacement {
     /// How a layer's resident experts change while running (model-core's expert cache: the
     /// learned policy by default; static keeps the first ones placed).
     pub policy: CachePolicy,
+    /// Per layer, each expert's score from an earlier run ([`GpuModel::expert_scores`]): the
+    /// learned policy starts with the best-scored experts resident and their scores. Static
+    /// placement ignores it (the first experts by id, as `--n-cpu-moe` places them).
+    pub warm: Option<Vec<Vec<f32>>>,
 }
 
 /// Counters of the cold path ([`GpuModel::cold_stats`]).
@@ -528,8 +532,18 @@ impl<'a, B, M: Variant<'a, Blocks = B>> GpuModel<'a, M, B> {
         // Everything but the routed experts first; what the budget has left is the bank.
         let (blocks, scratch) = model.upload_blocks(&dev, ctx_len)?;
         let resident = Self::residency(model, &dev, place)?;
-        let (bank, slots) = Self::fill_bank(model, &dev, &resident, place.segment_slots)?;
         let ne = sh.experts;
+        // Which experts start resident: the best-scored of an earlier run, or the first ids.
+        let warm = |il: usize| {
+            let w = place.warm.as_ref()?.get(il)?;
+            (place.policy != CachePolicy::Static && w.len() == ne).then_some(&w[..])
+        };
+        let initial: Vec<Vec<u32>> = resident
+            .iter()
+            .enumerate()
+            .map(|(il, &n)| LayerCache::initial(ne, n, warm(il)))
+            .collect();
+        let (bank, slots) = Self::fill_bank(model, &dev, &initial, place.segment_slots)?;
         let bank_base = resident
             .iter()
             .scan(0, |at, &n| {
@@ -538,12 +552,14 @@ impl<'a, B, M: Variant<'a, Blocks = B>> GpuModel<'a, M, B> {
                 Some(base)
             })
             .collect();
-        // Slot i of a layer holds its expert i (fill_bank's order).
-        let caches = resident
+        // Slot i of a layer holds its expert initial[i] (fill_bank's order).
+        let caches = initial
             .iter()
-            .map(|&n| {
+            .enumerate()
+            .map(|(il, first)| {
+                let n = first.len();
                 let learns = n > 0 && n < ne && place.policy != CachePolicy::Static;
-                learns.then(|| LayerCache::new(ne, &(0..n as u32).collect::<Vec<_>>(), None))
+                learns.then(|| LayerCache::new(ne, first, warm(il)))
             })
             .collect();
         let moe = slots
@@ -645,17 +661,17 @@ impl<'a, B, M: Variant<'a, Blocks = B>> GpuModel<'a, M, B> {
         }
     }
 
-    /// The global bank of every layer's first `resident[l]` experts (slots in layer order),
-    /// and each layer's expert -> slot map.
+    /// The global bank of every layer's experts `resident[l]` (slots in layer order, then in
+    /// that order), and each layer's expert -> slot map.
     fn fill_bank(
         model: &M,
         dev: &Device,
-        resident: &[usize],
+        resident: &[Vec<u32>],
         segment_slots: Option<usize>,
     ) -> Result<(Option<GlobalBank>, Vec<Vec<u32>>), GpuError> {
         let sh = model.shape();
         let ne = sh.experts;
-        let total: usize = resident.iter().sum();
+        let total: usize = resident.iter().map(Vec::len).sum();
         let mut maps = vec![vec![NONE_SLOT; ne]; resident.len()];
         let first = (sh.layers > 0)
             .then(|| model.moe(0).routed.experts.first())
@@ -676,8 +692,9 @@ impl<'a, B, M: Variant<'a, Blocks = B>> GpuModel<'a, M, B> {
         let ctx = &dev.ctx;
         let mut ring = gpu_runtime::staging::StagingRing::new(ctx);
         let mut slot = 0;
-        for (il, (&n, map)) in resident.iter().zip(&mut maps).enumerate() {
-            for (x, e) in model.moe(il).routed.experts.iter().take(n).enumerate() {
+        for (il, (xs, map)) in resident.iter().zip(&mut maps).enumerate() {
+            let experts = &model.moe(il).routed.experts;
+            for (x, e) in xs.iter().map(|&x| (x as usize, &experts[x as usize])) {
                 bank.gate_up.write(ctx, &mut ring, slot, e.gate_up.mat())?;
                 bank.down.write(ctx, &mut ring, slot, e.down.mat())?;
                 map[x] = slot as u32;
@@ -726,6 +743,32 @@ impl<'a, B, M: Variant<'a, Blocks = B>> GpuModel<'a, M, B> {
             e.2 /= n.max(1) as f64;
         }
         Ok(total)
+    }
+
+    /// Per layer, each routed expert's learned score (empty rows for layers whose experts are
+    /// all or none resident, or under the static policy): what [`ExpertPlacement::warm`]
+    /// takes in a later run.
+    pub fn expert_scores(&self) -> Vec<Vec<f32>> {
+        let caches = self.res.caches.lock().unwrap_or_else(|p| p.into_inner());
+        caches
+            .iter()
+            .map(|c| c.as_ref().map_or_else(Vec::new, LayerCache::scores))
+            .collect()
+    }
+
+    /// Layer `il`'s resident experts now, ascending, where its residents are learned (`None`
+    /// for a layer with all or none of its experts resident, or under the static policy).
+    pub fn learned_residents(&self, il: usize) -> Option<Vec<u32>> {
+        let caches = self.res.caches.lock().unwrap_or_else(|p| p.into_inner());
+        let c = caches.get(il)?.as_ref()?;
+        Some(
+            c.slots()
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.is_some())
+                .map(|(x, _)| x as u32)
+                .collect(),
+        )
     }
 
     /// Routed experts resident, of all (every layer's).

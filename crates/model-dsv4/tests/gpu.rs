@@ -38,6 +38,7 @@ fn bind_split(cmf: &Cmf, (resident, policy): (Split, CachePolicy)) -> GpuModel<'
         residency: Residency::PerLayer(per),
         segment_slots: Some(total.div_ceil(4).max(1)),
         policy,
+        warm: None,
     };
     GpuModel::with_experts(m, ctx(), CTX, &place).unwrap_or_else(|u| panic!("upload: {}", u.error))
 }
@@ -401,4 +402,67 @@ fn a_synthetic_model_with_half_its_experts_resident_matches_the_cpu() {
     let st = g.cold_stats();
     assert!(st.cold > 0 && st.cold < st.routed, "{st:?}");
     h::assert_none(&failures);
+}
+
+/// Learned expert scores carry over (#16 item 3 for DeepSeek): a run with half of each
+/// layer's experts resident learns scores; a model placed with them starts with each layer's
+/// best-scored experts resident (ties to the lower id) instead of the first ids, and a static
+/// placement ignores them.
+#[test]
+fn learned_scores_start_the_next_run_warm() {
+    h::with_converted("deepseek_v4_a", Profile::F32, |cmf| {
+        let first = cpu(cmf);
+        let (nl, ne) = (
+            first.config.num_hidden_layers,
+            first.config.n_routed_experts,
+        );
+        let place = |policy, warm| ExpertPlacement {
+            residency: Residency::PerLayer(vec![ne / 2; nl]),
+            segment_slots: None,
+            policy,
+            warm,
+        };
+        let g = GpuModel::with_experts(first, ctx(), CTX, &place(CachePolicy::Learned, None))
+            .unwrap_or_else(|u| panic!("upload: {}", u.error));
+        let mut st = g.new_state();
+        g.forward(&test_support::ids("deepseek_v4_a", 0)[..24], &mut st)
+            .unwrap();
+        let scores = g.expert_scores();
+        assert_eq!(scores.len(), nl);
+        let warm = GpuModel::with_experts(
+            cpu(cmf),
+            ctx(),
+            CTX,
+            &place(CachePolicy::Learned, Some(scores.clone())),
+        )
+        .unwrap_or_else(|u| panic!("upload: {}", u.error));
+        let cold = GpuModel::with_experts(
+            cpu(cmf),
+            ctx(),
+            CTX,
+            &place(CachePolicy::Static, Some(scores.clone())),
+        )
+        .unwrap_or_else(|u| panic!("upload: {}", u.error));
+        let mut moved = 0;
+        for (il, s) in scores.iter().enumerate() {
+            assert_eq!(s.len(), ne, "layer {il}: a score per expert");
+            let mut best: Vec<u32> = (0..ne as u32).collect();
+            best.sort_by(|&a, &b| s[b as usize].total_cmp(&s[a as usize]).then(a.cmp(&b)));
+            best.truncate(ne / 2);
+            best.sort_unstable();
+            assert_eq!(warm.learned_residents(il), Some(best.clone()), "layer {il}");
+            moved += usize::from(best != (0..(ne / 2) as u32).collect::<Vec<_>>());
+            assert_eq!(cold.learned_residents(il), None, "static: not learned");
+        }
+        assert!(moved > 0, "the scores changed no layer's residents");
+        // Same answers either way.
+        let ids = &test_support::ids("deepseek_v4_a", 1)[..12];
+        let a = warm.forward(ids, &mut warm.new_state()).unwrap();
+        let b = g.forward(ids, &mut g.new_state()).unwrap();
+        let err = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(err < 1e-4, "{err}");
+    });
 }

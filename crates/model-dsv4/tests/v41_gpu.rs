@@ -48,6 +48,7 @@ fn bind_split(cmf: &Cmf, (resident, policy): (Split, CachePolicy)) -> GpuModel<'
         residency: Residency::PerLayer(per),
         segment_slots: Some(total.div_ceil(3).max(1)),
         policy,
+        warm: None,
     };
     GpuModel::with_experts(m, ctx(), CTX, &place).unwrap_or_else(|u| panic!("upload: {}", u.error))
 }
