@@ -26,6 +26,18 @@ const TOL: f32 = 1e-5;
 
 const CTX: usize = 160;
 
+/// The block-by-block bound (relative to each intermediate's max|value|). V4.1's fake
+/// quantisers round the window latents, entries, keys and indexer queries onto FP8/FP4 grids:
+/// a discontinuity that f32 summation order (an ulp upstream: the device's matvecs and
+/// attention sum in another order than the CPU) can push a value across. One such rounding
+/// moved by an ulp moves the later intermediates by up to 7.8e-4 of their scale (the largest
+/// measured: an H100, deepseek_v41_a prompt 1, 39 tokens in; on lavapipe 1.7e-4, prompt 2 with
+/// half the experts cold). Every V4.1 feature moves them by far more (switching off the
+/// Engram, the indexer top-k or the candidate blocks moves the logits by 1.17 / 1.51 / 0.60 of
+/// max|logit| ~2: `feature_probes` in the fixtures' cases.json), as does a wrong grid or scale
+/// (a whole FP4 step, 1/6 of a block's range), so this bound still tells them apart.
+const BLOCK_TOL: f32 = 1e-3;
+
 fn cpu(cmf: &Cmf) -> Model<'_> {
     let (config, weights) = Weights::bind(cmf, Some(token_map(cmf))).unwrap();
     Model::new(config, weights)
@@ -166,20 +178,20 @@ fn compare_blocks(
 
 #[test]
 fn every_block_matches_the_cpu_forward() {
-    h::assert_none(&compare_blocks(&CASES, Profile::F32, 2e-5, None));
+    h::assert_none(&compare_blocks(&CASES, Profile::F32, BLOCK_TOL, None));
 }
 
-/// Quantised weights (q4tp, and the FP4 experts), f32 activations on both sides. The bound is
-/// looser than the f32 profile's: V4.1's fake quantisers round the window latents, entries,
-/// keys and indexer queries onto FP8/FP4 grids, a discontinuity that f32 summation order
-/// (1 ulp upstream) can push across; one such flip in a cached latent moves the later
-/// intermediates by up to 6e-5 x their scale (measured on the q4 conversion of
-/// deepseek_v41_a at step 0, layers 3-6), against whole grid steps for a wrong scale or block.
+/// Quantised weights (q4tp, and the FP4 experts), f32 activations on both sides.
 #[test]
 fn quantised_profiles_match_the_cpu_forward_block_by_block() {
     let mut failures = Vec::new();
     for profile in [Profile::Q4, Profile::Fp4] {
-        failures.extend(compare_blocks(&["deepseek_v41_a"], profile, 2e-4, None));
+        failures.extend(compare_blocks(
+            &["deepseek_v41_a"],
+            profile,
+            BLOCK_TOL,
+            None,
+        ));
     }
     h::assert_none(&failures);
 }
@@ -192,7 +204,7 @@ fn experts_split_between_the_bank_and_the_cpu_match_the_cpu() {
     let mut failures = Vec::new();
     for (what, split) in splits() {
         eprintln!("{what}:");
-        failures.extend(compare_blocks(&CASES, Profile::F32, 2e-5, Some(split)));
+        failures.extend(compare_blocks(&CASES, Profile::F32, BLOCK_TOL, Some(split)));
         for case in CASES {
             h::with_converted(case, Profile::F32, |cmf| {
                 let g = bind_split(cmf, split);
