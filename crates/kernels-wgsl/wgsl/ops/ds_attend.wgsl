@@ -101,6 +101,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
     }
+    // Key k's logit was written by its group's first lane, and lane k % WG reads it next.
+    storageBarrier();
     let sink = sinks[h];
     let mx = max(max_wg(m, li), sink);
     var z = 0.0;
