@@ -267,7 +267,14 @@ pub fn bench(
     let mut dispatches = Vec::new();
     let mut frame_stages = Vec::new();
     let mut frame_dispatches = Vec::new();
-    let frame_rows = quant_codecs::MAX_BATCH;
+    // The longest frame the `-p` prompt is fed in (qwen4_exp all-resident: up to 64 rows).
+    let batch = quant_codecs::MAX_BATCH;
+    let frame_rows = match model {
+        AnyModel::Qwen4Gpu(g) if offload.is_none() => {
+            g.frame_rows().min(opts.prompt / batch * batch).max(batch)
+        }
+        _ => batch,
+    };
     // A stage profile times one submission: a model with experts on the CPU has many.
     type Profiled = Vec<(String, usize, f64)>;
     type ProfileFrames<'m> =

@@ -153,6 +153,62 @@ fn matmat_row_t_equals_matvec_bit_for_bit() {
     }
 }
 
+/// A frame longer than 8 rows (a prompt's: 16, 32, 64) runs the 8-row kernel on tiles of 8
+/// rows: every row equals its own one-row matvec bit for bit and the f64 witness within the
+/// codec's bound, on the f32 path and (quantised codecs) on int8 activations; a frame that is
+/// not a multiple of 8, or longer than the kernels take, is refused.
+#[test]
+fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
+    use gpu_runtime::Path;
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let (rows, cols) = (70, 256);
+    for dtype in GPU_DTYPES {
+        let w = weights(rows, cols, 5);
+        let p = quantize(dtype, rows, cols, &w).unwrap();
+        let g = arena
+            .get_or_upload(
+                ctx,
+                5,
+                dtype.name(),
+                &MatRef::new(dtype, rows, cols, &p).unwrap(),
+            )
+            .unwrap();
+        let mut paths = vec![Path::F32];
+        if Path::Int8.supports(gpu_runtime::arena::kernel_codec(dtype).unwrap()) {
+            paths.push(Path::Int8);
+        }
+        for path in paths {
+            let plan = Plan::for_matrix(ctx, rows).with_path(path);
+            for nt in [16, 32, matvec::MAX_FRAME_ROWS] {
+                let mut r = rng(nt as u64);
+                let xs: Vec<f32> = (0..nt * cols).map(|_| r()).collect();
+                let all = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+                if path == Path::F32 {
+                    // The CPU kernel (check's second witness) takes 8 rows at a time.
+                    for (x8, y8) in xs.chunks(8 * cols).zip(all.chunks(8 * rows)) {
+                        check(dtype, rows, cols, &w, x8, y8);
+                    }
+                }
+                for t in [0, 7, 8, 13, nt - 1] {
+                    let x = &xs[t * cols..(t + 1) * cols];
+                    let one = matvec::matmat(ctx, &g, x, plan).unwrap();
+                    for (a, b) in one.iter().zip(&all[t * rows..(t + 1) * rows]) {
+                        assert_eq!(a.to_bits(), b.to_bits(), "{dtype} {path:?} T{nt} row {t}");
+                    }
+                }
+            }
+            for nt in [12, matvec::MAX_FRAME_ROWS + 8] {
+                let e = matvec::matmat(ctx, &g, &vec![1.0; nt * cols], plan).unwrap_err();
+                assert!(
+                    matches!(e, GpuError::BadLength { .. }),
+                    "{dtype} T{nt}: {e}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn more_than_65535_workgroups_use_a_2d_grid() {
     let Some(ctx) = ctx() else { return };

@@ -30,6 +30,10 @@ fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32, k: &Matvec) {
         let _ = writeln!(b, "    let xrow = slot / P.x_div;");
     } else {
         let _ = writeln!(b, "    let wg = wid.x + wid.y * P.wg_x;");
+        // Frames of more than `nt` rows run in tiles of `nt` rows along the grid's z, each tile
+        // the `nt`-row kernel's arithmetic on its own rows (so a row's sum is the same in a frame
+        // of any size).
+        let _ = writeln!(b, "    let tb = wid.z * {nt}u;");
     }
     if pair {
         // Row group g computes gate row g and up row g + half.
@@ -77,8 +81,8 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
             let _ = writeln!(b, "        let u = {u};");
             let _ = writeln!(b, "        if (lane == 0u && first < P.half) {{");
             if k.epilogue == Epilogue::PairTwo {
-                let _ = writeln!(b, "            y[{t}u * P.half + first] = g;");
-                let _ = writeln!(b, "            aux[{t}u * P.half + first] = u;");
+                let _ = writeln!(b, "            y[(tb + {t}u) * P.half + first] = g;");
+                let _ = writeln!(b, "            aux[(tb + {t}u) * P.half + first] = u;");
             } else {
                 let yt = ytok(k, t);
                 let _ = writeln!(
@@ -103,7 +107,7 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
             }
             let _ = writeln!(b, "        if (lane == 0u && first < P.rows) {{");
             let _ = writeln!(b, "            let j = first / {nr}u;");
-            let _ = writeln!(b, "            let xb = {t}u * P.rows + j;");
+            let _ = writeln!(b, "            let xb = (tb + {t}u) * P.rows + j;");
             let _ = writeln!(b, "            var acc = 0.0;");
             for r in 0..nr {
                 let _ = writeln!(
@@ -134,12 +138,12 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
                 let _ = writeln!(b, "            if (row < P.half) {{");
                 let _ = writeln!(
                     b,
-                    "                y[{t}u * P.half + row] = v * hc_sigmoid(v);"
+                    "                y[(tb + {t}u) * P.half + row] = v * hc_sigmoid(v);"
                 );
                 let _ = writeln!(b, "            }} else {{");
                 let _ = writeln!(
                     b,
-                    "                aux[{t}u * (P.rows - P.half) + row - P.half] = 2.0 * hc_sigmoid(v);"
+                    "                aux[(tb + {t}u) * (P.rows - P.half) + row - P.half] = 2.0 * hc_sigmoid(v);"
                 );
                 let _ = writeln!(b, "            }}");
                 let _ = writeln!(b, "        }}");
@@ -182,7 +186,7 @@ fn xtok(k: &Matvec, t: u32) -> String {
     } else if k.grouped {
         "xrow".into()
     } else {
-        format!("{t}u")
+        format!("(tb + {t}u)")
     }
 }
 
@@ -191,7 +195,7 @@ fn ytok(k: &Matvec, t: u32) -> String {
     if k.grouped {
         "slot".into()
     } else {
-        format!("{t}u")
+        format!("(tb + {t}u)")
     }
 }
 

@@ -12,10 +12,41 @@ pub use model_core::device::{Device, Part, TwoMats};
 /// A qwen4_exp frame being recorded.
 pub type Enc<'a> = model_core::device::Enc<'a, Scratch>;
 
+/// Most token rows of a prompt's frame. A frame's chain of ~1,300 dependent dispatches costs
+/// about what a decoded token does whatever its rows (an H100 ran a frame of 8 rows in 21 ms
+/// of GPU time against a token's 12, one of 32 in 46), so a prompt in frames of 64 pays that
+/// chain an eighth as often as in frames of 8, and reads each routed expert once for more
+/// rows. The matvecs run a frame longer than 8 rows as tiles of 8 on the 8-row kernels, so
+/// every row's sums are those of a frame of 8.
+pub const PROMPT_ROWS: usize = gpu_runtime::ops::matvec::MAX_FRAME_ROWS;
+
+/// Most bytes of a frame's attention logits (`[rows, heads, ctx]` f32): a long context gets
+/// shorter prompt frames rather than a scratch buffer of gigabytes.
+const ATTN_LOGITS_CAP: usize = 256 << 20;
+
+/// The longest frame a prompt is fed in for `c` and a context of `ctx_len` tokens:
+/// [`PROMPT_ROWS`], or what `CORTIQ_PROMPT_ROWS` asks for (8 gives the frames of the earlier
+/// builds, for comparisons), fewer where the attention logits would pass [`ATTN_LOGITS_CAP`];
+/// a multiple of 8, at least 8.
+pub fn frame_rows(c: &Qwen4ExpTextConfig, ctx_len: usize, has_attn: bool) -> usize {
+    let want = std::env::var("CORTIQ_PROMPT_ROWS")
+        .ok()
+        .and_then(|v| v.trim().parse::<usize>().ok())
+        .unwrap_or(PROMPT_ROWS)
+        .min(PROMPT_ROWS);
+    let row_bytes = if has_attn {
+        c.num_attention_heads * ctx_len * 4
+    } else {
+        1
+    };
+    let want = want.min(ATTN_LOGITS_CAP / row_bytes.max(1));
+    (want / MAX_BATCH * MAX_BATCH).max(MAX_BATCH)
+}
+
 /// Logits per workgroup of greedy argmax's first pass.
 pub const ARGMAX_CHUNK: usize = 1024;
 
-/// The intermediates of one frame (up to 8 token rows), shared by every layer: the blocks run
+/// The intermediates of one frame (up to `rows` token rows), shared by every layer: the blocks run
 /// one after another, so one set serves the whole forward.
 pub struct Scratch {
     /// The H residual streams `[nt, H*D]` (the frame's input is written here).
@@ -53,7 +84,7 @@ pub struct Scratch {
     pub token: wgpu::Buffer,
     /// Greedy argmax's per-chunk best (value bits, index) pairs.
     pub argmax_part: wgpu::Buffer,
-    /// The MoE slots of a frame (8 rows x top-k): expert ids and routing weights `[8k]`.
+    /// The MoE slots of a frame (rows x top-k): expert ids and routing weights `[rows k]`.
     pub slot_ids: wgpu::Buffer,
     /// See `slot_ids`.
     pub slot_w: wgpu::Buffer,
@@ -68,15 +99,16 @@ pub struct Scratch {
 }
 
 impl Scratch {
-    /// Buffers for `c` and a context of `ctx_len` tokens; `has_attn` when an indexed-attention
-    /// layer runs (the trunk's, or the MTP head's).
+    /// Buffers for `c`, frames of up to `rows` token rows and a context of `ctx_len` tokens;
+    /// `has_attn` when an indexed-attention layer runs (the trunk's, or the MTP head's).
     pub fn new(
         gpu: &GpuContext,
         c: &Qwen4ExpTextConfig,
+        rows: usize,
         ctx_len: usize,
         has_attn: bool,
     ) -> Scratch {
-        let nt = MAX_BATCH;
+        let nt = rows.max(MAX_BATCH);
         let (h, d) = (c.hc_count, c.hidden_size);
         let buf = |label: &str, n: usize| graph::storage(gpu, label, n);
         // The widest per-row width any block's work buffer holds.

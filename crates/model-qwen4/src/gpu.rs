@@ -82,6 +82,9 @@ pub(crate) struct Resident {
     pub(crate) lm_head: Arc<gpu_runtime::GpuMatrix>,
     pub(crate) rope: Option<RopeGpu>,
     pub(crate) scratch: Scratch,
+    /// The longest frame (a prompt's): [`crate::device::frame_rows`] where every expert is
+    /// resident, else 8.
+    pub(crate) frame_rows: usize,
     pub(crate) ctx_len: usize,
     pub(crate) uid: u64,
     /// The MTP head, when the file has one.
@@ -207,7 +210,6 @@ impl<'a> GpuModel<'a> {
         let has_attn =
             (0..c.num_hidden_layers).any(|il| c.layer_type(il) == LayerType::IndexedAttention);
         gdn::device_limits(c).map_err(unsupported)?;
-        ple::device_limits(c).map_err(unsupported)?;
         if has_attn {
             qsa::device_limits(c).map_err(unsupported)?;
         }
@@ -340,7 +342,13 @@ impl<'a> GpuModel<'a> {
         // The head is an indexed-attention layer whatever the trunk's layers are.
         let has_attn = has_attn || mtp.is_some();
         let rope = has_attn.then(|| RopeGpu::new(&dev, model.rope(), c.rotary_dim(), ctx_len));
-        let scratch = Scratch::new(&dev.ctx, c, ctx_len, has_attn);
+        // A frame with cold experts reads back its slots and MoE input in buffers of 8 rows.
+        let frame_rows = if partial {
+            MAX_BATCH
+        } else {
+            crate::device::frame_rows(c, ctx_len, has_attn)
+        };
+        let scratch = Scratch::new(&dev.ctx, c, frame_rows, ctx_len, has_attn);
         let batch_rows = w
             .layers
             .iter()
@@ -360,6 +368,7 @@ impl<'a> GpuModel<'a> {
             lm_head,
             rope,
             scratch,
+            frame_rows,
             ctx_len,
             uid,
             batch_rows,
@@ -554,7 +563,34 @@ impl<'a> GpuModel<'a> {
         GpuState::new(self)
     }
 
-    /// Feeds `tokens` (one frame, at most 8) and returns what `head` asks for: logits rows, or
+    /// The longest frame a prompt is fed in: 64 rows where every routed expert is resident
+    /// (fewer at a long context: [`crate::device::frame_rows`]), else 8.
+    pub fn frame_rows(&self) -> usize {
+        self.res.frame_rows
+    }
+
+    /// A prompt's frames: of [`Resident::frame_rows`] rows while that many are left, then
+    /// one of the largest multiple of 8 left, then the rest (fewer than 8).
+    fn frames<'t>(&self, tokens: &'t [u32]) -> Vec<&'t [u32]> {
+        let long = self.res.frame_rows;
+        let mut out = Vec::new();
+        let mut rest = tokens;
+        while !rest.is_empty() {
+            let n = if rest.len() >= long {
+                long
+            } else if rest.len() >= MAX_BATCH {
+                rest.len() / MAX_BATCH * MAX_BATCH
+            } else {
+                rest.len()
+            };
+            let (f, r) = rest.split_at(n);
+            out.push(f);
+            rest = r;
+        }
+        out
+    }
+
+    /// Feeds `tokens` (one frame, at most [`Resident::frame_rows`]) and returns what `head` asks for: logits rows, or
     /// the greedy token as the single value of the vector (bit-cast in `token`).
     fn frame(
         &self,
@@ -899,6 +935,17 @@ impl<'a> GpuModel<'a> {
         st: &mut GpuState,
         granularity: Granularity,
     ) -> Result<Vec<(String, usize, f64)>, ForwardError> {
+        let rows = first.len();
+        if rows == 0
+            || rows > self.res.frame_rows
+            || (rows > MAX_BATCH && !rows.is_multiple_of(MAX_BATCH))
+        {
+            return Err(unsupported(format!(
+                "a profiled frame of {rows} rows (1..=8, or a multiple of 8 up to {})",
+                self.res.frame_rows
+            ))
+            .into());
+        }
         let mut toks = first.to_vec();
         let mut total: Vec<(String, usize, f64)> = Vec::new();
         for _ in 0..n {
@@ -961,7 +1008,7 @@ impl<'a> GpuModel<'a> {
         last_only: bool,
     ) -> Result<(Vec<f32>, Vec<f32>), ForwardError> {
         self.check(tokens, st)?;
-        let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
+        let frames: Vec<&[u32]> = self.frames(tokens);
         let (mut logits, mut streams) = (Vec::new(), Vec::new());
         for (i, f) in frames.iter().enumerate() {
             let head = match (last_only, i + 1 == frames.len()) {
@@ -980,7 +1027,7 @@ impl<'a> GpuModel<'a> {
     /// is read back).
     pub fn forward_greedy(&self, tokens: &[u32], st: &mut GpuState) -> Result<u32, ForwardError> {
         self.check(tokens, st)?;
-        let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
+        let frames: Vec<&[u32]> = self.frames(tokens);
         let mut token = 0;
         for (i, f) in frames.iter().enumerate() {
             let head = if i + 1 == frames.len() {
@@ -1040,12 +1087,12 @@ pub struct GpuState {
     pub pos: usize,
     ngram_ctx: Vec<i64>,
     layers: Vec<LayerDeviceState>,
-    /// Per layer: the gathered n-gram rows `[8, ple_embed_dim]` and the conv history.
+    /// Per layer: the gathered n-gram rows `[frame rows, ple_embed_dim]` and the conv history.
     ple: Vec<Option<(wgpu::Buffer, wgpu::Buffer)>>,
     frame: wgpu::Buffer,
     stage: wgpu::Buffer,
     graphs: HashMap<FrameKey, Graph>,
-    /// Where a frame's final streams are read back through (`[8, H*D]`, for the MTP head).
+    /// Where a frame's final streams are read back through (`[frame rows, H*D]`, for the MTP head).
     hs_stage: wgpu::Buffer,
     /// The next frame's command buffer, encoded while the last one (of the same shape) ran
     /// (keyed by its graph and whether it copies the streams out).
@@ -1093,6 +1140,7 @@ impl GpuState {
             })
             .collect();
         let hd = c.hc_count * c.hidden_size;
+        let rows = m.res.frame_rows;
         let ple = m
             .model
             .weights
@@ -1101,7 +1149,7 @@ impl GpuState {
             .map(|lw| {
                 lw.ple.as_ref().map(|_| {
                     (
-                        graph::storage(ctx, "ple rows", MAX_BATCH * c.ple_embed_dim()),
+                        graph::storage(ctx, "ple rows", rows * c.ple_embed_dim()),
                         graph::storage(
                             ctx,
                             "ple conv history",
@@ -1120,8 +1168,8 @@ impl GpuState {
             layers,
             ple,
             frame: graph::frame_buffer(ctx),
-            stage: readback_buffer(ctx, MAX_BATCH * c.vocab_size),
-            hs_stage: readback_buffer(ctx, MAX_BATCH * hd),
+            stage: readback_buffer(ctx, rows * c.vocab_size),
+            hs_stage: readback_buffer(ctx, rows * hd),
             graphs: HashMap::new(),
             next: None,
             recorded: 0,
@@ -1361,7 +1409,7 @@ impl CausalLm for GpuModel<'_> {
     ) -> Result<Vec<f32>, ForwardError> {
         self.check(tokens, st)?;
         let traced = self.traced.load(Ordering::Relaxed);
-        let frames: Vec<&[u32]> = tokens.chunks(MAX_BATCH).collect();
+        let frames: Vec<&[u32]> = self.frames(tokens);
         let mut logits = Vec::new();
         let mut traces = model_core::device::Traces::default();
         for (i, f) in frames.iter().enumerate() {

@@ -260,14 +260,6 @@ pub fn gather(w: &PleWeights<'_>, c: &Qwen4ExpTextConfig, rows: &[u64], t: usize
     e
 }
 
-/// Whether the device kernels take this geometry.
-pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
-    if (c.ple_conv_kernel_size - 1) * c.ngram_size + quant_codecs::MAX_BATCH > 64 {
-        return Err("PLE conv history too long for the device conv".into());
-    }
-    Ok(())
-}
-
 /// Encodes PLE on the streams `x` `[nt, H*D]` in place, from the gathered rows `e_in`
 /// `[nt, ple_embed_dim]`: the gate over every row, the conv per sequence (`parts`: their
 /// conv histories on the device, their rows in order).

@@ -95,6 +95,41 @@ fn forward_last_is_the_last_row_of_forward() {
     }));
 }
 
+/// A prompt fed at once (a frame of 64 rows, then 2) gives the logits of the same prompt fed
+/// in frames of 8, bit for bit: a long frame runs every matvec as tiles of the 8-row kernel
+/// and every other op per row, in the same order.
+#[test]
+fn a_long_frame_equals_frames_of_8_bit_for_bit() {
+    let failures = each(|case, cmf| {
+        let g = bind(cmf);
+        let ids = test_support::ids(case, 2);
+        let ids = &ids[..66];
+        let mut st = g.new_state();
+        let at_once = g.forward(ids, &mut st).unwrap();
+        let mut st = g.new_state();
+        let mut in_eights = Vec::new();
+        for f in ids.chunks(8) {
+            in_eights.extend(g.forward(f, &mut st).unwrap());
+        }
+        let differ = at_once
+            .iter()
+            .zip(&in_eights)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        if at_once.len() != in_eights.len() || differ > 0 {
+            vec![format!(
+                "{case}: {differ} of {} logits differ ({} vs {} values)",
+                at_once.len(),
+                at_once.len(),
+                in_eights.len()
+            )]
+        } else {
+            Vec::new()
+        }
+    });
+    h::assert_none(&failures);
+}
+
 #[test]
 fn bad_tokens_are_errors() {
     let failures = h::with_converted("qwen4_exp_a", Profile::F32, |cmf| {
@@ -104,7 +139,8 @@ fn bad_tokens_are_errors() {
 }
 
 /// Every named intermediate of the GPU forward against the CPU forward's, for a prefill of two
-/// frames (13 tokens: 8 + 5) and three decoded tokens: within `2e-5 x max|value|` of that
+/// frames (13 tokens: 8 + 5) and three decoded tokens, and for a prompt's frame of 32 rows
+/// followed by a frame of 8: within `2e-5 x max|value|` of that
 /// intermediate (f32 sums in another order: tree reductions, fused multiply-adds). The routed
 /// experts run through the grouped kernels.
 #[test]
@@ -135,16 +171,22 @@ pub fn compare_blocks(cases: &[&str], profile: Profile, banks: bool, tol: f32) -
             let layers = c.config.num_hidden_layers;
             assert_eq!(g.grouped_layers(), if banks { layers } else { 0 });
             g.set_tracing(true);
-            let ids = test_support::ids(case, 0);
-            let steps: [&[u32]; 4] = [&ids[..13], &ids[13..14], &ids[14..15], &ids[15..16]];
-            let (mut sc, mut sg) = (c.new_state(), g.new_state());
+            // Frames of 8 and 5 rows then three decoded tokens; and, in a second sequence, a
+            // prompt's frame of 32 rows (the matvecs in tiles of 8) then a frame of 8.
+            let (short, long) = (test_support::ids(case, 0), test_support::ids(case, 2));
+            let short: [&[u32]; 4] = [&short[..13], &short[13..14], &short[14..15], &short[15..16]];
+            let long: [&[u32]; 2] = [&long[..32], &long[32..40]];
             let mut names = 0;
-            for (si, step) in steps.iter().enumerate() {
-                let what = format!("{case} step {si}");
-                let (n, f) =
-                    test_support::harness::compare_step(&what, &c, &mut sc, &g, &mut sg, step, tol);
-                names += n;
-                failures.extend(f);
+            for (seq, steps) in [(0, &short[..]), (1, &long[..])] {
+                let (mut sc, mut sg) = (c.new_state(), g.new_state());
+                for (si, step) in steps.iter().enumerate() {
+                    let what = format!("{case} sequence {seq} step {si}");
+                    let (n, f) = test_support::harness::compare_step(
+                        &what, &c, &mut sc, &g, &mut sg, step, tol,
+                    );
+                    names += n;
+                    failures.extend(f);
+                }
             }
             eprintln!("{case} {profile:?}: {names} intermediates compared");
         });

@@ -13,6 +13,10 @@ use crate::{GpuContext, GpuError};
 /// What output buffers are filled with before a test dispatch, so a row a kernel skips shows.
 pub const POISON: f32 = 7.7e30;
 
+/// Most token rows of one matmat: frames longer than [`MAX_BATCH`] (a prompt's prefill) run in
+/// tiles of [`MAX_BATCH`] rows, so they must be a multiple of it.
+pub const MAX_FRAME_ROWS: usize = 64;
+
 /// How a matvec kernel is specialised for a device and a matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Plan {
@@ -418,6 +422,8 @@ pub fn codec_pipeline(
 pub struct Step {
     pipe: Arc<wgpu::ComputePipeline>,
     groups: Vec<(wgpu::BindGroup, u32, u32)>,
+    /// The grid's z: tiles of [`MAX_BATCH`] token rows (1 unless a frame is longer).
+    tiles: u32,
     label: String,
 }
 
@@ -431,8 +437,14 @@ impl Step {
         Step {
             pipe,
             groups,
+            tiles: 1,
             label,
         }
+    }
+
+    /// The same dispatches over `tiles` tiles of token rows (the grid's z).
+    pub(crate) fn with_tiles(self, tiles: u32) -> Step {
+        Step { tiles, ..self }
     }
 
     /// The kernel and shape this step runs.
@@ -445,7 +457,7 @@ impl Step {
         pass.set_pipeline(&self.pipe);
         for (bg, gx, gy) in &self.groups {
             pass.set_bind_group(0, bg, &[]);
-            pass.dispatch_workgroups(*gx, *gy, 1);
+            pass.dispatch_workgroups(*gx, *gy, self.tiles);
         }
     }
 }
@@ -643,13 +655,19 @@ fn prepare_inner(
         (Epilogue::HcReadout, Some(a)) => m.rows / a.streams,
         _ => out_rows(m, epilogue),
     };
-    if nt == 0 || nt > MAX_BATCH {
+    if nt == 0 || (nt > MAX_BATCH && !nt.is_multiple_of(MAX_BATCH)) || nt > MAX_FRAME_ROWS {
         return Err(GpuError::BadLength {
-            what: "token rows (1..=8)",
+            what: "token rows (1..=8, or a multiple of 8 up to 64)",
             expected: MAX_BATCH,
             found: nt,
         });
     }
+    // A longer frame runs the 8-row kernel on each tile of 8 rows (the grid's z).
+    let (tiles, nt_kernel) = if nt > MAX_BATCH {
+        (nt / MAX_BATCH, MAX_BATCH)
+    } else {
+        (1, nt)
+    };
     let need_x = (nt * m.cols * 4) as u64;
     let need_y = (nt * y_rows * 4) as u64;
     if x.size() < need_x {
@@ -669,8 +687,8 @@ fn prepare_inner(
     let codec = kernel_codec(m.dtype).ok_or(GpuError::UnsupportedDtype { dtype: m.dtype })?;
     let plan = plan
         .with_path(plan.effective_path(ctx, codec, m.cols))
-        .for_codec(ctx, codec, nt, false);
-    let pipe = codec_pipeline(ctx, codec, nt, plan, epilogue)?;
+        .for_codec(ctx, codec, nt_kernel, false);
+    let pipe = codec_pipeline(ctx, codec, nt_kernel, plan, epilogue)?;
     let mut steps = Vec::new();
     let acts = match (plan.path, codec.act_layout()) {
         (Path::Int8, Some(layout)) if pre.is_some_and(|p| p.layout == layout) => pre.cloned(),
@@ -752,7 +770,7 @@ fn prepare_inner(
         "matvec {codec:?} {}x{} T{nt} {:?} {epilogue:?} l{}",
         m.rows, m.cols, plan.path, plan.lanes
     );
-    steps.push(Step::new(pipe, groups, label));
+    steps.push(Step::new(pipe, groups, label).with_tiles(tiles as u32));
     Ok(Prepared {
         steps,
         path: plan.path,
