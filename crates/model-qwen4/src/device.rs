@@ -14,11 +14,16 @@ pub type Enc<'a> = model_core::device::Enc<'a, Scratch>;
 
 /// Most token rows of a prompt's frame. A frame's chain of ~1,300 dependent dispatches costs
 /// about what a decoded token does whatever its rows (an H100 ran a frame of 8 rows in 21 ms
-/// of GPU time against a token's 12, one of 32 in 46), so a prompt in frames of 64 pays that
-/// chain an eighth as often as in frames of 8, and reads each routed expert once for more
-/// rows. The matvecs run a frame longer than 8 rows as tiles of 8 on the 8-row kernels, so
-/// every row's sums are those of a frame of 8.
+/// of GPU time against a token's 12, one of 64 in 82), so long frames pay that chain less
+/// often (H100, pp512: frames of 8 329 tok/s, 64 718, 128 752-758, 256 782-785). The matvecs
+/// run a frame longer than 8 rows as tiles of 8 on the 8-row kernels, so every row's sums
+/// are those of a frame of 8.
 pub const PROMPT_ROWS: usize = gpu_runtime::ops::matvec::MAX_FRAME_ROWS;
+
+/// Most rows of a frame whose every row's logits are read back (`forward`, perplexity): the
+/// logits buffers hold this many rows of the vocabulary (64 MB at the release's), not a
+/// prompt frame's 256.
+pub const ALL_LOGITS_ROWS: usize = 64;
 
 /// Most bytes of a frame's attention logits (`[rows, heads, ctx]` f32): a long context gets
 /// shorter prompt frames rather than a scratch buffer of gigabytes.
@@ -78,7 +83,7 @@ pub struct Scratch {
     pub sel: wgpu::Buffer,
     /// Attention logits `[nt, Hq, ctx]`.
     pub attn_logits: wgpu::Buffer,
-    /// Logits `[nt, vocab]`.
+    /// Logits `[min(nt, ALL_LOGITS_ROWS), vocab]`.
     pub logits: wgpu::Buffer,
     /// The greedy token.
     pub token: wgpu::Buffer,
@@ -151,7 +156,7 @@ impl Scratch {
             scores: buf("scores", nt * max_blocks),
             sel: buf("sel", nt * max_blocks),
             attn_logits: buf("attn_logits", nt * hq * ctx_len),
-            logits: buf("logits", nt * c.vocab_size),
+            logits: buf("logits", nt.min(ALL_LOGITS_ROWS) * c.vocab_size),
             argmax_part: buf("argmax_part", 2 * c.vocab_size.div_ceil(ARGMAX_CHUNK)),
             token: buf("token", 4),
             slot_ids: buf("slot ids", nt * c.num_experts_per_tok),

@@ -563,16 +563,21 @@ impl<'a> GpuModel<'a> {
         GpuState::new(self)
     }
 
-    /// The longest frame a prompt is fed in: 64 rows where every routed expert is resident
+    /// The longest frame a prompt is fed in: 256 rows where every routed expert is resident
     /// (fewer at a long context: [`crate::device::frame_rows`]), else 8.
     pub fn frame_rows(&self) -> usize {
         self.res.frame_rows
     }
 
-    /// A prompt's frames: of [`Resident::frame_rows`] rows while that many are left, then
-    /// one of the largest multiple of 8 left, then the rest (fewer than 8).
-    fn frames<'t>(&self, tokens: &'t [u32]) -> Vec<&'t [u32]> {
-        let long = self.res.frame_rows;
+    /// A prompt's frames: of [`Resident::frame_rows`] rows (at most
+    /// [`crate::device::ALL_LOGITS_ROWS`] when every row's logits are read: `all`) while that
+    /// many are left, then one of the largest multiple of 8 left, then the rest (fewer than 8).
+    fn frames<'t>(&self, tokens: &'t [u32], all: bool) -> Vec<&'t [u32]> {
+        let long = if all {
+            self.res.frame_rows.min(crate::device::ALL_LOGITS_ROWS)
+        } else {
+            self.res.frame_rows
+        };
         let mut out = Vec::new();
         let mut rest = tokens;
         while !rest.is_empty() {
@@ -604,6 +609,12 @@ impl<'a> GpuModel<'a> {
         let c = &self.model.config;
         let ctx = &self.res.dev.ctx;
         let nt = tokens.len();
+        if nt > self.res.frame_rows
+            || (head == Head::All && nt > crate::device::ALL_LOGITS_ROWS)
+            || (nt > MAX_BATCH && !nt.is_multiple_of(MAX_BATCH))
+        {
+            return Err(unsupported(format!("a frame of {nt} rows with head {head:?}")).into());
+        }
         let xs = self.embed_rows(tokens);
         ctx.queue
             .write_buffer(&self.res.scratch.x, 0, bytemuck::cast_slice(&xs));
@@ -1008,7 +1019,7 @@ impl<'a> GpuModel<'a> {
         last_only: bool,
     ) -> Result<(Vec<f32>, Vec<f32>), ForwardError> {
         self.check(tokens, st)?;
-        let frames: Vec<&[u32]> = self.frames(tokens);
+        let frames: Vec<&[u32]> = self.frames(tokens, !last_only);
         let (mut logits, mut streams) = (Vec::new(), Vec::new());
         for (i, f) in frames.iter().enumerate() {
             let head = match (last_only, i + 1 == frames.len()) {
@@ -1027,7 +1038,7 @@ impl<'a> GpuModel<'a> {
     /// is read back).
     pub fn forward_greedy(&self, tokens: &[u32], st: &mut GpuState) -> Result<u32, ForwardError> {
         self.check(tokens, st)?;
-        let frames: Vec<&[u32]> = self.frames(tokens);
+        let frames: Vec<&[u32]> = self.frames(tokens, false);
         let mut token = 0;
         for (i, f) in frames.iter().enumerate() {
             let head = if i + 1 == frames.len() {
@@ -1168,7 +1179,7 @@ impl GpuState {
             layers,
             ple,
             frame: graph::frame_buffer(ctx),
-            stage: readback_buffer(ctx, rows * c.vocab_size),
+            stage: readback_buffer(ctx, rows.min(crate::device::ALL_LOGITS_ROWS) * c.vocab_size),
             hs_stage: readback_buffer(ctx, rows * hd),
             graphs: HashMap::new(),
             next: None,
@@ -1409,7 +1420,7 @@ impl CausalLm for GpuModel<'_> {
     ) -> Result<Vec<f32>, ForwardError> {
         self.check(tokens, st)?;
         let traced = self.traced.load(Ordering::Relaxed);
-        let frames: Vec<&[u32]> = self.frames(tokens);
+        let frames: Vec<&[u32]> = self.frames(tokens, !last_only);
         let mut logits = Vec::new();
         let mut traces = model_core::device::Traces::default();
         for (i, f) in frames.iter().enumerate() {

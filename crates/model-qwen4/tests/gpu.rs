@@ -95,37 +95,47 @@ fn forward_last_is_the_last_row_of_forward() {
     }));
 }
 
-/// A prompt fed at once (a frame of 64 rows, then 2) gives the logits of the same prompt fed
-/// in frames of 8, bit for bit: a long frame runs every matvec as tiles of the 8-row kernel
-/// and every other op per row, in the same order.
+/// A prompt fed at once gives the logits of the same prompt fed in frames of 8, bit for bit: a
+/// long frame runs every matvec as tiles of the 8-row kernel and every other op per row, in the
+/// same order. Every row's logits (frames of at most 64 rows: 64, then 2) and the last row's
+/// alone (one frame of the prompt's largest multiple of 8: 64 to 88 rows).
 #[test]
 fn a_long_frame_equals_frames_of_8_bit_for_bit() {
     let failures = each(|case, cmf| {
         let g = bind(cmf);
         let ids = test_support::ids(case, 2);
-        let ids = &ids[..66];
-        let mut st = g.new_state();
-        let at_once = g.forward(ids, &mut st).unwrap();
-        let mut st = g.new_state();
-        let mut in_eights = Vec::new();
-        for f in ids.chunks(8) {
-            in_eights.extend(g.forward(f, &mut st).unwrap());
-        }
-        let differ = at_once
-            .iter()
-            .zip(&in_eights)
-            .filter(|(a, b)| a.to_bits() != b.to_bits())
-            .count();
-        if at_once.len() != in_eights.len() || differ > 0 {
-            vec![format!(
-                "{case}: {differ} of {} logits differ ({} vs {} values)",
-                at_once.len(),
-                at_once.len(),
-                in_eights.len()
-            )]
-        } else {
-            Vec::new()
-        }
+        let in_eights = |ids: &[u32]| {
+            let mut st = g.new_state();
+            let mut out = Vec::new();
+            for f in ids.chunks(8) {
+                out.extend(g.forward(f, &mut st).unwrap());
+            }
+            out
+        };
+        let same = |what: &str, a: &[f32], b: &[f32]| {
+            let differ = a
+                .iter()
+                .zip(b)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            (a.len() != b.len() || differ > 0).then(|| {
+                format!(
+                    "{case} {what}: {differ} logits differ ({} vs {} values)",
+                    a.len(),
+                    b.len()
+                )
+            })
+        };
+        let mut failures = Vec::new();
+        let all = &ids[..66];
+        let at_once = g.forward(all, &mut g.new_state()).unwrap();
+        failures.extend(same("every row", &at_once, &in_eights(all)));
+        let n = ids.len() / 8 * 8;
+        let last = g.forward_last(&ids[..n], &mut g.new_state()).unwrap();
+        let eights = in_eights(&ids[..n]);
+        let v = last.len();
+        failures.extend(same("the last row", &last, &eights[eights.len() - v..]));
+        failures
     });
     h::assert_none(&failures);
 }
