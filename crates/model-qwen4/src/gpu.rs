@@ -640,6 +640,7 @@ impl<'a> GpuModel<'a> {
         };
         let plain = taps.is_none() && stages.is_none();
         let hs = streams.is_some().then_some(nt * c.hc_count * c.hidden_size);
+        st.fit_stages(read, hs.unwrap_or(0));
         if st.graphs[&key].has_breaks() {
             if stages.is_some() {
                 return Err(unsupported(
@@ -1103,8 +1104,10 @@ pub struct GpuState {
     frame: wgpu::Buffer,
     stage: wgpu::Buffer,
     graphs: HashMap<FrameKey, Graph>,
-    /// Where a frame's final streams are read back through (`[frame rows, H*D]`, for the MTP head).
+    /// Where a frame's final streams are read back through (`[rows, H*D]`, for the MTP head).
     hs_stage: wgpu::Buffer,
+    /// The floats `stage` and `hs_stage` start with (8 rows' worth).
+    small: (usize, usize),
     /// The next frame's command buffer, encoded while the last one (of the same shape) ran
     /// (keyed by its graph and whether it copies the streams out).
     next: Option<(NextKey, wgpu::CommandBuffer)>,
@@ -1116,6 +1119,23 @@ pub struct GpuState {
 }
 
 impl GpuState {
+    /// Grows the readback buffers to hold `read` logits and `hs` stream values (a frame longer
+    /// than 8 rows that reads every row). A command buffer encoded ahead copies into the old
+    /// ones, so it is dropped.
+    fn fit_stages(&mut self, read: usize, hs: usize) {
+        let fits = |b: &wgpu::Buffer, n: usize| (n * 4) as u64 <= b.size();
+        if fits(&self.stage, read) && fits(&self.hs_stage, hs) {
+            return;
+        }
+        if !fits(&self.stage, read) {
+            self.stage = readback_buffer(&self.ctx, read);
+        }
+        if !fits(&self.hs_stage, hs) {
+            self.hs_stage = readback_buffer(&self.ctx, hs);
+        }
+        self.next = None;
+    }
+
     /// Moves the sequence past `nt` fed tokens whose n-gram history (with the context before
     /// them) is `history`.
     fn advance(&mut self, history: &[i64], nt: usize) {
@@ -1151,6 +1171,7 @@ impl GpuState {
             })
             .collect();
         let hd = c.hc_count * c.hidden_size;
+        let small = (MAX_BATCH * c.vocab_size, MAX_BATCH * hd);
         let rows = m.res.frame_rows;
         let ple = m
             .model
@@ -1179,8 +1200,11 @@ impl GpuState {
             layers,
             ple,
             frame: graph::frame_buffer(ctx),
-            stage: readback_buffer(ctx, rows.min(crate::device::ALL_LOGITS_ROWS) * c.vocab_size),
-            hs_stage: readback_buffer(ctx, rows * hd),
+            // Sized for a frame of 8 rows; a longer frame that reads every row grows them
+            // ([`GpuState::fit_stages`]), so states and snapshots that never do stay small.
+            stage: readback_buffer(ctx, small.0),
+            hs_stage: readback_buffer(ctx, small.1),
+            small,
             graphs: HashMap::new(),
             next: None,
             recorded: 0,
@@ -1199,7 +1223,7 @@ impl GpuState {
     /// Device memory a snapshot of the sequence takes (what [`Clone`] allocates).
     pub fn bytes(&self) -> u64 {
         let gathered: u64 = self.ple.iter().flatten().map(|(rows, _)| rows.size()).sum();
-        let stages = self.stage.size() + self.hs_stage.size();
+        let stages = 4 * (self.small.0 + self.small.1) as u64;
         self.buffers().iter().map(|b| b.size()).sum::<u64>() + gathered + stages
     }
 
@@ -1386,8 +1410,10 @@ impl Clone for GpuState {
             layers,
             ple,
             frame: graph::frame_buffer(ctx),
-            stage: dup(&self.stage),
-            hs_stage: dup(&self.hs_stage),
+            // Readback space only: a snapshot starts with the small ones again.
+            stage: readback_buffer(ctx, self.small.0),
+            hs_stage: readback_buffer(ctx, self.small.1),
+            small: self.small,
             graphs: HashMap::new(),
             next: None,
             recorded: 0,
