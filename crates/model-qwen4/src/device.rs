@@ -12,39 +12,50 @@ pub use model_core::device::{Device, Part, TwoMats};
 /// A qwen4_exp frame being recorded.
 pub type Enc<'a> = model_core::device::Enc<'a, Scratch>;
 
-/// Most token rows of a prompt's frame. A frame's chain of ~1,300 dependent dispatches costs
-/// about what a decoded token does whatever its rows (an H100 ran a frame of 8 rows in 21 ms
-/// of GPU time against a token's 12, one of 64 in 82), so long frames pay that chain less
-/// often (H100, pp512: frames of 8 329 tok/s, 64 718, 128 752-758, 256 782-785). The matvecs
-/// run a frame longer than 8 rows as tiles of 8 on the 8-row kernels, so every row's sums
-/// are those of a frame of 8.
-pub const PROMPT_ROWS: usize = gpu_runtime::ops::matvec::MAX_FRAME_ROWS;
+/// Most token rows of a prompt's frame by default. A frame's chain of ~1,300 dependent
+/// dispatches costs about what a decoded token does whatever its rows (an H100 ran a frame of 8
+/// rows in 21 ms of GPU time against a token's 12, one of 64 in 82), so long frames pay that
+/// chain less often (H100, pp512: frames of 8 329 tok/s, 64 715-719, 128 752-758, 256
+/// 782-785). 64, not 256: each recorded frame shape keeps its own int8 activation buffers
+/// (about 1.3 MB a row at the release geometry, outside the VRAM budget), and a state keeps
+/// its shapes; `CORTIQ_PROMPT_ROWS` allows up to [`MAX_PROMPT_ROWS`]. The matvecs run a frame
+/// longer than 8 rows as tiles of 8 on the 8-row kernels, so every row's sums are those of a
+/// frame of 8.
+pub const PROMPT_ROWS: usize = 64;
+
+/// The longest prompt frame `CORTIQ_PROMPT_ROWS` may ask for (what the matvecs take).
+pub const MAX_PROMPT_ROWS: usize = gpu_runtime::ops::matvec::MAX_FRAME_ROWS;
 
 /// Most rows of a frame whose every row's logits are read back (`forward`, perplexity): the
-/// logits buffers hold this many rows of the vocabulary (64 MB at the release's), not a
-/// prompt frame's 256.
+/// logits buffers hold this many rows of the vocabulary (64 MB at the release's).
 pub const ALL_LOGITS_ROWS: usize = 64;
 
 /// Most bytes of a frame's attention logits (`[rows, heads, ctx]` f32): a long context gets
 /// shorter prompt frames rather than a scratch buffer of gigabytes.
-const ATTN_LOGITS_CAP: usize = 256 << 20;
+const ATTN_LOGITS_CAP: u64 = 256 << 20;
 
-/// The longest frame a prompt is fed in for `c` and a context of `ctx_len` tokens:
-/// [`PROMPT_ROWS`], or what `CORTIQ_PROMPT_ROWS` asks for (8 gives the frames of the earlier
-/// builds, for comparisons), fewer where the attention logits would pass [`ATTN_LOGITS_CAP`];
-/// a multiple of 8, at least 8.
-pub fn frame_rows(c: &Qwen4ExpTextConfig, ctx_len: usize, has_attn: bool) -> usize {
+/// The longest frame a prompt is fed in for `c` and a context of `ctx_len` tokens on a device
+/// binding at most `max_binding` bytes: [`PROMPT_ROWS`], or what `CORTIQ_PROMPT_ROWS` asks
+/// for (8 gives the frames of the earlier builds, for comparisons), fewer where the attention
+/// logits would pass [`ATTN_LOGITS_CAP`] or the binding limit; a multiple of 8, at least 8.
+pub fn frame_rows(
+    c: &Qwen4ExpTextConfig,
+    ctx_len: usize,
+    has_attn: bool,
+    max_binding: u64,
+) -> usize {
     let want = std::env::var("CORTIQ_PROMPT_ROWS")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .unwrap_or(PROMPT_ROWS)
-        .min(PROMPT_ROWS);
+        .min(MAX_PROMPT_ROWS);
     let row_bytes = if has_attn {
-        c.num_attention_heads * ctx_len * 4
+        (c.num_attention_heads * ctx_len * 4) as u64
     } else {
         1
     };
-    let want = want.min(ATTN_LOGITS_CAP / row_bytes.max(1));
+    let cap = ATTN_LOGITS_CAP.min(max_binding) / row_bytes.max(1);
+    let want = want.min(usize::try_from(cap).unwrap_or(usize::MAX));
     (want / MAX_BATCH * MAX_BATCH).max(MAX_BATCH)
 }
 
@@ -97,9 +108,9 @@ pub struct Scratch {
     pub expert_mid: wgpu::Buffer,
     /// The slots' expert outputs `[8k, D]`.
     pub expert_out: wgpu::Buffer,
-    /// The slots' bank slots, where some experts are on the CPU `[8k]` (u32).
+    /// The slots' bank slots, where some experts are on the CPU `[rows k]` (u32).
     pub bank_ids: wgpu::Buffer,
-    /// The slots' cold experts (`NONE_SLOT` for a resident one) `[8k]` (u32).
+    /// The slots' cold experts (`NONE_SLOT` for a resident one) `[rows k]` (u32).
     pub cold: wgpu::Buffer,
 }
 

@@ -346,7 +346,7 @@ impl<'a> GpuModel<'a> {
         let frame_rows = if partial {
             MAX_BATCH
         } else {
-            crate::device::frame_rows(c, ctx_len, has_attn)
+            crate::device::frame_rows(c, ctx_len, has_attn, dev.ctx.max_binding())
         };
         let scratch = Scratch::new(&dev.ctx, c, frame_rows, ctx_len, has_attn);
         let batch_rows = w
@@ -563,7 +563,7 @@ impl<'a> GpuModel<'a> {
         GpuState::new(self)
     }
 
-    /// The longest frame a prompt is fed in: 256 rows where every routed expert is resident
+    /// The longest frame a prompt is fed in: 64 rows where every routed expert is resident
     /// (fewer at a long context: [`crate::device::frame_rows`]), else 8.
     pub fn frame_rows(&self) -> usize {
         self.res.frame_rows
@@ -571,7 +571,8 @@ impl<'a> GpuModel<'a> {
 
     /// A prompt's frames: of [`Resident::frame_rows`] rows (at most
     /// [`crate::device::ALL_LOGITS_ROWS`] when every row's logits are read: `all`) while that
-    /// many are left, then one of the largest multiple of 8 left, then the rest (fewer than 8).
+    /// many are left, then frames of 8 (so a state records one long shape per head, not one
+    /// per prompt length: each keeps its own activation buffers).
     fn frames<'t>(&self, tokens: &'t [u32], all: bool) -> Vec<&'t [u32]> {
         let long = if all {
             self.res.frame_rows.min(crate::device::ALL_LOGITS_ROWS)
@@ -583,10 +584,8 @@ impl<'a> GpuModel<'a> {
         while !rest.is_empty() {
             let n = if rest.len() >= long {
                 long
-            } else if rest.len() >= MAX_BATCH {
-                rest.len() / MAX_BATCH * MAX_BATCH
             } else {
-                rest.len()
+                rest.len().min(MAX_BATCH)
             };
             let (f, r) = rest.split_at(n);
             out.push(f);
@@ -679,7 +678,7 @@ impl<'a> GpuModel<'a> {
         };
         ctx.queue.submit([cb]);
         // The next frame of the same shape is encoded while this one runs (a decode step's
-        // next, a prefill's next frame of 8); a frame of another shape (a drafting loop
+        // next, a prefill's next frame); a frame of another shape (a drafting loop
         // alternates checks and re-fed rows) encodes its own and this one is dropped.
         if plain {
             let g = &st.graphs[&key];

@@ -97,12 +97,14 @@ fn forward_last_is_the_last_row_of_forward() {
 
 /// A prompt fed at once gives the logits of the same prompt fed in frames of 8, bit for bit: a
 /// long frame runs every matvec as tiles of the 8-row kernel and every other op per row, in the
-/// same order. Every row's logits (frames of at most 64 rows: 64, then 2) and the last row's
-/// alone (one frame of the prompt's largest multiple of 8: 64 to 88 rows).
+/// same order. Every row's logits (64 rows, then 2) and the last row's alone (64 rows, then
+/// frames of 8).
 #[test]
 fn a_long_frame_equals_frames_of_8_bit_for_bit() {
     let failures = each(|case, cmf| {
         let g = bind(cmf);
+        // The default frames (CORTIQ_PROMPT_ROWS unset), or this test compares frames of 8.
+        assert!(g.frame_rows() >= 64, "frames of {} rows", g.frame_rows());
         let ids = test_support::ids(case, 2);
         let in_eights = |ids: &[u32]| {
             let mut st = g.new_state();
