@@ -124,6 +124,42 @@ fn rows_split_across_a_workgroup_match_f64_at_the_hyper_connection_shapes() {
     }
 }
 
+/// Random weights of `dtype` (seed `seed`) and their resident matrix.
+fn resident(
+    ctx: &GpuContext,
+    arena: &WeightArena,
+    dtype: DType,
+    rows: usize,
+    cols: usize,
+    seed: u64,
+) -> (Vec<f32>, std::sync::Arc<gpu_runtime::GpuMatrix>) {
+    let w = weights(rows, cols, seed);
+    let p = quantize(dtype, rows, cols, &w).unwrap();
+    let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+    let g = arena.get_or_upload(ctx, seed, dtype.name(), &m).unwrap();
+    (w, g)
+}
+
+/// Token rows `ts` of `all` (the matmat of `xs`) against each row's own one-row matmat, bit
+/// for bit.
+fn rows_equal_one_row_matmats(
+    ctx: &GpuContext,
+    g: &gpu_runtime::GpuMatrix,
+    plan: Plan,
+    xs: &[f32],
+    all: &[f32],
+    ts: &[usize],
+    what: &str,
+) {
+    let (rows, cols) = (g.rows, g.cols);
+    for &t in ts {
+        let one = matvec::matmat(ctx, g, &xs[t * cols..(t + 1) * cols], plan).unwrap();
+        for (a, b) in one.iter().zip(&all[t * rows..(t + 1) * rows]) {
+            assert_eq!(a.to_bits(), b.to_bits(), "{what} token {t}");
+        }
+    }
+}
+
 #[test]
 fn matmat_row_t_equals_matvec_bit_for_bit() {
     let Some(ctx) = ctx() else { return };
@@ -131,29 +167,16 @@ fn matmat_row_t_equals_matvec_bit_for_bit() {
     let (rows, cols) = (70, 640);
     let plan = Plan::for_matrix(ctx, rows);
     for dtype in GPU_DTYPES {
-        let w = weights(rows, cols, 3);
-        let p = quantize(dtype, rows, cols, &w).unwrap();
-        let g = arena
-            .get_or_upload(
-                ctx,
-                3,
-                dtype.name(),
-                &MatRef::new(dtype, rows, cols, &p).unwrap(),
-            )
-            .unwrap();
+        let (_, g) = resident(ctx, &arena, dtype, rows, cols, 3);
         let mut r = rng(11);
         let xs: Vec<f32> = (0..8 * cols).map(|_| r()).collect();
         let all = matvec::matmat(ctx, &g, &xs, plan).unwrap();
-        for t in 0..8 {
-            let one = matvec::matmat(ctx, &g, &xs[t * cols..(t + 1) * cols], plan).unwrap();
-            for (a, b) in one.iter().zip(&all[t * rows..(t + 1) * rows]) {
-                assert_eq!(a.to_bits(), b.to_bits(), "{dtype} token {t}");
-            }
-        }
+        let ts: Vec<usize> = (0..8).collect();
+        rows_equal_one_row_matmats(ctx, &g, plan, &xs, &all, &ts, &dtype.to_string());
     }
 }
 
-/// A frame longer than 8 rows (a prompt's: 16, 32, 64) runs the 8-row kernel on tiles of 8
+/// A frame longer than 8 rows (a prompt's: 16, 32, 256) runs the 8-row kernel on tiles of 8
 /// rows: every row equals its own one-row matvec bit for bit and the f64 witness within the
 /// codec's bound, on the f32 path and (quantised codecs) on int8 activations; a frame that is
 /// not a multiple of 8, or longer than the kernels take, is refused.
@@ -164,16 +187,7 @@ fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
     let arena = WeightArena::new(ctx);
     let (rows, cols) = (70, 256);
     for dtype in GPU_DTYPES {
-        let w = weights(rows, cols, 5);
-        let p = quantize(dtype, rows, cols, &w).unwrap();
-        let g = arena
-            .get_or_upload(
-                ctx,
-                5,
-                dtype.name(),
-                &MatRef::new(dtype, rows, cols, &p).unwrap(),
-            )
-            .unwrap();
+        let (w, g) = resident(ctx, &arena, dtype, rows, cols, 5);
         let mut paths = vec![Path::F32];
         if Path::Int8.supports(gpu_runtime::arena::kernel_codec(dtype).unwrap()) {
             paths.push(Path::Int8);
@@ -190,13 +204,8 @@ fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
                         check(dtype, rows, cols, &w, x8, y8);
                     }
                 }
-                for t in [0, 7, 8, 13, nt - 1] {
-                    let x = &xs[t * cols..(t + 1) * cols];
-                    let one = matvec::matmat(ctx, &g, x, plan).unwrap();
-                    for (a, b) in one.iter().zip(&all[t * rows..(t + 1) * rows]) {
-                        assert_eq!(a.to_bits(), b.to_bits(), "{dtype} {path:?} T{nt} row {t}");
-                    }
-                }
+                let what = format!("{dtype} {path:?} T{nt}");
+                rows_equal_one_row_matmats(ctx, &g, plan, &xs, &all, &[0, 7, 8, 13, nt - 1], &what);
             }
             for nt in [12, matvec::MAX_FRAME_ROWS + 8] {
                 let e = matvec::matmat(ctx, &g, &vec![1.0; nt * cols], plan).unwrap_err();
