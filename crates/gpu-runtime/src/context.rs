@@ -51,11 +51,15 @@ pub struct GpuOptions {
     /// `CORTIQ_PIPELINE_CACHE`: where the persistent pipeline cache lives (default
     /// `$XDG_CACHE_HOME/cortiq` or `~/.cache/cortiq`); `off` disables it.
     pub pipeline_cache_dir: Option<PathBuf>,
+    /// `CORTIQ_SHADER_CHECKS=full`: compile kernels with every runtime check wgpu can add.
+    /// Default (false): buffer and array bounds stay checked, but loops are not given an
+    /// iteration counter and integer divisions no zero guard (see [`crate::pipelines`]).
+    pub full_shader_checks: bool,
 }
 
 impl GpuOptions {
     /// Options from the environment (`CORTIQ_GPU`, `CORTIQ_ADAPTER`, `CORTIQ_VRAM`,
-    /// `CORTIQ_PIPELINE_CACHE`); unset variables keep the defaults.
+    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`); unset variables keep the defaults.
     pub fn from_env() -> Result<GpuOptions, GpuError> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let mut o = GpuOptions::default();
@@ -73,6 +77,16 @@ impl GpuOptions {
             Some(v) if v == "off" => None,
             Some(v) => Some(PathBuf::from(v)),
             None => default_cache_dir(),
+        };
+        o.full_shader_checks = match var("CORTIQ_SHADER_CHECKS").as_deref() {
+            None | Some("trusted") => false,
+            Some("full") => true,
+            Some(other) => {
+                return Err(GpuError::Setting {
+                    setting: "CORTIQ_SHADER_CHECKS",
+                    message: format!("{other:?} is not one of trusted, full"),
+                });
+            }
         };
         Ok(o)
     }
@@ -389,6 +403,7 @@ impl GpuContext {
             &info,
             caps.pipeline_cache,
             opts.pipeline_cache_dir.clone(),
+            opts.full_shader_checks,
         );
         let ctx = GpuContext {
             adapter,

@@ -2,6 +2,13 @@
 //! the validator or the driver turns down becomes [`GpuError::PipelineRejected`], which callers
 //! answer with the CPU kernel), cached per (module, entry, specialisation) including failures,
 //! and backed by wgpu's persistent pipeline cache where the backend has one.
+//!
+//! Kernels are compiled without two of the checks wgpu adds by default: an iteration counter
+//! in every loop (a guard against infinite loops in untrusted shaders, which also stands in the
+//! way of the driver unrolling our constant-bound loops, e.g. the GDN recurrence's rows held in
+//! registers) and a zero guard on every integer division (in the index arithmetic of every
+//! inner loop). Buffer and array bounds stay checked. `CORTIQ_SHADER_CHECKS=full` (or
+//! `GpuOptions::full_shader_checks`) restores every check.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -22,6 +29,7 @@ pub(crate) struct Pipelines {
     modules: Mutex<HashMap<String, Arc<wgpu::ShaderModule>>>,
     cache: Option<wgpu::PipelineCache>,
     cache_file: Option<PathBuf>,
+    full_checks: bool,
 }
 
 fn cache_file(dir: PathBuf, info: &wgpu::AdapterInfo) -> PathBuf {
@@ -45,6 +53,7 @@ impl Pipelines {
         info: &wgpu::AdapterInfo,
         supported: bool,
         dir: Option<PathBuf>,
+        full_checks: bool,
     ) -> Pipelines {
         let cache_file = dir.filter(|_| supported).map(|d| cache_file(d, info));
         let cache = cache_file.as_ref().map(|f| {
@@ -66,6 +75,7 @@ impl Pipelines {
             modules: Mutex::new(HashMap::new()),
             cache,
             cache_file,
+            full_checks,
         }
     }
 
@@ -102,10 +112,21 @@ impl Pipelines {
             modules
                 .entry(name.to_string())
                 .or_insert_with(|| {
-                    Arc::new(device.create_shader_module(wgpu::ShaderModuleDescriptor {
+                    let desc = wgpu::ShaderModuleDescriptor {
                         label: Some(name),
                         source: wgpu::ShaderSource::Wgsl(source().into()),
-                    }))
+                    };
+                    let mut checks = wgpu::ShaderRuntimeChecks::checked();
+                    if !self.full_checks {
+                        checks.force_loop_bounding = false;
+                        checks.int_div_checks = false;
+                    }
+                    // SAFETY: the two checks dropped guard against infinite loops and division
+                    // by zero. Every loop of this crate's kernels is bounded by a constant, the
+                    // workgroup size, or a size the host sets from a validated shape (a stride
+                    // of at least one); every divisor is a constant or a validated nonzero
+                    // dimension (head counts, widths, group sizes). Bounds checks are kept.
+                    Arc::new(unsafe { device.create_shader_module_trusted(desc, checks) })
                 })
                 .clone()
         };

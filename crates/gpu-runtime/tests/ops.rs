@@ -9,7 +9,7 @@ mod common;
 use common::{ctx, rng};
 use gpu_runtime::GpuContext;
 use gpu_runtime::ops::graph::{self, Graph};
-use kernels_wgsl::Op;
+use kernels_wgsl::{GDN_PARTS, Op};
 
 /// Runs `g` and reads `count` floats of `buf` back.
 fn run_and_read(ctx: &GpuContext, g: &Graph, buf: &wgpu::Buffer, count: usize) -> Vec<f32> {
@@ -218,8 +218,10 @@ fn gdn_f64(
 fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_for_bit() {
     let Some(ctx) = ctx() else { return };
     // Release heads (128) and the widest key heads the kernel takes (256, half the tokens
-    // per chunk); 12 tokens: more than one chunk either way.
-    for (dk, dv) in [(128usize, 128usize), (256, 128), (24, 40)] {
+    // per chunk); 12 tokens: more than one chunk either way. Value widths that leave the
+    // last workgroup of a head part of its columns (40) and take more than one workgroup's
+    // lanes in the norm (136).
+    for (dk, dv) in [(128usize, 128usize), (256, 128), (24, 40), (32, 136)] {
         let (t, hk, hv) = (12usize, 2usize, 4usize);
         let key_dim = hk * dk;
         let c = 2 * key_dim + hv * dv;
@@ -259,8 +261,12 @@ fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_f
             ];
             let ops = [&bufs[0], &bufs[1], &bufs[2], &bufs[3], &s, &bufs[4], &out];
             let mut g = Graph::new();
-            let r = [("R", dk.div_ceil(4) as f64)];
-            g.op_with(ctx, Op::GdnRecur, &r, &p, &frame, &ops, (hv as u32, 1))
+            let r = [("R", dk.div_ceil(GDN_PARTS as usize) as f64)];
+            let groups = dv.div_ceil((Op::GdnRecur.wg() / GDN_PARTS) as usize);
+            let grid = ((hv * groups) as u32, 1);
+            g.op_with(ctx, Op::GdnRecur, &r, &p, &frame, &ops, grid)
+                .unwrap();
+            g.op(ctx, Op::GdnNorm, &p, &frame, &ops, (hv as u32, rows as u32))
                 .unwrap();
             for row0 in (0..t).step_by(rows) {
                 graph::write_frame(ctx, &frame, 0, (0, 0), row0 as u32);

@@ -16,6 +16,11 @@ pub const FRAME_WORDS: usize = 4;
 /// Lanes per workgroup of every op.
 pub const OP_WG: u32 = 128;
 
+/// Lanes that split one value column's state rows in `gdn_recur` (its `L`): a workgroup of
+/// [`OP_WG`] lanes takes `OP_WG / GDN_PARTS` columns of a head, each lane `ceil(dk /
+/// GDN_PARTS)` rows (the module's `R` override).
+pub const GDN_PARTS: u32 = 8;
+
 /// Storage bindings every op's layout has (2..=9).
 pub const OP_STORAGE: u32 = 8;
 
@@ -58,8 +63,10 @@ ops! {
     HcInject => "hc_inject",
     /// GDN causal conv.
     GdnConv => "gdn_conv",
-    /// GDN gated delta rule + gated norm.
+    /// GDN gated delta rule.
     GdnRecur => "gdn_recur",
+    /// GDN output's gated norm.
+    GdnNorm => "gdn_norm",
     /// Per-head norm / RoPE / copy into a cache.
     HeadPrep => "head_prep",
     /// QSA block keys.
@@ -149,5 +156,12 @@ mod tests {
             assert!(op.source().contains(&want), "{op:?} lacks `{want}`");
         }
         assert_eq!(Op::RmsNorm.wg(), 512);
+    }
+
+    /// The host sizes `gdn_recur`'s grid and rows from [`GDN_PARTS`].
+    #[test]
+    fn gdn_recur_splits_columns_in_gdn_parts() {
+        let want = format!("const L: u32 = {GDN_PARTS}u;");
+        assert!(Op::GdnRecur.source().contains(&want));
     }
 }

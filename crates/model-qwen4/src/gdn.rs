@@ -13,7 +13,7 @@ use crate::device::{Device, Enc, Part, TwoMats};
 use crate::weights::GdnWeights;
 use gpu_runtime::ops::graph::{Member, storage};
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
-use kernels_wgsl::Op;
+use kernels_wgsl::{GDN_PARTS, Op};
 use quant_codecs::ops::{linear, sigmoid, silu, softplus};
 use rayon::prelude::*;
 
@@ -247,11 +247,11 @@ impl GdnDeviceState {
 
 /// Whether the device kernels take this geometry (their workgroup arrays are fixed).
 pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
-    if c.linear_key_head_dim > 256 || c.linear_value_head_dim > 128 {
+    if c.linear_key_head_dim > 256 {
         return Err(format!(
-            "linear_key_head_dim {} > 256 or linear_value_head_dim {} > 128 (the device \
-             recurrence keeps a head's state in the registers of 4 x 128 lanes)",
-            c.linear_key_head_dim, c.linear_value_head_dim
+            "linear_key_head_dim {} > 256 (the device recurrence keeps a chunk's keys in \
+             workgroup memory and a column's rows in the registers of 8 lanes)",
+            c.linear_key_head_dim
         ));
     }
     Ok(())
@@ -306,7 +306,8 @@ pub fn encode<'a>(
     let gate_silu = u32::from(c.gate_act() == GateAct::Silu);
     // The state rows each lane holds, as a constant: the driver unrolls the loops over them
     // and keeps the state in registers.
-    let rows = c.linear_key_head_dim.div_ceil(4) as f64;
+    let rows = c.linear_key_head_dim.div_ceil(GDN_PARTS as usize) as f64;
+    let groups = dv.div_ceil((Op::GdnRecur.wg() / GDN_PARTS) as usize);
     for part in parts {
         let st = part.state;
         e.with_frame(part.frame, |e| {
@@ -327,13 +328,15 @@ pub fn encode<'a>(
                 gate_silu,
                 (c.rms_norm_eps as f32).to_bits(),
             ];
+            let bufs = [conv, z, b, a, &st.s, &w.vecs, o];
             e.op_with(
                 Op::GdnRecur,
                 &[("R", rows)],
                 &p,
-                &[conv, z, b, a, &st.s, &w.vecs, o],
-                (hv as u32, 1),
-            )
+                &bufs,
+                ((hv * groups) as u32, 1),
+            )?;
+            e.op_with(Op::GdnNorm, &[], &p, &bufs, (hv as u32, part.rows as u32))
         })?;
     }
     e.matvec(&w.out, o, &s.y, nt, Epilogue::None)

@@ -1,18 +1,20 @@
-// The gated delta rule of one value head per workgroup over the frame's T tokens in order, the
-// [dk, dv] state held in registers for the whole frame (read once, written once): lane
-// (part, j) owns value column j and rows part*R .. part*R + R of it (R = ceil(dk / 4)), so the
-// per-token sums over dk are four partial sums added in a fixed order. R is an override set by
-// the host to ceil(dk / 4): constant loop bounds let the driver unroll the row loops and keep
-// `st` in registers (with runtime bounds it lived in local memory).
-// `q, k = l2norm`, `q /= sqrt(dk)`, `S *= exp(g)`, `delta = beta (v - S^T k)`, `S += k delta^T`,
-// `o = S^T q`, then the gated RMSNorm `o = w * norm(o) * act(z)`.
+// The gated delta rule over the frame's T tokens in order, before the output's gated norm
+// (`gdn_norm`, the next dispatch): `q, k = l2norm`, `q /= sqrt(dk)`, `S *= exp(g)`,
+// `delta = beta (v - S^T k)`, `S += k delta^T`, `o = S^T q`, raw `o` into `out`.
 //
-// Only the state update is sequential in the tokens. Everything that does not read the state
-// (the q/k norms, beta and the decay, the v column, the output norm and gate) is done for a
-// chunk of up to 8 tokens at once, outside the token loop: the loop is two cross-part sums a
-// token. Every sum is added in the order a 512-lane tree over the lanes' values adds it (a
-// tree of the smallest power-of-two width that holds the values: the wider rounds only add
-// zeros), so a token's results do not depend on the frame it is in.
+// A value column's update reads only its own column of the [dk, dv] state, so a head's
+// columns split across workgroups: workgroup `h * G + g` takes columns `g*C .. g*C + C` of
+// head h (G = ceil(dv / C)). A head in one workgroup left most of a large GPU idle (32 value
+// heads, 32 workgroups) and made every token's sums wait on barriers across 512 lanes. Lane
+// (part, c) owns column c and rows part*R .. part*R + R of it (R = ceil(dk / L), an override
+// set by the host: constant loop bounds let the driver unroll the row loops and keep the state
+// in registers). A token's sums over dk are the L parts' partial sums (each over its rows in
+// order) added in part order: its results do not depend on the frame it is in.
+//
+// Only the state update is sequential in the tokens. The q/k norms, beta and the decay, and
+// the v columns are done for a chunk of up to 8 tokens at once, outside the token loop: the
+// loop is two cross-part sums a token, one barrier each (two buffers, so the barrier before
+// the next write is the other sum's).
 struct Params {
     t: u32,
     hk: u32,
@@ -27,7 +29,6 @@ struct Params {
 
 @group(0) @binding(0) var<uniform> P: Params;
 @group(0) @binding(2) var<storage, read_write> conv: array<f32>;
-@group(0) @binding(3) var<storage, read_write> z: array<f32>;
 @group(0) @binding(4) var<storage, read_write> bb: array<f32>;
 @group(0) @binding(5) var<storage, read_write> aa: array<f32>;
 @group(0) @binding(6) var<storage, read_write> s: array<f32>;
@@ -35,11 +36,11 @@ struct Params {
 @group(0) @binding(7) var<storage, read_write> vecs: array<f32>;
 @group(0) @binding(8) var<storage, read_write> out: array<f32>;
 
-// Lanes: 4 parts of up to 128 value columns.
-const GW: u32 = 512u;
-const COLS: u32 = 128u;
+// Parts a column's rows split into, and columns a workgroup takes.
+const L: u32 = 8u;
+const C: u32 = WG / L;
 const MAXR: u32 = 64u;
-override R: u32 = 32u;
+override R: u32 = 16u;
 // Key values of a chunk's tokens: 8 tokens of dk <= 128, 4 of dk <= 256.
 const KV: u32 = 1024u;
 const TMAX: u32 = 8u;
@@ -47,35 +48,28 @@ const TMAX: u32 = 8u;
 // A chunk's normalised q and k, token t's at t * width.
 var<workgroup> qs: array<f32, KV>;
 var<workgroup> ks: array<f32, KV>;
-// The trees' values (q and k squares, then the outputs' squares).
+// The q and k squares' trees.
 var<workgroup> tr: array<f32, 2048>;
-// A token's v column, then (same place, once read) its output before the norm.
-var<workgroup> vo: array<f32, 1024>;
+// A token's v for the workgroup's columns, then (same place, once read) its output.
+var<workgroup> vo: array<f32, 128>;
 // (beta, decay) per token of the chunk.
 var<workgroup> bd: array<vec2<f32>, TMAX>;
-var<workgroup> part_sum: array<f32, GW>;
+// The parts' partial sums of S^T k and of S^T q.
+var<workgroup> pd: array<f32, WG>;
+var<workgroup> po: array<f32, WG>;
 
-// Sums each of `n` rows of `w` values in `tr` (row a at a * w) by halving: the order of a
-// 512-lane tree whose lanes past w hold zeros. The sum of row a ends in tr[a * w].
+// Sums each of `n` rows of `w` values in `tr` (row a at a * w) by halving. The sum of row a
+// ends in tr[a * w].
 fn trees(n: u32, w: u32, li: u32) {
     workgroupBarrier();
     for (var h = w / 2u; h > 0u; h = h >> 1u) {
-        for (var x = li; x < n * h; x += GW) {
+        for (var x = li; x < n * h; x += WG) {
             let a = x / h;
             let i = x - a * h;
             tr[a * w + i] = tr[a * w + i] + tr[a * w + i + h];
         }
         workgroupBarrier();
     }
-}
-
-// The four parts' partial sums of column j, added in part order; every lane gets its column's.
-fn across_parts(v: f32, li: u32, j: u32) -> f32 {
-    part_sum[li] = v;
-    workgroupBarrier();
-    let r = ((part_sum[j] + part_sum[COLS + j]) + part_sum[2u * COLS + j]) + part_sum[3u * COLS + j];
-    workgroupBarrier();
-    return r;
 }
 
 // torch's softplus (threshold 20) with an accurate log1p.
@@ -91,29 +85,31 @@ fn softplus(x: f32) -> f32 {
     return log(u) * e / (u - 1.0);
 }
 
-// The smallest power of two >= n (at least 1).
+// The smallest power of two >= n (at least 1; n is a head width, far below 2^31).
 fn pow2(n: u32) -> u32 {
     var w = 1u;
-    while (w < n) {
+    while (w < n && w < 0x80000000u) {
         w = w << 1u;
     }
     return w;
 }
 
-@compute @workgroup_size(512)
+@compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let h = wid.x;
+    let groups = (P.dv + C - 1u) / C;
+    let h = wid.x / groups;
+    let j0 = (wid.x - h * groups) * C;
     let kh = h / (P.hv / P.hk);
     let qscale = 1.0 / sqrt(f32(P.dk));
     let hvd = P.hv * P.dv;
-    let j = li % COLS;
-    let part = li / COLS;
+    let c = li % C;
+    let part = li / C;
+    let j = j0 + c;
     let i0 = part * R;
     let i1 = min(i0 + R, P.dk);
     let live = j < P.dv;
     let base = h * P.dk * P.dv + j;
     let wk = pow2(P.dk);
-    let wv = pow2(P.dv);
     let tc = min(TMAX, KV / wk);
     var st: array<f32, MAXR>;
     if (live) {
@@ -126,7 +122,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var t0 = 0u; t0 < P.t; t0 += tc) {
         let n = min(tc, P.t - t0);
         // The chunk's q, k (their squares into the trees), v, beta and decay, all at once.
-        for (var x = li; x < n * wk; x += GW) {
+        for (var x = li; x < n * wk; x += WG) {
             let t = x / wk;
             let i = x - t * wk;
             var q = 0.0;
@@ -141,9 +137,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             tr[x] = q * q;
             tr[(n + t) * wk + i] = k * k;
         }
-        for (var x = li; x < n * COLS; x += GW) {
-            let t = x / COLS;
-            let jj = x - t * COLS;
+        for (var x = li; x < n * C; x += WG) {
+            let t = x / C;
+            let jj = j0 + x - t * C;
             if (jj < P.dv) {
                 let r = F.row0 + t0 + t;
                 vo[x] = conv[r * P.c + 2u * P.key_dim + h * P.dv + jj];
@@ -156,7 +152,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             bd[li] = vec2<f32>(beta, exp(g));
         }
         trees(2u * n, wk, li);
-        for (var x = li; x < n * wk; x += GW) {
+        for (var x = li; x < n * wk; x += WG) {
             let t = x / wk;
             let rq = 1.0 / sqrt(tr[t * wk] + 1e-6);
             let rk = 1.0 / sqrt(tr[(n + t) * wk] + 1e-6);
@@ -178,10 +174,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     }
                 }
             }
-            let dsum = across_parts(d, li, j);
+            pd[li] = d;
+            workgroupBarrier();
+            var dsum = pd[c];
+            for (var p = 1u; p < L; p++) {
+                dsum += pd[p * C + c];
+            }
             var delta = 0.0;
             if (live) {
-                delta = (vo[t * COLS + j] - dsum) * beta;
+                delta = (vo[t * C + c] - dsum) * beta;
             }
             var o = 0.0;
             if (live) {
@@ -193,37 +194,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     }
                 }
             }
-            let osum = across_parts(o, li, j);
-            // Every part read v before the sum's barriers: its place takes the output.
-            if (live && part == 0u) {
-                vo[t * COLS + j] = osum;
+            po[li] = o;
+            workgroupBarrier();
+            // Every part read v before this barrier: its place takes the output.
+            if (part == 0u) {
+                var osum = po[c];
+                for (var p = 1u; p < L; p++) {
+                    osum += po[p * C + c];
+                }
+                vo[t * C + c] = osum;
             }
         }
         workgroupBarrier();
-        // The gated RMSNorm of the chunk's outputs.
-        for (var x = li; x < n * wv; x += GW) {
-            let t = x / wv;
-            let jj = x - t * wv;
-            var sq = 0.0;
+        for (var x = li; x < n * C; x += WG) {
+            let t = x / C;
+            let jj = j0 + x - t * C;
             if (jj < P.dv) {
-                let o = vo[t * COLS + jj];
-                sq = o * o;
-            }
-            tr[x] = sq;
-        }
-        trees(n, wv, li);
-        for (var x = li; x < n * COLS; x += GW) {
-            let t = x / COLS;
-            let jj = x - t * COLS;
-            if (jj < P.dv) {
-                let rr = 1.0 / sqrt(tr[t * wv] / f32(P.dv) + bitcast<f32>(P.eps));
-                let at = (F.row0 + t0 + t) * hvd + h * P.dv + jj;
-                let zz = z[at];
-                var gate = sigmoid(zz);
-                if (P.gate_silu == 1u) {
-                    gate = silu(zz);
-                }
-                out[at] = vecs[2u * P.hv + jj] * (vo[x] * rr) * gate;
+                out[(F.row0 + t0 + t) * hvd + h * P.dv + jj] = vo[x];
             }
         }
         workgroupBarrier();
