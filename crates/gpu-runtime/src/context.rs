@@ -55,6 +55,10 @@ pub struct GpuOptions {
     /// Default (false): buffer and array bounds stay checked, but loops are not given an
     /// iteration counter and integer divisions no zero guard (see [`crate::pipelines`]).
     pub full_shader_checks: bool,
+    /// `CORTIQ_MATMAT=plain`: long frames of f16 matrices run the 8-row kernel on tiles of 8
+    /// rows (every row's sums then equal a frame of 8's bit for bit) instead of the tiled
+    /// matmat (`ops::tiled`; default `tiled`).
+    pub plain_matmat: bool,
 }
 
 impl GpuOptions {
@@ -85,6 +89,16 @@ impl GpuOptions {
                 return Err(GpuError::Setting {
                     setting: "CORTIQ_SHADER_CHECKS",
                     message: format!("{other:?} is not one of trusted, full"),
+                });
+            }
+        };
+        o.plain_matmat = match var("CORTIQ_MATMAT").as_deref() {
+            None | Some("tiled") => false,
+            Some("plain") => true,
+            Some(other) => {
+                return Err(GpuError::Setting {
+                    setting: "CORTIQ_MATMAT",
+                    message: format!("{other:?} is not one of tiled, plain"),
                 });
             }
         };
@@ -249,6 +263,8 @@ pub struct GpuContext {
     pub caps: DeviceCaps,
     /// Bytes the weight arena may keep resident.
     pub vram_budget: u64,
+    /// Long frames of f16 matrices through the tiled matmat ([`GpuOptions::plain_matmat`]).
+    pub tiled_matmat: bool,
     pub(crate) pipelines: Pipelines,
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
@@ -268,6 +284,12 @@ pub struct GpuContext {
             (wgpu::BindGroupLayout, wgpu::PipelineLayout),
         >,
     >,
+    /// The tiled matmat's layouts, by (auxiliary buffer, split).
+    pub(crate) tiled_layouts:
+        std::sync::OnceLock<Vec<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>>,
+    /// The split tiled matmats' partial sums: one buffer, grown as needed, that every split
+    /// dispatch of the device shares (each reduces its sums before the next writes).
+    pub(crate) tiled_scratch: Mutex<Option<Arc<wgpu::Buffer>>>,
     /// Errors no scope caught (logged; the last few kept for `doctor`).
     pub uncaptured: Arc<Mutex<Vec<String>>>,
 }
@@ -413,6 +435,7 @@ impl GpuContext {
             limits,
             caps,
             vram_budget,
+            tiled_matmat: !opts.plain_matmat,
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),
             i8_layout: std::sync::OnceLock::new(),
@@ -424,6 +447,8 @@ impl GpuContext {
             grouped_i8_layout: std::sync::OnceLock::new(),
             op_dummies: std::sync::OnceLock::new(),
             segmented_layouts: Mutex::new(Default::default()),
+            tiled_layouts: std::sync::OnceLock::new(),
+            tiled_scratch: Mutex::new(None),
             uncaptured,
         };
         tracing::info!("{}", ctx.describe());

@@ -77,6 +77,20 @@ impl GpuContext {
             .clone()
     }
 
+    /// The tiled matmat's layouts: with the auxiliary buffer (binding 7) or not, split (the
+    /// partial sums at binding 5) or not.
+    pub(crate) fn tiled_layout(
+        &self,
+        aux: bool,
+        split: bool,
+    ) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        &self.tiled_layouts.get_or_init(|| {
+            [(false, false), (false, true), (true, false), (true, true)]
+                .map(|(a, s)| ops::tiled::layout(self, a, s))
+                .into()
+        })[usize::from(aux) * 2 + usize::from(split)]
+    }
+
     pub(crate) fn op_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         self.op_layout.get_or_init(|| ops::graph::op_layout(self))
     }

@@ -6,6 +6,7 @@ mod common;
 
 use common::{ctx, rng, weights};
 use gpu_runtime::ops::matvec::{self, POISON, Plan};
+use gpu_runtime::ops::tiled;
 use gpu_runtime::{GpuContext, GpuError, WeightArena};
 use quant_codecs::{DType, MatRef, quantize};
 
@@ -178,8 +179,9 @@ fn matmat_row_t_equals_matvec_bit_for_bit() {
 
 /// A frame longer than 8 rows (a prompt's: 16, 32, 256) runs the 8-row kernel on tiles of 8
 /// rows: every row equals its own one-row matvec bit for bit and the f64 witness within the
-/// codec's bound, on the f32 path and (quantised codecs) on int8 activations; a frame that is
-/// not a multiple of 8, or longer than the kernels take, is refused.
+/// codec's bound, on the f32 path and (quantised codecs) on int8 activations (f16 frames of
+/// [`tiled::MIN_ROWS`] rows and more: the witness only); a frame that is not a multiple of 8,
+/// or longer than the kernels take, is refused.
 #[test]
 fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
     use gpu_runtime::Path;
@@ -204,6 +206,10 @@ fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
                         check(dtype, rows, cols, &w, x8, y8);
                     }
                 }
+                // f16 frames of 32 rows and more run the tiled matmat (its own test below).
+                if dtype == DType::F16 && nt >= tiled::MIN_ROWS {
+                    continue;
+                }
                 let what = format!("{dtype} {path:?} T{nt}");
                 rows_equal_one_row_matmats(ctx, &g, plan, &xs, &all, &[0, 7, 8, 13, nt - 1], &what);
             }
@@ -213,6 +219,57 @@ fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
                     matches!(e, GpuError::BadLength { .. }),
                     "{dtype} T{nt}: {e}"
                 );
+            }
+        }
+    }
+}
+
+/// Long frames of f16 matrices run the tiled matmat: every row within the f64 witness's bound
+/// and the CPU kernel's (its sums are added in another order than the 8-row kernel's), with
+/// and without the columns split, over a partial last tile of rows and of token rows, with
+/// silu, and over a matrix in several bindings (each part's rows at its offset).
+#[test]
+fn long_f16_frames_run_tiled_within_the_f64_bound() {
+    use gpu_runtime::Epilogue;
+    let Some(ctx) = ctx() else { return };
+    assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
+    let arena = WeightArena::new(ctx);
+    let parted = WeightArena::with_limits(1 << 30, 4096);
+    // (rows, cols, bindings): splits of 2 and 8, none (4 column steps), several parts.
+    for (rows, cols, arena) in [
+        (70, 256, &arena),
+        (130, 1024, &arena),
+        (96, 128, &arena),
+        (70, 256, &parted),
+    ] {
+        let (w, g) = resident(
+            ctx,
+            arena,
+            DType::F16,
+            rows,
+            cols,
+            rows as u64 + cols as u64,
+        );
+        if std::ptr::eq(arena, &parted) {
+            assert!(g.parts.len() > 1, "{} parts", g.parts.len());
+        }
+        let plan = Plan::for_shape(ctx, rows, cols);
+        for nt in [tiled::MIN_ROWS, 40, 64, matvec::MAX_FRAME_ROWS] {
+            let mut r = rng(nt as u64 ^ 0x5eed);
+            let xs: Vec<f32> = (0..nt * cols).map(|_| r()).collect();
+            let y = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+            for (x8, y8) in xs.chunks(8 * cols).zip(y.chunks(8 * rows)) {
+                check(DType::F16, rows, cols, &w, x8, y8);
+            }
+            if g.parts.len() == 1 {
+                let s = matvec::matmat_fused(ctx, &g, &xs, plan, Epilogue::Silu).unwrap();
+                for (a, b) in s.iter().zip(&y) {
+                    let want = silu(*b as f64);
+                    assert!(
+                        (*a as f64 - want).abs() <= 1e-6 * (1.0 + want.abs()),
+                        "silu [{rows}x{cols}] T{nt}: {a} vs {want}"
+                    );
+                }
             }
         }
     }
@@ -535,6 +592,9 @@ fn hyper_connection_epilogues_match_f64() {
             (Plan { rows: 2, ..base }, 3),
             (Plan { rows: 4, ..base }.shared_memory(), 1),
             (base.split(128), 3),
+            // f16: the tiled matmat, its columns split in two.
+            (base, 32),
+            (base, 64),
         ] {
             let mut r = rng(seed ^ 0x55);
             let xs: Vec<f32> = (0..nt * cols).map(|_| r() * 0.2).collect();
@@ -582,7 +642,8 @@ fn hyper_connection_epilogues_match_f64() {
             let g = arena
                 .get_or_upload(ctx, seed + 100 + h as u64, &format!("up {dtype} {h}"), &m)
                 .unwrap();
-            for nt in [1, 3] {
+            // 32 and 256: f16 over 4 streams runs the tiled matmat.
+            for nt in [1, 3, 32, 256] {
                 let mut r = rng(seed ^ 0x77);
                 let xs: Vec<f32> = (0..nt * cols).map(|_| r() * 0.2).collect();
                 let xn: Vec<f32> = (0..nt * rows).map(|_| r() * 3.0).collect();

@@ -17,6 +17,9 @@
 use std::borrow::Cow;
 
 mod generate;
+mod tiled;
+
+pub use tiled::{TILE_COLS, TILE_ROWS, TILE_TOKENS, Tiled};
 
 /// WGSL sources, embedded.
 mod src {
@@ -37,6 +40,7 @@ mod src {
     pub const Q4TP: &str = include_str!("../wgsl/q4tp.wgsl");
     pub const Q2TP: &str = include_str!("../wgsl/q2tp.wgsl");
     pub const MXFP4: &str = include_str!("../wgsl/mxfp4.wgsl");
+    pub const TILED: &str = include_str!("../wgsl/tiled.wgsl");
 }
 
 /// A weight format the GPU kernels read (quant-codecs' dtypes; f32 for exact-weight parity
@@ -660,7 +664,7 @@ pub struct ModuleSpec {
 /// Every module the runtime builds, with every specialisation it uses: each codec's matvec on
 /// every path it has, both reductions, 1..=8 token rows and the grouped-experts variant, every
 /// row-group shape and epilogue;
-/// the activation quantiser; the bandwidth probes.
+/// the tiled matmat of long f16 frames; the activation quantiser; the bandwidth probes.
 pub fn registry() -> Vec<ModuleSpec> {
     let mut out = Vec::new();
     for codec in Codec::ALL {
@@ -754,6 +758,15 @@ pub fn registry() -> Vec<ModuleSpec> {
                 }
             }
         }
+    }
+    for k in Tiled::all() {
+        out.push(ModuleSpec {
+            name: k.name(),
+            source: Cow::Owned(k.source()),
+            entries: k.entries(),
+            needs: k.needs(),
+            specializations: vec![Specialization(vec![])],
+        });
     }
     out.push(ModuleSpec {
         name: "act_quant".into(),

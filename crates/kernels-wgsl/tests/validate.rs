@@ -74,11 +74,13 @@ fn registry_names_are_systematic_and_unique() {
     // f32 for every codec, the hardware f16 variant, int8 for the four quantised codecs (mxfp4's
     // with its table in 1, 16 and 32 copies); then the activation quantiser, the op kernels
     // and the bandwidth probes. Each: 6 shapes for 1..=8 token rows and the grouped variant,
-    // and the 6 hyper-connection and 2 two-matrix shapes for 1..=8 token rows.
+    // and the 6 hyper-connection and 2 two-matrix shapes for 1..=8 token rows. The tiled f16
+    // matmat: 2 paths x 4 epilogues, direct and split.
     assert_eq!(
         registry().len(),
         2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 8)
             + 2
+            + 2 * 4 * 2
             + kernels_wgsl::Op::ALL.len()
             // Grouped kernels over segmented banks (fixed and array bindings, 8 and 16
             // segments): the 3 plain shapes and the gate/up pair of every codec and path but
@@ -96,6 +98,8 @@ fn registry_names_are_systematic_and_unique() {
     assert!(names.contains(&"matvec_mxfp4_i8_sg_t1_r4_lut32".to_string()));
     assert!(names.contains(&"matvec_mxfp4_i8_smem_t1_r2_gateup_grouped_lut16".to_string()));
     assert!(names.contains(&"op_gdn_recur".to_string()));
+    assert!(names.contains(&"tiled_f16_hw_hcread_split".to_string()));
+    assert!(names.contains(&"tiled_f16".to_string()));
     assert!(names.contains(&"matvec_q4tp_i8_sg_t1_r2_gateup_grouped".to_string()));
     assert!(names.contains(&"matvec_q2tp_i8_sg_t8_r4".to_string()));
     assert!(names.contains(&"matvec_f16_hw_smem_t1_r1".to_string()));

@@ -688,6 +688,15 @@ fn prepare_inner(
     let plan = plan
         .with_path(plan.effective_path(ctx, codec, m.cols))
         .for_codec(ctx, codec, nt_kernel, false);
+    let streams = aux.map(|a| a.streams);
+    if pre.is_none() && crate::ops::tiled::applies(ctx, m, codec, plan.path, nt, epilogue, streams)
+    {
+        let steps = crate::ops::tiled::prepare(ctx, m, x, y, aux, nt, plan.path, epilogue, y_rows)?;
+        return Ok(Prepared {
+            steps,
+            path: plan.path,
+        });
+    }
     let pipe = codec_pipeline(ctx, codec, nt_kernel, plan, epilogue)?;
     let mut steps = Vec::new();
     let acts = match (plan.path, codec.act_layout()) {

@@ -5,3 +5,4 @@ pub mod act8;
 pub mod experts;
 pub mod graph;
 pub mod matvec;
+pub mod tiled;

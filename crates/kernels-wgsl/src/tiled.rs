@@ -1,0 +1,218 @@
+//! The tiled matmat for long frames of f16 matrices (`wgsl/tiled.wgsl`): a prompt's frames of
+//! 32-256 token rows, where the 8-row kernel re-reads each weight chunk and every activation
+//! once per 8 rows. Variants: the activation path's chunk decoder (f32 software or the
+//! hardware f16 conversion), the epilogue, and whether the columns are split over several
+//! workgroups (partial sums in a scratch buffer, then [`Tiled::REDUCE_ENTRY`]).
+
+use crate::{AUX_DECL, Caps, Epilogue, Path, src};
+
+/// Token rows of a tile.
+pub const TILE_TOKENS: u32 = 64;
+/// Matrix rows of a tile.
+pub const TILE_ROWS: u32 = 64;
+/// Columns per step (`cols` must be a multiple).
+pub const TILE_COLS: u32 = 32;
+
+/// One variant of the tiled matmat. Bindings: 0 and 1 the weights (chunks, words), 2 its
+/// 12-word parameters, 3 the f32 activations `[nt, cols]`, 4 y; 5 the partial sums
+/// `[splits, nt, groups]` of vec4 (split variants); 7 the hyper-connection epilogues' buffer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tiled {
+    /// [`Path::F32`] (f16 decoded in software) or [`Path::HwF16`].
+    pub path: Path,
+    /// [`Epilogue::None`], [`Epilogue::Silu`], [`Epilogue::HcFront`] or [`Epilogue::HcReadout`]
+    /// over 4 streams.
+    pub epilogue: Epilogue,
+    /// The columns split over the grid's z.
+    pub split: bool,
+}
+
+impl Tiled {
+    /// The matmat's entry point.
+    pub const ENTRY: &'static str = "tiled";
+    /// The split variants' second entry point: one lane per token row and group of 4 rows adds
+    /// the splits' sums in split order, then applies the epilogue.
+    pub const REDUCE_ENTRY: &'static str = "tiled_reduce";
+    /// Lanes per workgroup of both entries.
+    pub const WG: u32 = 256;
+
+    /// Whether the tiled matmat has `epilogue` (the read-out only over 4 streams: a lane's 4
+    /// consecutive rows are one column's streams).
+    pub const fn supports(epilogue: Epilogue) -> bool {
+        matches!(
+            epilogue,
+            Epilogue::None | Epilogue::Silu | Epilogue::HcFront | Epilogue::HcReadout
+        )
+    }
+
+    /// Every variant the runtime may build.
+    pub fn all() -> Vec<Tiled> {
+        let mut out = Vec::new();
+        for path in [Path::F32, Path::HwF16] {
+            for epilogue in [
+                Epilogue::None,
+                Epilogue::Silu,
+                Epilogue::HcFront,
+                Epilogue::HcReadout,
+            ] {
+                for split in [false, true] {
+                    out.push(Tiled {
+                        path,
+                        epilogue,
+                        split,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Systematic name.
+    pub fn name(&self) -> String {
+        format!(
+            "tiled_f16{}{}{}",
+            self.path.suffix(),
+            self.epilogue.suffix(),
+            if self.split { "_split" } else { "" }
+        )
+    }
+
+    /// Entry points of the module.
+    pub fn entries(&self) -> &'static [&'static str] {
+        if self.split {
+            &[Self::ENTRY, Self::REDUCE_ENTRY]
+        } else {
+            &[Self::ENTRY]
+        }
+    }
+
+    /// The capabilities the module needs beyond the baseline.
+    pub fn needs(&self) -> Caps {
+        Caps {
+            f16_in_f32: self.path == Path::HwF16,
+            ..Caps::MINIMAL
+        }
+    }
+
+    /// The assembled module.
+    pub fn source(&self) -> String {
+        let codec = if self.path == Path::HwF16 {
+            src::F16_HW
+        } else {
+            src::F16
+        };
+        let mut parts = vec![src::DECODE, src::COMMON, codec, src::TILED];
+        if self.epilogue.has_aux() {
+            parts.insert(0, AUX_DECL);
+        }
+        let emit = emit4(self.epilogue);
+        parts.push(&emit);
+        if self.split {
+            parts.push(SPLIT);
+        } else {
+            parts.push(DIRECT);
+        }
+        parts.join("\n")
+    }
+}
+
+/// A direct tile's sums go through the epilogue.
+const DIRECT: &str = "fn finish(split: u32, t: u32, r0: u32, v: vec4<f32>) {
+    emit4(t, r0, v);
+}";
+
+/// A split tile's sums go to `part`; `tiled_reduce` adds them up.
+const SPLIT: &str = "@group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;
+
+fn finish(split: u32, t: u32, r0: u32, v: vec4<f32>) {
+    part[(split * P.nt + t) * P.groups + r0 / 4u] = v;
+}
+
+@compute @workgroup_size(256)
+fn tiled_reduce(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let i = gid.x;
+    if (i >= P.nt * P.groups) {
+        return;
+    }
+    let t = i / P.groups;
+    let g = i % P.groups;
+    var v = part[t * P.groups + g];
+    for (var s = 1u; s < P.splits; s++) {
+        v += part[(s * P.nt + t) * P.groups + g];
+    }
+    emit4(t, g * 4u, v);
+}";
+
+/// `emit4(t, r0, v)`: the epilogue on token row `t`'s sums of rows `r0 .. r0 + 4` (those past
+/// the end dropped), as the 8-row kernel applies it.
+fn emit4(epilogue: Epilogue) -> String {
+    let per_row = |body: &str| {
+        format!(
+            "fn emit4(t: u32, r0: u32, v: vec4<f32>) {{
+    for (var j = 0u; j < 4u; j++) {{
+        let r = r0 + j;
+        if (r < P.rows) {{
+{body}
+        }}
+    }}
+}}"
+        )
+    };
+    match epilogue {
+        Epilogue::Silu => per_row("            y[t * P.y_stride + P.row_offset + r] = silu(v[j]);"),
+        Epilogue::HcFront => per_row(
+            "            let a = v[j] / bitcast<f32>(P.a);
+            if (r < P.half) {
+                y[t * P.half + r] = a * hc_sigmoid(a);
+            } else {
+                aux[t * (P.rows - P.half) + r - P.half] = 2.0 * hc_sigmoid(a);
+            }",
+        ),
+        // Row `4 j + k` is stream k's row of column j; the streams are added in order.
+        Epilogue::HcReadout => "fn emit4(t: u32, r0: u32, v: vec4<f32>) {
+    let j = r0 / 4u;
+    let d = P.rows / 4u;
+    let xb = t * P.rows + j;
+    var acc = 0.0;
+    acc += hc_sigmoid(v.x) * aux[xb];
+    acc += hc_sigmoid(v.y) * aux[xb + d];
+    acc += hc_sigmoid(v.z) * aux[xb + 2u * d];
+    acc += hc_sigmoid(v.w) * aux[xb + 3u * d];
+    y[t * P.y_stride + j] = acc / 4.0;
+}"
+        .into(),
+        _ => per_row("            y[t * P.y_stride + P.row_offset + r] = v[j];"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Specialization, validate};
+
+    #[test]
+    fn every_variant_validates_under_its_capabilities() {
+        for k in Tiled::all() {
+            validate(&k.name(), &k.source(), Caps::FULL, &Specialization(vec![]))
+                .unwrap_or_else(|e| panic!("{e}"));
+            if k.path == Path::F32 {
+                validate(
+                    &k.name(),
+                    &k.source(),
+                    Caps::LAVAPIPE,
+                    &Specialization(vec![]),
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
+            }
+        }
+    }
+
+    #[test]
+    fn the_tile_constants_match_the_wgsl() {
+        let s = src::TILED;
+        assert!(s.contains(&format!("const TM: u32 = {TILE_TOKENS}u;")));
+        assert!(s.contains(&format!("const TN: u32 = {TILE_ROWS}u;")));
+        assert!(s.contains(&format!("const TK: u32 = {TILE_COLS}u;")));
+        assert!(s.contains(&format!("@workgroup_size({})", Tiled::WG)));
+    }
+}
