@@ -77,18 +77,20 @@ impl GpuContext {
             .clone()
     }
 
-    /// The tiled matmat's layouts: with the auxiliary buffer (binding 7) or not, split (the
-    /// partial sums at binding 5) or not.
+    /// The tiled matmat's layouts: on the int8 path (the codes' scales at binding 5) or not,
+    /// with the auxiliary buffer (binding 7) or not, split (the partial sums at binding 6) or
+    /// not.
     pub(crate) fn tiled_layout(
         &self,
+        int8: bool,
         aux: bool,
         split: bool,
     ) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         &self.tiled_layouts.get_or_init(|| {
-            [(false, false), (false, true), (true, false), (true, true)]
-                .map(|(a, s)| ops::tiled::layout(self, a, s))
-                .into()
-        })[usize::from(aux) * 2 + usize::from(split)]
+            (0..8)
+                .map(|i| ops::tiled::layout(self, i & 4 != 0, i & 2 != 0, i & 1 != 0))
+                .collect()
+        })[usize::from(int8) * 4 + usize::from(aux) * 2 + usize::from(split)]
     }
 
     pub(crate) fn op_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {

@@ -179,9 +179,10 @@ fn matmat_row_t_equals_matvec_bit_for_bit() {
 
 /// A frame longer than 8 rows (a prompt's: 16, 32, 256) runs the 8-row kernel on tiles of 8
 /// rows: every row equals its own one-row matvec bit for bit and the f64 witness within the
-/// codec's bound, on the f32 path and (quantised codecs) on int8 activations (f16 frames of
-/// [`tiled::MIN_ROWS`] rows and more: the witness only); a frame that is not a multiple of 8,
-/// or longer than the kernels take, is refused.
+/// codec's bound, on the f32 path and (quantised codecs) on int8 activations (the frames of
+/// [`tiled::MIN_ROWS`] rows and more that run the tiled matmat: f16's against the witness
+/// only, q8_2f's on int8 in int8.rs); a frame that is not a multiple of 8, or longer than the
+/// kernels take, is refused.
 #[test]
 fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
     use gpu_runtime::Path;
@@ -206,8 +207,11 @@ fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
                         check(dtype, rows, cols, &w, x8, y8);
                     }
                 }
-                // f16 frames of 32 rows and more run the tiled matmat (its own test below).
-                if dtype == DType::F16 && nt >= tiled::MIN_ROWS {
+                // f16 frames of 32 rows and more, and q8_2f's on int8 activations, run the
+                // tiled matmat (their own tests: below, and in int8.rs).
+                let tiled_codec =
+                    dtype == DType::F16 || (dtype == DType::Q8_2f && path == Path::Int8);
+                if tiled_codec && nt >= tiled::MIN_ROWS {
                     continue;
                 }
                 let what = format!("{dtype} {path:?} T{nt}");

@@ -41,6 +41,8 @@ mod src {
     pub const Q2TP: &str = include_str!("../wgsl/q2tp.wgsl");
     pub const MXFP4: &str = include_str!("../wgsl/mxfp4.wgsl");
     pub const TILED: &str = include_str!("../wgsl/tiled.wgsl");
+    pub const TILED_F16: &str = include_str!("../wgsl/tiled_f16.wgsl");
+    pub const TILED_I8: &str = include_str!("../wgsl/tiled_i8.wgsl");
 }
 
 /// A weight format the GPU kernels read (quant-codecs' dtypes; f32 for exact-weight parity

@@ -1,10 +1,11 @@
-//! The tiled matmat for long frames of f16 matrices (`wgsl/tiled.wgsl`): a prompt's frames of
-//! 32-256 token rows, where the 8-row kernel re-reads each weight chunk and every activation
-//! once per 8 rows. Variants: the activation path's chunk decoder (f32 software or the
-//! hardware f16 conversion), the epilogue, and whether the columns are split over several
-//! workgroups (partial sums in a scratch buffer, then [`Tiled::REDUCE_ENTRY`]).
+//! The tiled matmat for long frames (`wgsl/tiled*.wgsl`): a prompt's frames of 32-256 token
+//! rows, where the 8-row kernel re-reads each weight chunk and every activation once per 8
+//! rows. Variants: f16 weights on f32 activations (the chunk decoded in software or through
+//! the hardware conversion) or q8_2f weights on int8 activations, the epilogue, and whether
+//! the columns are split over several workgroups (partial sums in a scratch buffer, then
+//! [`Tiled::REDUCE_ENTRY`]).
 
-use crate::{AUX_DECL, Caps, Epilogue, Path, src};
+use crate::{AUX_DECL, Caps, Codec, Epilogue, Path, src};
 
 /// Token rows of a tile.
 pub const TILE_TOKENS: u32 = 64;
@@ -14,11 +15,13 @@ pub const TILE_ROWS: u32 = 64;
 pub const TILE_COLS: u32 = 32;
 
 /// One variant of the tiled matmat. Bindings: 0 and 1 the weights (chunks, words), 2 its
-/// 12-word parameters, 3 the f32 activations `[nt, cols]`, 4 y; 5 the partial sums
-/// `[splits, nt, groups]` of vec4 (split variants); 7 the hyper-connection epilogues' buffer.
+/// 12-word parameters, 3 the f32 activations `[nt, cols]` (int8: their codes), 4 y; 5 the int8
+/// codes' block scales and sums; 6 the partial sums `[splits, nt, groups]` of vec4 (split
+/// variants); 7 the hyper-connection epilogues' buffer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Tiled {
-    /// [`Path::F32`] (f16 decoded in software) or [`Path::HwF16`].
+    /// [`Path::F32`] (f16 decoded in software), [`Path::HwF16`], or [`Path::Int8`] (q8_2f
+    /// weights on int8 activations).
     pub path: Path,
     /// [`Epilogue::None`], [`Epilogue::Silu`], [`Epilogue::HcFront`] or [`Epilogue::HcReadout`]
     /// over 4 streams.
@@ -48,7 +51,7 @@ impl Tiled {
     /// Every variant the runtime may build.
     pub fn all() -> Vec<Tiled> {
         let mut out = Vec::new();
-        for path in [Path::F32, Path::HwF16] {
+        for path in [Path::F32, Path::HwF16, Path::Int8] {
             for epilogue in [
                 Epilogue::None,
                 Epilogue::Silu,
@@ -70,11 +73,21 @@ impl Tiled {
     /// Systematic name.
     pub fn name(&self) -> String {
         format!(
-            "tiled_f16{}{}{}",
+            "tiled_{}{}{}{}",
+            self.codec().name(),
             self.path.suffix(),
             self.epilogue.suffix(),
             if self.split { "_split" } else { "" }
         )
+    }
+
+    /// The weights' codec: f16, or q8_2f on the int8 path.
+    pub fn codec(&self) -> Codec {
+        if self.path == Path::Int8 {
+            Codec::Q8_2f
+        } else {
+            Codec::F16
+        }
     }
 
     /// Entry points of the module.
@@ -96,12 +109,12 @@ impl Tiled {
 
     /// The assembled module.
     pub fn source(&self) -> String {
-        let codec = if self.path == Path::HwF16 {
-            src::F16_HW
-        } else {
-            src::F16
-        };
-        let mut parts = vec![src::DECODE, src::COMMON, codec, src::TILED];
+        let mut parts = vec![src::DECODE, src::COMMON];
+        match self.path {
+            Path::Int8 => parts.extend([src::TILED, src::TILED_I8]),
+            Path::HwF16 => parts.extend([src::F16_HW, src::TILED, src::TILED_F16]),
+            Path::F32 => parts.extend([src::F16, src::TILED, src::TILED_F16]),
+        }
         if self.epilogue.has_aux() {
             parts.insert(0, AUX_DECL);
         }
@@ -122,7 +135,7 @@ const DIRECT: &str = "fn finish(split: u32, t: u32, r0: u32, v: vec4<f32>) {
 }";
 
 /// A split tile's sums go to `part`; `tiled_reduce` adds them up.
-const SPLIT: &str = "@group(0) @binding(5) var<storage, read_write> part: array<vec4<f32>>;
+const SPLIT: &str = "@group(0) @binding(6) var<storage, read_write> part: array<vec4<f32>>;
 
 fn finish(split: u32, t: u32, r0: u32, v: vec4<f32>) {
     part[(split * P.nt + t) * P.groups + r0 / 4u] = v;
@@ -195,7 +208,7 @@ mod tests {
         for k in Tiled::all() {
             validate(&k.name(), &k.source(), Caps::FULL, &Specialization(vec![]))
                 .unwrap_or_else(|e| panic!("{e}"));
-            if k.path == Path::F32 {
+            if k.path != Path::HwF16 {
                 validate(
                     &k.name(),
                     &k.source(),
@@ -213,6 +226,8 @@ mod tests {
         assert!(s.contains(&format!("const TM: u32 = {TILE_TOKENS}u;")));
         assert!(s.contains(&format!("const TN: u32 = {TILE_ROWS}u;")));
         assert!(s.contains(&format!("const TK: u32 = {TILE_COLS}u;")));
-        assert!(s.contains(&format!("@workgroup_size({})", Tiled::WG)));
+        for k in [src::TILED_F16, src::TILED_I8] {
+            assert!(k.contains(&format!("@workgroup_size({})", Tiled::WG)));
+        }
     }
 }

@@ -75,12 +75,12 @@ fn registry_names_are_systematic_and_unique() {
     // with its table in 1, 16 and 32 copies); then the activation quantiser, the op kernels
     // and the bandwidth probes. Each: 6 shapes for 1..=8 token rows and the grouped variant,
     // and the 6 hyper-connection and 2 two-matrix shapes for 1..=8 token rows. The tiled f16
-    // matmat: 2 paths x 4 epilogues, direct and split.
+    // matmat and the q8_2f one: 3 paths x 4 epilogues, direct and split.
     assert_eq!(
         registry().len(),
         2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 8)
             + 2
-            + 2 * 4 * 2
+            + 3 * 4 * 2
             + kernels_wgsl::Op::ALL.len()
             // Grouped kernels over segmented banks (fixed and array bindings, 8 and 16
             // segments): the 3 plain shapes and the gate/up pair of every codec and path but
@@ -100,6 +100,7 @@ fn registry_names_are_systematic_and_unique() {
     assert!(names.contains(&"op_gdn_recur".to_string()));
     assert!(names.contains(&"tiled_f16_hw_hcread_split".to_string()));
     assert!(names.contains(&"tiled_f16".to_string()));
+    assert!(names.contains(&"tiled_q8_2f_i8_hcfront".to_string()));
     assert!(names.contains(&"matvec_q4tp_i8_sg_t1_r2_gateup_grouped".to_string()));
     assert!(names.contains(&"matvec_q2tp_i8_sg_t8_r4".to_string()));
     assert!(names.contains(&"matvec_f16_hw_smem_t1_r1".to_string()));

@@ -142,45 +142,15 @@ fn a_long_frame_equals_frames_of_8_bit_for_bit() {
     h::assert_none(&failures);
 }
 
-/// The demo model at the q4 profile (f16 hyper-connection and router matrices): a prompt in
-/// one frame of 64 rows runs those matrices through the tiled matmat, the same prompt in frames
-/// of 8 through the 8-row kernel (every other step is the same arithmetic per row). Every row's
-/// logits agree within 1e-4 x max|logit|, and pick the same token wherever its margin over the
-/// runner-up is wider than that.
+/// The demo model at the q4 profile: a prompt in one frame of 64 rows runs the f16
+/// hyper-connection and router matrices through the tiled matmat, the same prompt in frames of
+/// 8 through the 8-row kernel (`common::long_frame_against_eights`). The q8_2f matrices on
+/// int8 activations: gpu_int8.rs.
 #[test]
 fn a_long_frame_of_f16_matrices_runs_tiled_and_agrees_with_frames_of_8() {
     assert!(ctx().tiled_matmat, "CORTIQ_MATMAT=plain is set");
     let failures = h::with_converted("shakespeare", Profile::Q4, |cmf| {
-        let g = bind(cmf);
-        assert!(g.frame_rows() >= 64, "frames of {} rows", g.frame_rows());
-        let v = g.vocab_size();
-        let ids: Vec<u32> = (0..64).map(|i| ((40 + 37 * i) % v) as u32).collect();
-        let at_once = g.forward(&ids, &mut g.new_state()).unwrap();
-        let mut st = g.new_state();
-        let mut eights = Vec::new();
-        for f in ids.chunks(8) {
-            eights.extend(g.forward(f, &mut st).unwrap());
-        }
-        assert_eq!(at_once.len(), eights.len());
-        let scale = eights.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-        let tol = 1e-4 * scale;
-        let mut failures = Vec::new();
-        for (row, (a, b)) in at_once.chunks(v).zip(eights.chunks(v)).enumerate() {
-            let worst = a
-                .iter()
-                .zip(b)
-                .fold(0.0f32, |m, (x, y)| m.max((x - y).abs()));
-            if worst > tol {
-                failures.push(format!("row {row}: |diff| {worst} > {tol}"));
-            }
-            let mut order: Vec<usize> = (0..v).collect();
-            order.sort_by(|&i, &j| b[j].total_cmp(&b[i]));
-            let best = |l: &[f32]| (0..v).max_by(|&i, &j| l[i].total_cmp(&l[j])).unwrap();
-            if b[order[0]] - b[order[1]] > tol && best(a) != best(b) {
-                failures.push(format!("row {row}: token {} vs {}", best(a), best(b)));
-            }
-        }
-        failures
+        common::long_frame_against_eights(&bind(cmf), 1e-4)
     });
     h::assert_none(&failures);
 }

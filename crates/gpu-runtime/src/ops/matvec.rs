@@ -688,16 +688,6 @@ fn prepare_inner(
     let plan = plan
         .with_path(plan.effective_path(ctx, codec, m.cols))
         .for_codec(ctx, codec, nt_kernel, false);
-    let streams = aux.map(|a| a.streams);
-    if pre.is_none() && crate::ops::tiled::applies(ctx, m, codec, plan.path, nt, epilogue, streams)
-    {
-        let steps = crate::ops::tiled::prepare(ctx, m, x, y, aux, nt, plan.path, epilogue, y_rows)?;
-        return Ok(Prepared {
-            steps,
-            path: plan.path,
-        });
-    }
-    let pipe = codec_pipeline(ctx, codec, nt_kernel, plan, epilogue)?;
     let mut steps = Vec::new();
     let acts = match (plan.path, codec.act_layout()) {
         (Path::Int8, Some(layout)) if pre.is_some_and(|p| p.layout == layout) => pre.cloned(),
@@ -730,6 +720,23 @@ fn prepare_inner(
         }
         (false, ..) => None,
     };
+    let streams = aux.map(|a| a.streams);
+    if crate::ops::tiled::applies(ctx, m, codec, plan.path, nt, epilogue, streams) {
+        let tiled = crate::ops::tiled::Operands {
+            x,
+            acts: acts.as_ref(),
+            y,
+            aux,
+        };
+        steps.extend(crate::ops::tiled::prepare(
+            ctx, m, tiled, nt, plan.path, epilogue, y_rows,
+        )?);
+        return Ok(Prepared {
+            steps,
+            path: plan.path,
+        });
+    }
+    let pipe = codec_pipeline(ctx, codec, nt_kernel, plan, epilogue)?;
     let (bgl, _) = if aux.is_some() {
         ctx.aux_layout(acts.is_some())
     } else if acts.is_some() {

@@ -1,13 +1,17 @@
-//! Long frames of f16 matrices through the tiled matmat (kernels-wgsl's [`Tiled`]): what a
-//! prompt's frames of 32-256 rows run for the hyper-connection matrices and the router, whose
-//! weights the 8-row kernel would decode once per 8 rows and whose activations it would read
-//! once per row group. A frame whose tiles do not fill the device splits its columns; the
+//! Long frames through the tiled matmat (kernels-wgsl's [`Tiled`]): what a prompt's frames of
+//! 32-256 rows run for f16 matrices (the hyper-connection and router matrices of the 4- and
+//! 2-bit profiles) and q8_2f matrices on int8 activations (the attention and GDN projections),
+//! whose weights the 8-row kernel would decode once per 8 rows and whose activations it would
+//! read once per row group. A frame whose tiles do not fill the device splits its columns; the
 //! splits' partial sums go to one scratch buffer the device shares, and a second dispatch adds
 //! them in split order and applies the epilogue.
 //!
 //! A row's sums are added in another order than the 8-row kernel's, so a long frame's values
 //! differ from a frame of 8's in the last bits (within the same f64 bound, tested);
 //! `CORTIQ_MATMAT=plain` keeps the 8-row kernel for every frame.
+//!
+//! The two-matrix epilogues (the GDN b/a pair, the shared expert's gate/up) and the grouped
+//! experts keep their kernels.
 
 use std::sync::Arc;
 
@@ -15,7 +19,7 @@ use kernels_wgsl::{Codec, Epilogue, Path, TILE_COLS, TILE_ROWS, TILE_TOKENS, Til
 
 use crate::arena::GpuMatrix;
 use crate::ops::matvec::{
-    Aux, Step, bind_layout, entry, params_buffer, storage_entry, uniform_entry,
+    Aux, Step, bind_layout, entry, params_buffer, slice_entry, storage_entry, uniform_entry,
 };
 use crate::{GpuContext, GpuError};
 
@@ -30,10 +34,12 @@ const TARGET_WORKGROUPS: usize = 264;
 /// Fewest column steps of one split.
 const MIN_SPLIT_STEPS: usize = 4;
 
-/// The layout: 0 and 1 the weights, 2 the parameters, 3 x, 4 y; 5 the partial sums (`split`);
-/// 7 the hyper-connection epilogues' buffer (`aux`).
+/// The layout: 0 and 1 the weights, 2 the parameters, 3 x (`int8`: the codes), 4 y; 5 the
+/// codes' block scales and sums (`int8`); 6 the partial sums (`split`); 7 the
+/// hyper-connection epilogues' buffer (`aux`).
 pub(crate) fn layout(
     ctx: &GpuContext,
+    int8: bool,
     aux: bool,
     split: bool,
 ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
@@ -44,8 +50,11 @@ pub(crate) fn layout(
         storage_entry(3, true),
         storage_entry(4, false),
     ];
+    if int8 {
+        entries.push(storage_entry(5, true));
+    }
     if split {
-        entries.push(storage_entry(5, false));
+        entries.push(storage_entry(6, false));
     }
     if aux {
         entries.push(storage_entry(7, false));
@@ -65,9 +74,12 @@ pub fn applies(
     streams: Option<usize>,
 ) -> bool {
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let kernel = matches!(
+        (codec, path),
+        (Codec::F16, Path::F32 | Path::HwF16) | (Codec::Q8_2f, Path::Int8)
+    );
     ctx.tiled_matmat
-        && codec == Codec::F16
-        && matches!(path, Path::F32 | Path::HwF16)
+        && kernel
         && nt >= MIN_ROWS
         && nt.div_ceil(TILE_TOKENS as usize) <= max_dim
         && m.cols.is_multiple_of(TILE_COLS as usize)
@@ -108,21 +120,38 @@ fn scratch(ctx: &GpuContext, bytes: u64) -> Arc<wgpu::Buffer> {
     b
 }
 
+/// A tiled matmat's buffers besides the weights.
+pub(crate) struct Operands<'a> {
+    /// The f32 activations (the f16 kernels read them).
+    pub x: &'a wgpu::Buffer,
+    /// The int8 path's quantised activations.
+    pub acts: Option<&'a crate::ops::act8::ActBuffers>,
+    pub y: &'a wgpu::Buffer,
+    pub aux: Option<Aux<'a>>,
+}
+
 /// The steps of `y = W x` for a frame [`applies`] accepted (shapes and buffers already
-/// checked by the caller): per part of `m`, the tiled matmat, and where its columns split, the
-/// reduction. `y_rows`: y's row length.
-#[allow(clippy::too_many_arguments)]
+/// checked, and on the int8 path the activations' quantiser prepared, by the caller): per part
+/// of `m`, the tiled matmat, and where its columns split, the reduction. `y_rows`: y's row
+/// length.
 pub(crate) fn prepare(
     ctx: &GpuContext,
     m: &GpuMatrix,
-    x: &wgpu::Buffer,
-    y: &wgpu::Buffer,
-    aux: Option<Aux<'_>>,
+    ops: Operands<'_>,
     nt: usize,
     path: Path,
     epilogue: Epilogue,
     y_rows: usize,
 ) -> Result<Vec<Step>, GpuError> {
+    let Operands { x, acts, y, aux } = ops;
+    let int8 = path == Path::Int8;
+    if int8 != acts.is_some() {
+        return Err(GpuError::BadLength {
+            what: "quantised activations of the tiled int8 matmat",
+            expected: usize::from(int8),
+            found: usize::from(acts.is_some()),
+        });
+    }
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let token_tiles = nt.div_ceil(TILE_TOKENS as usize);
     let total = m.cols / TILE_COLS as usize;
@@ -143,7 +172,7 @@ pub(crate) fn prepare(
             epilogue,
             split,
         };
-        let (bgl, pl) = ctx.tiled_layout(aux.is_some(), split);
+        let (bgl, pl) = ctx.tiled_layout(int8, aux.is_some(), split);
         let pipe = |entry_point: &str| {
             ctx.pipelines.get(
                 &ctx.device,
@@ -169,7 +198,7 @@ pub(crate) fn prepare(
             a,
             groups as u32,
             n_splits as u32,
-            0,
+            part.layout.second as u32,
             0,
         ];
         let ubuf = params_buffer(ctx, "tiled params", &params);
@@ -178,11 +207,17 @@ pub(crate) fn prepare(
             entry(0, &part.buffer),
             entry(1, &part.buffer),
             entry(2, &ubuf),
-            entry(3, x),
+            match acts {
+                Some(a) => slice_entry(3, &a.xq, a.xq_offset, a.xq_bytes()),
+                None => entry(3, x),
+            },
             entry(4, y),
         ];
+        if let Some(a) = acts {
+            entries.push(slice_entry(5, &a.xd, a.xd_offset, a.xd_bytes()));
+        }
         if let Some(b) = &part_buf {
-            entries.push(entry(5, b));
+            entries.push(entry(6, b));
         }
         if let Some(a) = aux {
             entries.push(entry(7, a.buffer));
@@ -193,8 +228,10 @@ pub(crate) fn prepare(
             entries: &entries,
         });
         let label = format!(
-            "tiled F16 {}x{} T{nt} {path:?} {epilogue:?} s{n_splits}",
-            part.rows, m.cols
+            "tiled {:?} {}x{} T{nt} {path:?} {epilogue:?} s{n_splits}",
+            k.codec(),
+            part.rows,
+            m.cols
         );
         steps.push(
             Step::new(
