@@ -258,21 +258,13 @@ fn int8_matvec_matches_f64_for_every_codec_1_to_8_rows_every_reduction() {
 fn long_q8_2f_frames_run_tiled_within_the_f64_bound() {
     let Some(ctx) = ctx() else { return };
     assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
-    let arena = WeightArena::new(ctx);
-    let parted = WeightArena::with_limits(1 << 30, 4096);
-    for (rows, cols, arena) in [
-        (70, 256, &arena),
-        (130, 1024, &arena),
-        (96, 128, &arena),
-        (70, 256, &parted),
-    ] {
+    for (rows, cols, parted) in common::TILED_SHAPES {
+        let arena = common::tiled_arena(parted);
         let seed = (rows + cols) as u64;
-        let (p, g) = upload(ctx, arena, DType::Q8_2f, rows, cols, seed);
-        if std::ptr::eq(arena, &parted) {
-            assert!(g.parts.len() > 1, "{} parts", g.parts.len());
-        }
+        let (p, g) = upload(ctx, &arena, DType::Q8_2f, rows, cols, seed);
+        assert_eq!(g.parts.len() > 1, parted, "{} parts", g.parts.len());
         let plan = Plan::for_shape(ctx, rows, cols).with_path(Path::Int8);
-        for nt in [gpu_runtime::ops::tiled::MIN_ROWS, 40, 64, 256] {
+        for nt in common::TILED_FRAMES {
             let mut rr = rng(seed ^ nt as u64);
             let xs: Vec<f32> = (0..nt * cols).map(|_| rr()).collect();
             let y = matvec::matmat(ctx, &g, &xs, plan).unwrap();

@@ -237,28 +237,19 @@ fn long_f16_frames_run_tiled_within_the_f64_bound() {
     use gpu_runtime::Epilogue;
     let Some(ctx) = ctx() else { return };
     assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
-    let arena = WeightArena::new(ctx);
-    let parted = WeightArena::with_limits(1 << 30, 4096);
-    // (rows, cols, bindings): splits of 2 and 8, none (4 column steps), several parts.
-    for (rows, cols, arena) in [
-        (70, 256, &arena),
-        (130, 1024, &arena),
-        (96, 128, &arena),
-        (70, 256, &parted),
-    ] {
+    for (rows, cols, parted) in common::TILED_SHAPES {
+        let arena = common::tiled_arena(parted);
         let (w, g) = resident(
             ctx,
-            arena,
+            &arena,
             DType::F16,
             rows,
             cols,
             rows as u64 + cols as u64,
         );
-        if std::ptr::eq(arena, &parted) {
-            assert!(g.parts.len() > 1, "{} parts", g.parts.len());
-        }
+        assert_eq!(g.parts.len() > 1, parted, "{} parts", g.parts.len());
         let plan = Plan::for_shape(ctx, rows, cols);
-        for nt in [tiled::MIN_ROWS, 40, 64, matvec::MAX_FRAME_ROWS] {
+        for nt in common::TILED_FRAMES {
             let mut r = rng(nt as u64 ^ 0x5eed);
             let xs: Vec<f32> = (0..nt * cols).map(|_| r()).collect();
             let y = matvec::matmat(ctx, &g, &xs, plan).unwrap();

@@ -47,3 +47,22 @@ fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
 }
 
+// A lane's sums: token rows t .. t + 3 (a0 .. a3) of matrix rows r0 .. r0 + 3, those past the
+// frame's or the matrix's end dropped.
+fn finish4(z: u32, t: u32, r0: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>) {
+    if (r0 >= P.rows) {
+        return;
+    }
+    if (t < P.nt) {
+        finish(z, t, r0, a0);
+    }
+    if (t + 1u < P.nt) {
+        finish(z, t + 1u, r0, a1);
+    }
+    if (t + 2u < P.nt) {
+        finish(z, t + 2u, r0, a2);
+    }
+    if (t + 3u < P.nt) {
+        finish(z, t + 3u, r0, a3);
+    }
+}

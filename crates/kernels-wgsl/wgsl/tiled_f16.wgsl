@@ -59,18 +59,5 @@ fn tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     }
     let r0 = n0 + tx * 4u;
     let t = t0 + ty * 4u;
-    if (r0 < P.rows) {
-        if (t < P.nt) {
-            finish(wid.z, t, r0, a0);
-        }
-        if (t + 1u < P.nt) {
-            finish(wid.z, t + 1u, r0, a1);
-        }
-        if (t + 2u < P.nt) {
-            finish(wid.z, t + 2u, r0, a2);
-        }
-        if (t + 3u < P.nt) {
-            finish(wid.z, t + 3u, r0, a3);
-        }
-    }
+    finish4(wid.z, t, r0, a0, a1, a2, a3);
 }

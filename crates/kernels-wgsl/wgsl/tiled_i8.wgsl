@@ -94,18 +94,5 @@ fn tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
         f16_at(P.second + 2u * min(r0 + 2u, last)),
         f16_at(P.second + 2u * min(r0 + 3u, last)),
     );
-    if (r0 < P.rows) {
-        if (t < P.nt) {
-            finish(wid.z, t, r0, a0 * sc);
-        }
-        if (t + 1u < P.nt) {
-            finish(wid.z, t + 1u, r0, a1 * sc);
-        }
-        if (t + 2u < P.nt) {
-            finish(wid.z, t + 2u, r0, a2 * sc);
-        }
-        if (t + 3u < P.nt) {
-            finish(wid.z, t + 3u, r0, a3 * sc);
-        }
-    }
+    finish4(wid.z, t, r0, a0 * sc, a1 * sc, a2 * sc, a3 * sc);
 }

@@ -255,7 +255,7 @@ pub(crate) fn layout(
     int8: bool,
 ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
     let label = if int8 { "grouped_i8" } else { "grouped" };
-    crate::ops::matvec::matvec_layout(ctx, label, int8, Some((6, true)))
+    crate::ops::matvec::matvec_layout(ctx, label, int8, &[(6, true)])
 }
 
 /// Builds `y[s] = W_{ids[s]} x[s / x_div]` (with `epilogue`) for `slots` slots: `x` holds

@@ -337,7 +337,7 @@ pub(crate) fn matvec_layout(
     ctx: &GpuContext,
     label: &str,
     int8: bool,
-    extra: Option<(u32, bool)>,
+    extra: &[(u32, bool)],
 ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
     let mut entries = vec![
         storage_entry(0, true),
@@ -349,7 +349,7 @@ pub(crate) fn matvec_layout(
     if int8 {
         entries.push(storage_entry(5, true));
     }
-    if let Some((binding, read_only)) = extra {
+    for &(binding, read_only) in extra {
         entries.push(storage_entry(binding, read_only));
     }
     bind_layout(ctx, label, &entries)
@@ -357,12 +357,12 @@ pub(crate) fn matvec_layout(
 
 /// The f32 paths' layout.
 pub(crate) fn layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
-    matvec_layout(ctx, "matvec", false, None)
+    matvec_layout(ctx, "matvec", false, &[])
 }
 
 /// The int8 path's layout.
 pub(crate) fn i8_layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
-    matvec_layout(ctx, "matvec_i8", true, None)
+    matvec_layout(ctx, "matvec_i8", true, &[])
 }
 
 /// [`layout`] or [`i8_layout`] with binding 7, the auxiliary buffer of the epilogues that
@@ -371,7 +371,7 @@ pub(crate) fn aux_layout(
     ctx: &GpuContext,
     int8: bool,
 ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
-    matvec_layout(ctx, "matvec_aux", int8, Some((7, false)))
+    matvec_layout(ctx, "matvec_aux", int8, &[(7, false)])
 }
 
 /// The pipeline for `m`'s codec, `nt` token rows, under `plan`.

@@ -18,9 +18,7 @@ use std::sync::Arc;
 use kernels_wgsl::{Codec, Epilogue, Path, TILE_COLS, TILE_ROWS, TILE_TOKENS, Tiled};
 
 use crate::arena::GpuMatrix;
-use crate::ops::matvec::{
-    Aux, Step, bind_layout, entry, params_buffer, slice_entry, storage_entry, uniform_entry,
-};
+use crate::ops::matvec::{Aux, Step, entry, matvec_layout, params_buffer, slice_entry};
 use crate::{GpuContext, GpuError};
 
 /// Fewest token rows of a frame that runs tiled (a frame of 32 fills half a tile; shorter
@@ -43,23 +41,10 @@ pub(crate) fn layout(
     aux: bool,
     split: bool,
 ) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
-    let mut entries = vec![
-        storage_entry(0, true),
-        storage_entry(1, true),
-        uniform_entry(2),
-        storage_entry(3, true),
-        storage_entry(4, false),
-    ];
-    if int8 {
-        entries.push(storage_entry(5, true));
-    }
-    if split {
-        entries.push(storage_entry(6, false));
-    }
-    if aux {
-        entries.push(storage_entry(7, false));
-    }
-    bind_layout(ctx, "tiled", &entries)
+    let split = split.then_some((6, false));
+    let aux = aux.then_some((7, false));
+    let extra: Vec<(u32, bool)> = split.into_iter().chain(aux).collect();
+    matvec_layout(ctx, "tiled", int8, &extra)
 }
 
 /// Whether a frame of `nt` token rows of `m` (`codec`, activation path `path` as it will run)

@@ -46,3 +46,23 @@ pub fn weights(rows: usize, cols: usize, seed: u64) -> Vec<f32> {
         .map(|i| r() * if i % cols < 8 { 4.0 } else { 1.0 } * (1.0 + (i / cols % 5) as f32))
         .collect()
 }
+
+/// The tiled matmat's test shapes (rows, cols, whether the matrix is split over several
+/// bindings of 4 KiB): columns split in 2 and 8, not split (4 column steps), several parts;
+/// and the frames each runs: the shortest tiled, a partial token tile, one and four tiles.
+pub const TILED_SHAPES: [(usize, usize, bool); 4] = [
+    (70, 256, false),
+    (130, 1024, false),
+    (96, 128, false),
+    (70, 256, true),
+];
+pub const TILED_FRAMES: [usize; 4] = [gpu_runtime::ops::tiled::MIN_ROWS, 40, 64, 256];
+
+/// The arena a [`TILED_SHAPES`] case uploads into.
+pub fn tiled_arena(parted: bool) -> gpu_runtime::WeightArena {
+    if parted {
+        gpu_runtime::WeightArena::with_limits(1 << 30, 4096)
+    } else {
+        gpu_runtime::WeightArena::new(ctx().expect("a context"))
+    }
+}
