@@ -21,6 +21,11 @@ pub const OP_WG: u32 = 128;
 /// GDN_PARTS)` rows (the module's `R` override).
 pub const GDN_PARTS: u32 = 8;
 
+/// Channels per workgroup of `gdn_conv` (its `CONV_CHANNELS`): each channel's rows are split
+/// over [`OP_WG`] / this many lanes, so the host dispatches `channels * OP_WG /
+/// GDN_CONV_CHANNELS` lanes.
+pub const GDN_CONV_CHANNELS: u32 = 32;
+
 /// Storage bindings every op's layout has (2..=9).
 pub const OP_STORAGE: u32 = 8;
 
@@ -163,5 +168,13 @@ mod tests {
     fn gdn_recur_splits_columns_in_gdn_parts() {
         let want = format!("const L: u32 = {GDN_PARTS}u;");
         assert!(Op::GdnRecur.source().contains(&want));
+    }
+
+    /// The host sizes `gdn_conv`'s grid from [`GDN_CONV_CHANNELS`].
+    #[test]
+    fn gdn_conv_takes_gdn_conv_channels_a_workgroup() {
+        let want = format!("const CONV_CHANNELS: u32 = {GDN_CONV_CHANNELS}u;");
+        assert!(Op::GdnConv.source().contains(&want));
+        assert!(OP_WG.is_multiple_of(GDN_CONV_CHANNELS));
     }
 }

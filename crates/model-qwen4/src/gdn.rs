@@ -316,7 +316,11 @@ pub fn encode<'a>(
                 cdim as u32,
                 c.linear_conv_kernel_dim as u32,
             ];
-            e.op_lanes(Op::GdnConv, &p, &[qkv, &w.conv, &st.conv, conv], cdim)?;
+            // Whole workgroups of GDN_CONV_CHANNELS channels, each channel's rows split over
+            // OP_WG / GDN_CONV_CHANNELS lanes.
+            let conv_lanes = cdim.div_ceil(kernels_wgsl::GDN_CONV_CHANNELS as usize)
+                * kernels_wgsl::OP_WG as usize;
+            e.op_lanes(Op::GdnConv, &p, &[qkv, &w.conv, &st.conv, conv], conv_lanes)?;
             let p = [
                 part.rows as u32,
                 hk as u32,
