@@ -22,8 +22,8 @@ pub const OP_WG: u32 = 128;
 pub const GDN_PARTS: u32 = 8;
 
 /// Channels per workgroup of `gdn_conv` (its `CONV_CHANNELS`): each channel's rows are split
-/// over [`OP_WG`] / this many lanes, so the host dispatches `channels * OP_WG /
-/// GDN_CONV_CHANNELS` lanes.
+/// over `Op::GdnConv.wg()` / this many lanes (16), so the host dispatches one workgroup per
+/// this many channels.
 pub const GDN_CONV_CHANNELS: u32 = 32;
 
 /// Storage bindings every op's layout has (2..=9).
@@ -134,7 +134,7 @@ impl Op {
     /// group took three rounds of loads per pass, each a memory latency.
     pub const fn wg(self) -> u32 {
         match self {
-            Op::RmsNorm => 512,
+            Op::RmsNorm | Op::GdnConv => 512,
             _ => OP_WG,
         }
     }
@@ -175,6 +175,6 @@ mod tests {
     fn gdn_conv_takes_gdn_conv_channels_a_workgroup() {
         let want = format!("const CONV_CHANNELS: u32 = {GDN_CONV_CHANNELS}u;");
         assert!(Op::GdnConv.source().contains(&want));
-        assert!(OP_WG.is_multiple_of(GDN_CONV_CHANNELS));
+        assert!(Op::GdnConv.wg().is_multiple_of(GDN_CONV_CHANNELS));
     }
 }

@@ -316,8 +316,8 @@ pub fn encode<'a>(
                 cdim as u32,
                 c.linear_conv_kernel_dim as u32,
             ];
-            // Whole workgroups of GDN_CONV_CHANNELS channels, each channel's rows split over
-            // OP_WG / GDN_CONV_CHANNELS lanes.
+            // One workgroup per GDN_CONV_CHANNELS channels (`op_lanes` counts workgroups of
+            // OP_WG lanes; the conv's own are wider, each channel's rows split over its lanes).
             let conv_lanes = cdim.div_ceil(kernels_wgsl::GDN_CONV_CHANNELS as usize)
                 * kernels_wgsl::OP_WG as usize;
             e.op_lanes(Op::GdnConv, &p, &[qkv, &w.conv, &st.conv, conv], conv_lanes)?;

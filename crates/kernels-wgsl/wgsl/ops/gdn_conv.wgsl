@@ -1,7 +1,7 @@
 // Gated DeltaNet's causal depthwise conv + SiLU over q|k|v, a channel's rows split over
 // WG / CONV_CHANNELS lanes of one workgroup: the layer's last K-1 inputs (the state) are the
 // left context of this frame's T rows, and the state then becomes the last K-1 of those. The
-// host dispatches channels * WG / CONV_CHANNELS lanes (kernels-wgsl's `GDN_CONV_CHANNELS`).
+// host dispatches one workgroup per CONV_CHANNELS channels (kernels-wgsl's `GDN_CONV_CHANNELS`).
 struct Params {
     t: u32,
     c: u32,
@@ -30,7 +30,8 @@ fn conv_in(i: u32, km1: u32, ch: u32) -> f32 {
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     // A workgroup takes CONV_CHANNELS consecutive channels (coalesced loads) and splits each
     // channel's rows over WG / CONV_CHANNELS lanes: at 256 rows one lane per channel walked
-    // its rows in sequence, on a grid too small to fill the device (208 us a call on an H100).
+    // its rows in sequence, on a grid too small to fill the device (208 us a call on an H100;
+    // 127 us with 4 lanes a channel).
     let ch = (wid.x + wid.y * P.wg_x) * CONV_CHANNELS + li % CONV_CHANNELS;
     let part = li / CONV_CHANNELS;
     let km1 = P.k - 1u;
