@@ -53,17 +53,19 @@ pub struct GpuOptions {
     pub pipeline_cache_dir: Option<PathBuf>,
     /// `CORTIQ_SHADER_CHECKS=full`: compile kernels with every runtime check wgpu can add.
     /// Default (false): buffer and array bounds stay checked, but loops are not given an
-    /// iteration counter and integer divisions no zero guard (see [`crate::pipelines`]).
+    /// iteration counter and integer divisions no zero guard (the `pipelines` module says why).
     pub full_shader_checks: bool,
-    /// `CORTIQ_MATMAT=plain`: long frames of f16 matrices run the 8-row kernel on tiles of 8
-    /// rows (every row's sums then equal a frame of 8's bit for bit) instead of the tiled
-    /// matmat (`ops::tiled`; default `tiled`).
+    /// `CORTIQ_MATMAT=plain`: long frames (32 rows and more) of f16 matrices and of q8_2f
+    /// matrices on int8 activations run the 8-row kernel on tiles of 8 rows (every row's sums
+    /// then equal a frame of 8's bit for bit) instead of the tiled matmat (`ops::tiled`;
+    /// default `tiled`).
     pub plain_matmat: bool,
 }
 
 impl GpuOptions {
     /// Options from the environment (`CORTIQ_GPU`, `CORTIQ_ADAPTER`, `CORTIQ_VRAM`,
-    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`); unset variables keep the defaults.
+    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`, `CORTIQ_MATMAT`); unset variables keep
+    /// the defaults.
     pub fn from_env() -> Result<GpuOptions, GpuError> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
         let mut o = GpuOptions::default();
@@ -263,7 +265,7 @@ pub struct GpuContext {
     pub caps: DeviceCaps,
     /// Bytes the weight arena may keep resident.
     pub vram_budget: u64,
-    /// Long frames of f16 matrices through the tiled matmat ([`GpuOptions::plain_matmat`]).
+    /// Long frames through the tiled matmat ([`GpuOptions::plain_matmat`]).
     pub tiled_matmat: bool,
     pub(crate) pipelines: Pipelines,
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
@@ -284,7 +286,8 @@ pub struct GpuContext {
             (wgpu::BindGroupLayout, wgpu::PipelineLayout),
         >,
     >,
-    /// The tiled matmat's layouts, by (auxiliary buffer, split).
+    /// The tiled matmat's layouts, indexed by (int8 path, auxiliary buffer, split)
+    /// (`GpuContext::tiled_layout`).
     pub(crate) tiled_layouts:
         std::sync::OnceLock<Vec<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>>,
     /// The split tiled matmats' partial sums: one buffer, grown as needed, that every split

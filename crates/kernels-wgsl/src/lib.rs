@@ -666,7 +666,8 @@ pub struct ModuleSpec {
 /// Every module the runtime builds, with every specialisation it uses: each codec's matvec on
 /// every path it has, both reductions, 1..=8 token rows and the grouped-experts variant, every
 /// row-group shape and epilogue;
-/// the tiled matmat of long f16 frames; the activation quantiser; the bandwidth probes.
+/// the tiled matmat of long frames (f16, and q8_2f on int8); the activation quantiser; the
+/// bandwidth probes.
 pub fn registry() -> Vec<ModuleSpec> {
     let mut out = Vec::new();
     for codec in Codec::ALL {

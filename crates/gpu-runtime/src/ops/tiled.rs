@@ -76,8 +76,8 @@ pub fn applies(
 }
 
 /// How a grid of `tiles` workgroups over `cols` columns splits them: (splits, column steps per
-/// split). Splits only until the grid reaches [`TARGET_WORKGROUPS`], each at least
-/// [`MIN_SPLIT_STEPS`] steps.
+/// split). Splits only until the grid reaches `TARGET_WORKGROUPS` (264), each at least
+/// `MIN_SPLIT_STEPS` (4) steps.
 pub fn splits(tiles: usize, cols: usize) -> (usize, usize) {
     let total = (cols / TILE_COLS as usize).max(1);
     let want = TARGET_WORKGROUPS
