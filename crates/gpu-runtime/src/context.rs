@@ -279,6 +279,8 @@ pub struct GpuContext {
     pub(crate) grouped_i8_layout:
         std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) op_dummies: std::sync::OnceLock<Vec<wgpu::Buffer>>,
+    pub(crate) grouped_tiled_layout:
+        std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     /// The grouped kernels' layouts over segmented banks, by (int8 path, binding).
     pub(crate) segmented_layouts: Mutex<
         std::collections::HashMap<
@@ -449,6 +451,7 @@ impl GpuContext {
             grouped_layout: std::sync::OnceLock::new(),
             grouped_i8_layout: std::sync::OnceLock::new(),
             op_dummies: std::sync::OnceLock::new(),
+            grouped_tiled_layout: std::sync::OnceLock::new(),
             segmented_layouts: Mutex::new(Default::default()),
             tiled_layouts: std::sync::OnceLock::new(),
             tiled_scratch: Mutex::new(None),

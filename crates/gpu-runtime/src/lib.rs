@@ -63,6 +63,12 @@ impl GpuContext {
             .get_or_init(|| ops::experts::layout(self, true))
     }
 
+    /// The expert-major grouped kernels' layout (`ops::experts_tiled`).
+    pub(crate) fn grouped_tiled_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.grouped_tiled_layout
+            .get_or_init(|| ops::experts_tiled::layout(self))
+    }
+
     /// The grouped kernels' layout over a bank bound as `segments` ([`kernels_wgsl::Segments`]
     /// other than `One`).
     pub(crate) fn segmented_layout(

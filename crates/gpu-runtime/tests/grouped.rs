@@ -5,72 +5,10 @@
 
 mod common;
 
-use common::{ctx, rng, weights};
-use gpu_runtime::ops::experts::{ExpertBank, prepare_grouped};
-use gpu_runtime::ops::matvec::Plan;
+use common::{ctx, rng, run_grouped as run, weights};
+use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::{Epilogue, Path};
 use quant_codecs::{DType, MatRef, quantize};
-use wgpu::util::DeviceExt;
-
-/// `y` of the grouped kernel for `xs` (`[x_rows, cols]`) over `ids` (`k` per row).
-fn run(
-    ctx: &gpu_runtime::GpuContext,
-    bank: &ExpertBank,
-    xs: &[f32],
-    ids: &[u32],
-    k: usize,
-    epilogue: Epilogue,
-    path: Path,
-) -> Vec<f32> {
-    let slots = ids.len();
-    let init = |label, contents: &[u8], extra| {
-        ctx.device
-            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some(label),
-                contents,
-                usage: wgpu::BufferUsages::STORAGE | extra,
-            })
-    };
-    let x = init("x", bytemuck::cast_slice(xs), wgpu::BufferUsages::empty());
-    let idb = init(
-        "ids",
-        bytemuck::cast_slice(ids),
-        wgpu::BufferUsages::empty(),
-    );
-    let out_rows = if epilogue == Epilogue::SiluGateUp {
-        bank.rows / 2
-    } else {
-        bank.rows
-    };
-    let y = init(
-        "y",
-        bytemuck::cast_slice(&vec![0.0f32; slots * out_rows]),
-        wgpu::BufferUsages::COPY_SRC,
-    );
-    let plan = Plan::for_matrix(ctx, bank.rows).with_path(path);
-    let p = prepare_grouped(
-        ctx,
-        bank,
-        &x,
-        xs.len() / bank.cols,
-        &idb,
-        &y,
-        slots,
-        k,
-        plan,
-        epilogue,
-    )
-    .unwrap();
-    let mut enc = ctx
-        .device
-        .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
-    {
-        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
-        p.record(&mut pass);
-    }
-    ctx.queue.submit([enc.finish()]);
-    gpu_runtime::readback::read_f32(ctx, &y, 0, slots * out_rows).unwrap()
-}
 
 #[test]
 fn a_token_alone_and_in_a_frame_give_the_same_bits() {

@@ -276,6 +276,75 @@ fn long_q8_2f_frames_run_tiled_within_the_f64_bound() {
     }
 }
 
+/// Long frames of q4tp experts run expert by expert (`ops::experts_tiled`): every slot's
+/// sums within the f64 witness's bounds for its own expert and activation row, through
+/// partial row tiles and partial tiles of slots, an expert chosen by many slots (several
+/// tiles) and one by none, activation rows shared by `k` slots and one row per slot (the down
+/// projection's), column counts that leave a partial last chunk; the gate/up pair's SiLU
+/// product equals the product of its two rows' sums computed without it.
+#[test]
+fn long_frames_of_q4tp_experts_run_expert_by_expert_within_the_f64_bound() {
+    use gpu_runtime::ops::experts::ExpertBank;
+    use gpu_runtime::ops::experts_tiled::MIN_SLOTS;
+    let Some(ctx) = ctx() else { return };
+    assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
+    let (dtype, experts) = (DType::Q4tp, 13);
+    for (rows, cols, k, nt) in [
+        (400, 256, 10, 40),
+        (300, 160, 1, 300),
+        (2 * 136, 640, 8, 33),
+    ] {
+        let payloads: Vec<Vec<u8>> = (0..experts)
+            .map(|e| quantize(dtype, rows, cols, &weights(rows, cols, 60 + e as u64)).unwrap())
+            .collect();
+        let mats: Vec<MatRef<'_>> = payloads
+            .iter()
+            .map(|p| MatRef::new(dtype, rows, cols, p).unwrap())
+            .collect();
+        let bank = ExpertBank::upload(ctx, &mats).unwrap();
+        // Expert 0 takes every third slot; expert 12 none.
+        let ids: Vec<u32> = (0..nt * k)
+            .map(|s| {
+                if s % 3 == 0 {
+                    0
+                } else {
+                    ((s * 7 + s / k) % (experts - 1)) as u32
+                }
+            })
+            .collect();
+        assert!(ids.len() >= MIN_SLOTS);
+        let mut rr = rng((rows * cols) as u64);
+        let xs: Vec<f32> = (0..nt * cols).map(|_| rr()).collect();
+        let y = common::run_grouped(ctx, &bank, &xs, &ids, k, Epilogue::None, Path::Int8);
+        for (s, &e) in ids.iter().enumerate() {
+            let x = &xs[(s / k) * cols..(s / k + 1) * cols];
+            check_int8(
+                dtype,
+                rows,
+                cols,
+                &payloads[e as usize],
+                x,
+                &y[s * rows..(s + 1) * rows],
+            );
+        }
+        let pair = common::run_grouped(ctx, &bank, &xs, &ids, k, Epilogue::SiluGateUp, Path::Int8);
+        let half = rows / 2;
+        for s in 0..ids.len() {
+            for o in 0..half {
+                let (g, u) = (y[s * rows + o], y[s * rows + half + o]);
+                let want = g / (1.0 + (-g).exp()) * u;
+                let got = pair[s * half + o];
+                // The device's exp and division need not be correctly rounded (lavapipe's
+                // are a few ulp off); a wrong pairing of rows is off by far more.
+                assert!(
+                    (got - want).abs() <= 1e-5 * want.abs() + 1e-30,
+                    "slot {s} output {o}: {got} against silu(g) u = {want}"
+                );
+            }
+        }
+    }
+}
+
 #[test]
 fn int8_matvec_on_hard_activations() {
     let Some(ctx) = ctx() else { return };

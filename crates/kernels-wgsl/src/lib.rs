@@ -17,8 +17,10 @@
 use std::borrow::Cow;
 
 mod generate;
+mod grouped_tiled;
 mod tiled;
 
+pub use grouped_tiled::{EXPERT_TILE, GroupedTiled, MAX_TILED_EXPERTS};
 pub use tiled::{TILE_COLS, TILE_ROWS, TILE_TOKENS, Tiled};
 
 /// WGSL sources, embedded.
@@ -43,6 +45,8 @@ mod src {
     pub const TILED: &str = include_str!("../wgsl/tiled.wgsl");
     pub const TILED_F16: &str = include_str!("../wgsl/tiled_f16.wgsl");
     pub const TILED_I8: &str = include_str!("../wgsl/tiled_i8.wgsl");
+    pub const GROUPED_TILED: &str = include_str!("../wgsl/grouped_tiled.wgsl");
+    pub const GROUPED_TILED_Q4TP: &str = include_str!("../wgsl/grouped_tiled_q4tp.wgsl");
 }
 
 /// A weight format the GPU kernels read (quant-codecs' dtypes; f32 for exact-weight parity
@@ -768,6 +772,15 @@ pub fn registry() -> Vec<ModuleSpec> {
             source: Cow::Owned(k.source()),
             entries: k.entries(),
             needs: k.needs(),
+            specializations: vec![Specialization(vec![])],
+        });
+    }
+    for k in GroupedTiled::all() {
+        out.push(ModuleSpec {
+            name: k.name(),
+            source: Cow::Owned(k.source()),
+            entries: &[GroupedTiled::ENTRY, GroupedTiled::SORT_ENTRY],
+            needs: Caps::MINIMAL,
             specializations: vec![Specialization(vec![])],
         });
     }

@@ -335,6 +335,16 @@ pub fn prepare_grouped(
         });
     }
     let int8 = path == Path::Int8;
+    if crate::ops::experts_tiled::applies(ctx, bank, codec, path, segments, slots, epilogue)
+        && let Some(layout) = codec.act_layout()
+    {
+        let acts = crate::ops::act8::ActBuffers::new(ctx, x_rows, bank.cols, layout)?;
+        let mut steps = vec![crate::ops::act8::prepare(ctx, x, &acts, None)?];
+        steps.extend(crate::ops::experts_tiled::prepare(
+            ctx, bank, codec, &acts, ids, y, slots, x_div, epilogue,
+        )?);
+        return Ok(Prepared::from_steps(steps, path));
+    }
     let plan = plan.for_codec(ctx, codec, 1, true);
     let mut k: Matvec = plan.fused_kernel(codec, 1, epilogue);
     k.grouped = true;

@@ -3,6 +3,7 @@
 
 pub mod act8;
 pub mod experts;
+pub mod experts_tiled;
 pub mod graph;
 pub mod matvec;
 pub mod tiled;

@@ -66,3 +66,66 @@ pub fn tiled_arena(parted: bool) -> gpu_runtime::WeightArena {
         gpu_runtime::WeightArena::new(ctx().expect("a context"))
     }
 }
+
+/// `y` of the grouped kernel for `xs` (`[x_rows, cols]`) over `ids` (`k` per row), filled with
+/// [`POISON`](gpu_runtime::ops::matvec::POISON) first.
+pub fn run_grouped(
+    ctx: &gpu_runtime::GpuContext,
+    bank: &gpu_runtime::ops::experts::ExpertBank,
+    xs: &[f32],
+    ids: &[u32],
+    k: usize,
+    epilogue: gpu_runtime::Epilogue,
+    path: gpu_runtime::Path,
+) -> Vec<f32> {
+    let slots = ids.len();
+    let init = |label, contents: &[u8], extra| {
+        wgpu::util::DeviceExt::create_buffer_init(
+            &ctx.device,
+            &wgpu::util::BufferInitDescriptor {
+                label: Some(label),
+                contents,
+                usage: wgpu::BufferUsages::STORAGE | extra,
+            },
+        )
+    };
+    let x = init("x", bytemuck::cast_slice(xs), wgpu::BufferUsages::empty());
+    let idb = init(
+        "ids",
+        bytemuck::cast_slice(ids),
+        wgpu::BufferUsages::empty(),
+    );
+    let out_rows = if epilogue == gpu_runtime::Epilogue::SiluGateUp {
+        bank.rows / 2
+    } else {
+        bank.rows
+    };
+    let y = init(
+        "y",
+        bytemuck::cast_slice(&vec![gpu_runtime::ops::matvec::POISON; slots * out_rows]),
+        wgpu::BufferUsages::COPY_SRC,
+    );
+    let plan = gpu_runtime::ops::matvec::Plan::for_matrix(ctx, bank.rows).with_path(path);
+    let p = gpu_runtime::ops::experts::prepare_grouped(
+        ctx,
+        bank,
+        &x,
+        xs.len() / bank.cols,
+        &idb,
+        &y,
+        slots,
+        k,
+        plan,
+        epilogue,
+    )
+    .unwrap();
+    let mut enc = ctx
+        .device
+        .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+    {
+        let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor::default());
+        p.record(&mut pass);
+    }
+    ctx.queue.submit([enc.finish()]);
+    gpu_runtime::readback::read_f32(ctx, &y, 0, slots * out_rows).unwrap()
+}
