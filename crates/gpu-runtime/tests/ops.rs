@@ -259,8 +259,13 @@ fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_f
                 0,
                 eps.to_bits(),
             ];
-            let ops = [&bufs[0], &bufs[1], &bufs[2], &bufs[3], &s, &bufs[4], &out];
+            let qk = graph::storage(ctx, "qk", t * (2 * key_dim + 2 * hv));
+            let ops = [
+                &bufs[0], &bufs[1], &bufs[2], &bufs[3], &s, &bufs[4], &out, &qk,
+            ];
             let mut g = Graph::new();
+            g.op(ctx, Op::GdnPrep, &p, &frame, &ops, (hk as u32, rows as u32))
+                .unwrap();
             let r = [("R", dk.div_ceil(GDN_PARTS as usize) as f64)];
             let groups = dv.div_ceil((Op::GdnRecur.wg() / GDN_PARTS) as usize);
             let grid = ((hv * groups) as u32, 1);

@@ -68,6 +68,8 @@ ops! {
     HcInject => "hc_inject",
     /// GDN causal conv.
     GdnConv => "gdn_conv",
+    /// GDN's per-token recurrence inputs (normalised q and k, beta, the decay).
+    GdnPrep => "gdn_prep",
     /// GDN gated delta rule.
     GdnRecur => "gdn_recur",
     /// GDN output's gated norm.

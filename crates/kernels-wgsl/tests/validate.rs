@@ -75,12 +75,14 @@ fn registry_names_are_systematic_and_unique() {
     // with its table in 1, 16 and 32 copies); then the activation quantiser, the op kernels
     // and the bandwidth probes. Each: 6 shapes for 1..=8 token rows and the grouped variant,
     // and the 6 hyper-connection and 2 two-matrix shapes for 1..=8 token rows. The tiled f16
-    // matmat and the q8_2f one: 3 paths x 4 epilogues, direct and split.
+    // matmat and the q8_2f one: 3 paths x 4 epilogues, direct and split. The expert-major
+    // grouped kernels: q4tp, gate/up and plain.
     assert_eq!(
         registry().len(),
         2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 8)
             + 2
             + 3 * 4 * 2
+            + kernels_wgsl::GroupedTiled::all().len()
             + kernels_wgsl::Op::ALL.len()
             // Grouped kernels over segmented banks (fixed and array bindings, 8 and 16
             // segments): the 3 plain shapes and the gate/up pair of every codec and path but
@@ -93,6 +95,7 @@ fn registry_names_are_systematic_and_unique() {
     assert!(names.contains(&"matvec_q8_2f_i8_sg_t8_r2_gateup2".to_string()));
     assert!(names.contains(&"matvec_q4tp_i8_smem_t1_r2_pair2".to_string()));
     assert!(names.contains(&"matvec_q8_2f_i8_smem_t1_r3_hcread".to_string()));
+    assert!(names.contains(&"grouped_tiled_q4tp_gateup".to_string()));
     assert!(names.contains(&"matvec_bf16_sg_t3_r1_hcfront".to_string()));
     assert!(!names.iter().any(|n| n.contains("hcread_grouped")));
     assert!(names.contains(&"matvec_mxfp4_i8_sg_t1_r4_lut32".to_string()));

@@ -137,6 +137,8 @@ impl Scratch {
             let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
             let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
             widest.push(2 * hk * dk + hv * dv);
+            // gdn_prep's rows: q, k, beta, decay.
+            widest.push(2 * hk * dk + 2 * hv);
         }
         let mut max_blocks = 1;
         let mut hq = 1;

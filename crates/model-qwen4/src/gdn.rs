@@ -271,7 +271,7 @@ pub fn encode<'a>(
     let key_dim = hk * dk;
     let cdim = 2 * key_dim + hv * dv;
     let s = e.s;
-    let [qkv, z, b, a, conv, o, ..] = &s.w;
+    let [qkv, z, b, a, conv, o, qk, _] = &s.w;
     // b and a in one dispatch where they are one matrix; with q8_2f on the int8 path one
     // quantiser makes all four projections' activations.
     match (&w.ba, &w.table) {
@@ -332,7 +332,9 @@ pub fn encode<'a>(
                 gate_silu,
                 (c.rms_norm_eps as f32).to_bits(),
             ];
-            let bufs = [conv, z, b, a, &st.s, &w.vecs, o];
+            // gdn_prep's rows in the work buffer GDN leaves free.
+            let bufs = [conv, z, b, a, &st.s, &w.vecs, o, qk];
+            e.op(Op::GdnPrep, &p, &bufs, (hk as u32, part.rows as u32))?;
             e.op_with(
                 Op::GdnRecur,
                 &[("R", rows)],

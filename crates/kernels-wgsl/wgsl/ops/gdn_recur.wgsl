@@ -1,6 +1,7 @@
 // The gated delta rule over the frame's T tokens in order, before the output's gated norm
-// (`gdn_norm`, the next dispatch): `q, k = l2norm`, `q /= sqrt(dk)`, `S *= exp(g)`,
-// `delta = beta (v - S^T k)`, `S += k delta^T`, `o = S^T q`, raw `o` into `out`.
+// (`gdn_norm`, the next dispatch): `S *= decay`, `delta = beta (v - S^T k)`, `S += k delta^T`,
+// `o = S^T q`, raw `o` into `out`. The normalised q and k, beta and the decay come from
+// `gdn_prep` (the dispatch before), computed for every token of the frame at once.
 //
 // A value column's update reads only its own column of the [dk, dv] state, so a head's
 // columns split across workgroups: workgroup `h * G + g` takes columns `g*C .. g*C + C` of
@@ -11,10 +12,10 @@
 // in registers). A token's sums over dk are the L parts' partial sums (each over its rows in
 // order) added in part order: its results do not depend on the frame it is in.
 //
-// Only the state update is sequential in the tokens. The q/k norms, beta and the decay, and
-// the v columns are done for a chunk of up to 8 tokens at once, outside the token loop: the
-// loop is two cross-part sums a token, one barrier each (two buffers, so the barrier before
-// the next write is the other sum's).
+// Only the state update is sequential in the tokens. A chunk of up to TMAX tokens' q, k, v,
+// beta and decay is staged in workgroup memory at once (loads the driver can issue together),
+// then the loop is two cross-part sums a token, one barrier each (two buffers, so the barrier
+// before the next write is the other sum's).
 struct Params {
     t: u32,
     hk: u32,
@@ -35,55 +36,28 @@ struct Params {
 // a_log [hv] | dt_bias [hv] | norm weight [dv]
 @group(0) @binding(7) var<storage, read_write> vecs: array<f32>;
 @group(0) @binding(8) var<storage, read_write> out: array<f32>;
+// gdn_prep's rows: q [key_dim] | k [key_dim] | beta [hv] | decay [hv].
+@group(0) @binding(9) var<storage, read_write> qk: array<f32>;
 
 // Parts a column's rows split into, and columns a workgroup takes.
 const L: u32 = 8u;
 const C: u32 = WG / L;
 const MAXR: u32 = 64u;
 override R: u32 = 16u;
-// Key values of a chunk's tokens: 8 tokens of dk <= 128, 4 of dk <= 256.
-const KV: u32 = 1024u;
-const TMAX: u32 = 8u;
+// Key values of a chunk's tokens: 12 tokens of dk <= 128, 6 of dk <= 256.
+const KV: u32 = 1536u;
+const TMAX: u32 = 12u;
 
 // A chunk's normalised q and k, token t's at t * width.
 var<workgroup> qs: array<f32, KV>;
 var<workgroup> ks: array<f32, KV>;
-// The q and k squares' trees.
-var<workgroup> tr: array<f32, 2048>;
 // A token's v for the workgroup's columns, then (same place, once read) its output.
-var<workgroup> vo: array<f32, 128>;
+var<workgroup> vo: array<f32, TMAX * C>;
 // (beta, decay) per token of the chunk.
 var<workgroup> bd: array<vec2<f32>, TMAX>;
 // The parts' partial sums of S^T k and of S^T q.
 var<workgroup> pd: array<f32, WG>;
 var<workgroup> po: array<f32, WG>;
-
-// Sums each of `n` rows of `w` values in `tr` (row a at a * w) by halving. The sum of row a
-// ends in tr[a * w].
-fn trees(n: u32, w: u32, li: u32) {
-    workgroupBarrier();
-    for (var h = w / 2u; h > 0u; h = h >> 1u) {
-        for (var x = li; x < n * h; x += WG) {
-            let a = x / h;
-            let i = x - a * h;
-            tr[a * w + i] = tr[a * w + i] + tr[a * w + i + h];
-        }
-        workgroupBarrier();
-    }
-}
-
-// torch's softplus (threshold 20) with an accurate log1p.
-fn softplus(x: f32) -> f32 {
-    if (x > 20.0) {
-        return x;
-    }
-    let e = exp(x);
-    let u = 1.0 + e;
-    if (u == 1.0) {
-        return e;
-    }
-    return log(u) * e / (u - 1.0);
-}
 
 // The smallest power of two >= n (at least 1; n is a head width, far below 2^31).
 fn pow2(n: u32) -> u32 {
@@ -100,7 +74,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let h = wid.x / groups;
     let j0 = (wid.x - h * groups) * C;
     let kh = h / (P.hv / P.hk);
-    let qscale = 1.0 / sqrt(f32(P.dk));
+    let w = 2u * P.key_dim + 2u * P.hv;
     let hvd = P.hv * P.dv;
     let c = li % C;
     let part = li / C;
@@ -121,43 +95,33 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     for (var t0 = 0u; t0 < P.t; t0 += tc) {
         let n = min(tc, P.t - t0);
-        // The chunk's q, k (their squares into the trees), v, beta and decay, all at once.
-        for (var x = li; x < n * wk; x += WG) {
+        // The chunk's q, k, v, beta and decay: a constant count of loads per lane.
+        for (var u = 0u; u < KV / WG; u++) {
+            let x = li + u * WG;
             let t = x / wk;
             let i = x - t * wk;
             var q = 0.0;
             var k = 0.0;
-            if (i < P.dk) {
+            if (t < n && i < P.dk) {
                 let r = F.row0 + t0 + t;
-                q = conv[r * P.c + kh * P.dk + i];
-                k = conv[r * P.c + P.key_dim + kh * P.dk + i];
+                q = qk[r * w + kh * P.dk + i];
+                k = qk[r * w + P.key_dim + kh * P.dk + i];
             }
             qs[x] = q;
             ks[x] = k;
-            tr[x] = q * q;
-            tr[(n + t) * wk + i] = k * k;
         }
-        for (var x = li; x < n * C; x += WG) {
+        for (var u = 0u; u < (TMAX * C + WG - 1u) / WG; u++) {
+            let x = li + u * WG;
             let t = x / C;
             let jj = j0 + x - t * C;
-            if (jj < P.dv) {
+            if (t < n && jj < P.dv) {
                 let r = F.row0 + t0 + t;
                 vo[x] = conv[r * P.c + 2u * P.key_dim + h * P.dv + jj];
             }
         }
         if (li < n) {
             let r = F.row0 + t0 + li;
-            let beta = sigmoid(bb[r * P.hv + h]);
-            let g = -exp(vecs[h]) * softplus(aa[r * P.hv + h] + vecs[P.hv + h]);
-            bd[li] = vec2<f32>(beta, exp(g));
-        }
-        trees(2u * n, wk, li);
-        for (var x = li; x < n * wk; x += WG) {
-            let t = x / wk;
-            let rq = 1.0 / sqrt(tr[t * wk] + 1e-6);
-            let rk = 1.0 / sqrt(tr[(n + t) * wk] + 1e-6);
-            qs[x] = qs[x] * rq * qscale;
-            ks[x] = ks[x] * rk;
+            bd[li] = vec2<f32>(qk[r * w + 2u * P.key_dim + h], qk[r * w + 2u * P.key_dim + P.hv + h]);
         }
         workgroupBarrier();
         for (var t = 0u; t < n; t++) {
