@@ -323,6 +323,12 @@ pub fn device_limits(c: &Qwen4ExpTextConfig) -> Result<(), String> {
             c.head_dim, q.head_dim
         ));
     }
+    if !c.head_dim.is_multiple_of(4) {
+        return Err(format!(
+            "head_dim {} is not a multiple of 4 (attention reads heads as vec4s)",
+            c.head_dim
+        ));
+    }
     if c.rotary_dim() > q.head_dim.min(c.head_dim) {
         return Err("rotary_dim wider than a head".into());
     }
