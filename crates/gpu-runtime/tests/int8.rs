@@ -276,24 +276,29 @@ fn long_q8_2f_frames_run_tiled_within_the_f64_bound() {
     }
 }
 
-/// Long frames of q4tp experts run expert by expert (`ops::experts_tiled`): every slot's
+/// Long frames of q4tp and q2tp experts run expert by expert (`ops::experts_tiled`): every slot's
 /// sums within the f64 witness's bounds for its own expert and activation row, through
 /// partial row tiles and partial tiles of slots, an expert chosen by many slots (several
 /// tiles) and one by none, activation rows shared by `k` slots and one row per slot (the down
 /// projection's), column counts that leave a partial last chunk; the gate/up pair's SiLU
 /// product equals the product of its two rows' sums computed without it.
 #[test]
-fn long_frames_of_q4tp_experts_run_expert_by_expert_within_the_f64_bound() {
+fn long_frames_of_q4tp_and_q2tp_experts_run_expert_by_expert_within_the_f64_bound() {
     use gpu_runtime::ops::experts::ExpertBank;
     use gpu_runtime::ops::experts_tiled::MIN_SLOTS;
     let Some(ctx) = ctx() else { return };
     assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
-    let (dtype, experts) = (DType::Q4tp, 13);
-    for (rows, cols, k, nt) in [
+    let experts = 13;
+    // q2tp's columns: a multiple of 64 (the last chunk of 192 and 640 is still partial).
+    let cases = [
         (400, 256, 10, 40),
-        (300, 160, 1, 300),
+        (300, 192, 1, 300),
         (2 * 136, 640, 8, 33),
-    ] {
+    ];
+    for (dtype, (rows, cols, k, nt)) in [DType::Q4tp, DType::Q2tp]
+        .into_iter()
+        .flat_map(|d| cases.map(|c| (d, c)))
+    {
         let payloads: Vec<Vec<u8>> = (0..experts)
             .map(|e| quantize(dtype, rows, cols, &weights(rows, cols, 60 + e as u64)).unwrap())
             .collect();

@@ -33,7 +33,8 @@ impl GroupedTiled {
 
     /// Whether a variant exists for `codec` and `epilogue`.
     pub const fn supports(codec: Codec, epilogue: Epilogue) -> bool {
-        matches!(codec, Codec::Q4tp) && matches!(epilogue, Epilogue::None | Epilogue::SiluGateUp)
+        matches!(codec, Codec::Q4tp | Codec::Q2tp)
+            && matches!(epilogue, Epilogue::None | Epilogue::SiluGateUp)
     }
 
     /// Every variant the runtime may build.
@@ -74,6 +75,7 @@ impl GroupedTiled {
     pub fn source(&self) -> String {
         let codec = match self.codec {
             Codec::Q4tp => src::GROUPED_TILED_Q4TP,
+            Codec::Q2tp => src::GROUPED_TILED_Q2TP,
             c => panic!("no expert-major grouped kernel for {c:?}"),
         };
         let pair = format!(
