@@ -76,13 +76,27 @@ impl GroupedTiled {
         let codec = match self.codec {
             Codec::Q4tp => src::GROUPED_TILED_Q4TP,
             Codec::Q2tp => src::GROUPED_TILED_Q2TP,
+            Codec::Mxfp4 => src::GROUPED_TILED_MXFP4,
             c => panic!("no expert-major grouped kernel for {c:?}"),
+        };
+        let codes = if self.codec == Codec::Mxfp4 {
+            src::I8_CODES
+        } else {
+            ""
         };
         let pair = format!(
             "const PAIR: bool = {};",
             self.epilogue == Epilogue::SiluGateUp
         );
-        let body = [src::DECODE, src::COMMON, src::GROUPED_TILED, codec, &pair].join("\n");
+        let body = [
+            src::DECODE,
+            src::COMMON,
+            codes,
+            src::GROUPED_TILED,
+            codec,
+            &pair,
+        ]
+        .join("\n");
         // Every weight load is offset by the tile's bank slot, so the decoders read its expert.
         offset_index(&offset_index(&body, "wv", "sb16"), "ww", "sb4")
     }

@@ -30,6 +30,7 @@ mod src {
     pub const MATVEC_COMMON: &str = include_str!("../wgsl/matvec_common.wgsl");
     pub const MATVEC: &str = include_str!("../wgsl/matvec.wgsl");
     pub const MATVEC_I8: &str = include_str!("../wgsl/matvec_i8.wgsl");
+    pub const I8_CODES: &str = include_str!("../wgsl/i8_codes.wgsl");
     pub const ACT_QUANT: &str = include_str!("../wgsl/act_quant.wgsl");
     pub const REDUCE_SG: &str = include_str!("../wgsl/reduce_sg.wgsl");
     pub const REDUCE_SMEM: &str = include_str!("../wgsl/reduce_smem.wgsl");
@@ -48,6 +49,7 @@ mod src {
     pub const GROUPED_TILED: &str = include_str!("../wgsl/grouped_tiled.wgsl");
     pub const GROUPED_TILED_Q4TP: &str = include_str!("../wgsl/grouped_tiled_q4tp.wgsl");
     pub const GROUPED_TILED_Q2TP: &str = include_str!("../wgsl/grouped_tiled_q2tp.wgsl");
+    pub const GROUPED_TILED_MXFP4: &str = include_str!("../wgsl/grouped_tiled_mxfp4.wgsl");
 }
 
 /// A weight format the GPU kernels read (quant-codecs' dtypes; f32 for exact-weight parity
@@ -568,6 +570,7 @@ impl Matvec {
             Path::Int8 => [
                 src::DECODE,
                 src::COMMON,
+                src::I8_CODES,
                 reduce,
                 src::MATVEC_COMMON,
                 src::MATVEC_I8,

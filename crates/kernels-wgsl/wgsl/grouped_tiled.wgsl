@@ -11,8 +11,8 @@
 // expert (atomic) changes no bits.
 //
 // Assembled (kernels-wgsl's `GroupedTiled`) as decode.wgsl + common.wgsl + this file + the
-// codec's block decoder (`grouped_tiled_<codec>.wgsl`), with every weight load offset by the
-// tile's bank slot.
+// codec's block decoder (`grouped_tiled_<codec>.wgsl`; mxfp4's after i8_codes.wgsl), with every
+// weight load offset by the tile's bank slot.
 
 struct Params {
     // Rows and columns of each expert matrix.
@@ -175,6 +175,7 @@ fn grouped_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
         row0 = min(o, P.rows - 1u);
         row1 = min(o + 1u, P.rows - 1u);
     }
+    prologue(li);
     let r0 = row_params(row0);
     let r1 = row_params(row1);
     // What this lane stages: block li / TS of each chunk for the tile's slot li % TS (slots

@@ -16,6 +16,8 @@ struct RowP {
     cb: u32,
 }
 
+fn prologue(li: u32) {}
+
 fn row_params(row: u32) -> RowP {
     return RowP(f16x2(ww[P.second / 4u + row]), P.third + row * P.code_stride);
 }
