@@ -58,7 +58,8 @@ pub struct GpuOptions {
     /// `CORTIQ_MATMAT=plain`: long frames (32 rows and more) of f16 matrices and of q8_2f
     /// matrices on int8 activations run the 8-row kernel on tiles of 8 rows (every row's sums
     /// then equal a frame of 8's bit for bit) instead of the tiled matmat (`ops::tiled`;
-    /// default `tiled`).
+    /// default `tiled`), and the routed experts of frames of 128 slots and more run the
+    /// one-slot grouped kernels instead of expert by expert (`ops::experts_tiled`).
     pub plain_matmat: bool,
 }
 

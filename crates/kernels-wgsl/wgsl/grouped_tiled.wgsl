@@ -187,15 +187,20 @@ fn grouped_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
     var a1 = vec4<f32>(0.0);
     var a2 = vec4<f32>(0.0);
     var a3 = vec4<f32>(0.0);
+    // The next chunk's blocks are loaded into registers before this chunk's products.
+    var xi = xrow + min(sbk, nb - 1u);
+    var na = xq[2u * xi];
+    var nbv = xq[2u * xi + 1u];
+    var nd = xd[xi];
     for (var c0 = 0u; c0 < nb; c0 += CK) {
-        {
-            let xi = xrow + min(c0 + sbk, nb - 1u);
-            sxa[li] = xq[2u * xi];
-            sxb[li] = xq[2u * xi + 1u];
-            let d = xd[xi];
-            sxe[li] = vec2<u32>(d.x, bitcast<u32>(X_OFF * bitcast<i32>(d.y)));
-        }
+        sxa[li] = na;
+        sxb[li] = nbv;
+        sxe[li] = vec2<u32>(nd.x, bitcast<u32>(X_OFF * bitcast<i32>(nd.y)));
         workgroupBarrier();
+        xi = xrow + min(c0 + CK + sbk, nb - 1u);
+        na = xq[2u * xi];
+        nbv = xq[2u * xi + 1u];
+        nd = xd[xi];
         for (var b = 0u; b < CK; b++) {
             let c = c0 + b;
             if (c < nb) {
@@ -203,9 +208,13 @@ fn grouped_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocatio
                 let w1 = block(row1, r1, c);
                 let e = b * TS;
                 a0 += vec4<f32>(term(w0, e), term(w0, e + 1u), term(w0, e + 2u), term(w0, e + 3u));
-                a1 += vec4<f32>(term(w0, e + 4u), term(w0, e + 5u), term(w0, e + 6u), term(w0, e + 7u));
                 a2 += vec4<f32>(term(w1, e), term(w1, e + 1u), term(w1, e + 2u), term(w1, e + 3u));
-                a3 += vec4<f32>(term(w1, e + 4u), term(w1, e + 5u), term(w1, e + 6u), term(w1, e + 7u));
+                // A tile of at most 4 slots (about half of them at 5 slots an expert) skips
+                // the second half: the branch is the same for the whole workgroup.
+                if (cnt > 4u) {
+                    a1 += vec4<f32>(term(w0, e + 4u), term(w0, e + 5u), term(w0, e + 6u), term(w0, e + 7u));
+                    a3 += vec4<f32>(term(w1, e + 4u), term(w1, e + 5u), term(w1, e + 6u), term(w1, e + 7u));
+                }
             }
         }
         workgroupBarrier();

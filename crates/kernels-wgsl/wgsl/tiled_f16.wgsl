@@ -34,13 +34,22 @@ fn tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     var a1 = vec4<f32>(0.0);
     var a2 = vec4<f32>(0.0);
     var a3 = vec4<f32>(0.0);
+    // The next step's operands are loaded into registers before this step's products, so
+    // their memory latency overlaps the arithmetic (a split has one or two workgroups per
+    // multiprocessor: too few to hide it by switching).
+    var n0x = x[xr0 + s0 * (TK / 4u)];
+    var n1x = x[xr1 + s0 * (TK / 4u)];
+    var nv = wv[wr + s0 * (TK / 8u)];
     for (var st = s0; st < s1; st++) {
-        xt[xq * TM + xa] = x[xr0 + st * (TK / 4u)];
-        xt[xq * TM + xa + 32u] = x[xr1 + st * (TK / 4u)];
-        let v = wv[wr + st * (TK / 8u)];
-        wt[ws] = weight4(v, vec2<f32>(1.0), 0u);
-        wt[ws + TN] = weight4(v, vec2<f32>(1.0), 1u);
+        xt[xq * TM + xa] = n0x;
+        xt[xq * TM + xa + 32u] = n1x;
+        wt[ws] = weight4(nv, vec2<f32>(1.0), 0u);
+        wt[ws + TN] = weight4(nv, vec2<f32>(1.0), 1u);
         workgroupBarrier();
+        let nx = min(st + 1u, s1 - 1u);
+        n0x = x[xr0 + nx * (TK / 4u)];
+        n1x = x[xr1 + nx * (TK / 4u)];
+        nv = wv[wr + nx * (TK / 8u)];
         for (var q = 0u; q < TK / 4u; q++) {
             let w0 = wt[q * TN + tx];
             let w1 = wt[q * TN + tx + 16u];

@@ -39,16 +39,33 @@ fn tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     var a1 = vec4<f32>(0.0);
     var a2 = vec4<f32>(0.0);
     var a3 = vec4<f32>(0.0);
+    // The next step's operands are loaded into registers before this step's products, so
+    // their memory latency overlaps the arithmetic.
+    var nq = vec4<u32>(0u);
+    var nd = 0u;
+    if (li < 128u) {
+        nq = xq[2u * (xrow + s0) + h];
+        nd = xd[xrow + s0].x;
+    } else {
+        nq = wv[wrow + 2u * s0];
+    }
     for (var st = s0; st < s1; st++) {
         if (li < 128u) {
-            xt[h * 64u + who] = xq[2u * (xrow + st) + h];
+            xt[h * 64u + who] = nq;
             if (h == 0u) {
-                dt[who] = bitcast<f32>(xd[xrow + st].x);
+                dt[who] = bitcast<f32>(nd);
             }
         } else {
-            wt[wpos] = wv[wrow + 2u * st];
+            wt[wpos] = nq;
         }
         workgroupBarrier();
+        let nx = min(st + 1u, s1 - 1u);
+        if (li < 128u) {
+            nq = xq[2u * (xrow + nx) + h];
+            nd = xd[xrow + nx].x;
+        } else {
+            nq = wv[wrow + 2u * nx];
+        }
         let w0a = wt[tx];
         let w0b = wt[64u + tx];
         let w1a = wt[tx + 16u];
