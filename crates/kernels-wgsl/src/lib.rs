@@ -634,10 +634,31 @@ impl Matvec {
 /// The activation quantiser's entry point (module [`act_quant_source`]): bindings 0 f32
 /// activations `[nt, cols]`, 1 the weight payload as words (q8_2f's column scales), 2 `QParams`
 /// (8 u32: cols, nt, mode = [`ActLayout`] as u32, col_scales byte offset or 0xffffffff, wg_x),
-/// 3 the codes (8 words per block), 4 per block `(bits of d, code sum)`. One workgroup of 32
-/// lanes per block (workgroup `x + y * wg_x` quantises block `x + y * wg_x` of the `[nt,
-/// cols / 32]` blocks).
+/// 3 the codes (8 words per block), 4 per block `(bits of d, code sum)`. Workgroups of 256
+/// lanes, 32 a block: workgroup `w = x + y * wg_x` quantises blocks `w * ACT_QUANT_BLOCKS ..`
+/// of the `[nt, cols / 32]` blocks ([`ACT_QUANT_BLOCKS`]).
 pub const ACT_QUANT_ENTRY: &str = "act_quant";
+
+/// Blocks of 32 activations each workgroup of the quantiser's entries quantises (32 lanes a
+/// block): the host dispatches `ceil(blocks / ACT_QUANT_BLOCKS)` workgroups.
+pub const ACT_QUANT_BLOCKS: u32 = 8;
+
+#[cfg(test)]
+mod act_quant_tests {
+    /// The host's grid and the module agree on the blocks of a workgroup.
+    #[test]
+    fn the_quantiser_takes_act_quant_blocks_a_workgroup() {
+        let s = super::act_quant_source();
+        assert!(s.contains(&format!(
+            "const BLOCKS: u32 = {}u;",
+            super::ACT_QUANT_BLOCKS
+        )));
+        assert!(s.contains(&format!(
+            "@workgroup_size({})",
+            32 * super::ACT_QUANT_BLOCKS
+        )));
+    }
+}
 
 /// The grouped experts' quantiser in the same module (binding 5 the slots' expert ids; each
 /// slot's activation row scaled by its expert's q8_2f column scales).

@@ -1,7 +1,8 @@
-// Activations to int8 (docs/codecs.md, "int8 activations"): one workgroup of 32 lanes per
-// 32-element block of one token row, a lane per element (the block's amax, code words and code
-// sum gathered with workgroup atomics: a block costs three barriers, not a serial loop). The codes are computed from the f32 bits with integer arithmetic only (this
-// device's f32 division need not be correctly rounded), so they equal quant-codecs' act8
+// Activations to int8 (docs/codecs.md, "int8 activations"): 32 lanes per 32-element block of
+// one token row, a lane per element, BLOCKS blocks a workgroup (the block's amax, code words and
+// code sum gathered with workgroup atomics: a block costs three barriers, not a serial loop).
+// The codes are computed from the f32 bits with integer arithmetic only (this device's f32
+// division need not be correctly rounded), so they equal quant-codecs' act8
 // codes. Output per block: 8 words of codes in the layout `Q.mode` names (0 natural: word w =
 // elements 4w..4w+3; 1 pairs: word 2k+h = elements 8k+h, 8k+h+2, 8k+h+4, 8k+h+6, the order
 // q4tp's nibble unpacking produces; 2 quads: word 4k+j = elements 16k+j, +4, +8, +12, q2tp's
@@ -39,9 +40,13 @@ struct QParams {
 // The grouped entry only: the slots' expert ids.
 @group(0) @binding(5) var<storage, read> ids: array<u32>;
 
-var<workgroup> w_amax: atomic<u32>;
-var<workgroup> w_sum: atomic<i32>;
-var<workgroup> w_words: array<atomic<u32>, 8>;
+// Blocks per workgroup (a block's 32 lanes each): workgroups of one block left an H100 at a
+// fraction of its lanes (its multiprocessors hold at most 32 workgroups each).
+const BLOCKS: u32 = 8u;
+
+var<workgroup> w_amax: array<atomic<u32>, BLOCKS>;
+var<workgroup> w_sum: array<atomic<i32>, BLOCKS>;
+var<workgroup> w_words: array<atomic<u32>, 64>;
 
 fn byte_at(off: u32) -> u32 {
     return (ww[off >> 2u] >> ((off & 3u) * 8u)) & 0xffu;
@@ -102,10 +107,12 @@ fn slot(e: u32) -> u32 {
     return e;
 }
 
-@compute @workgroup_size(32)
-fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) e: u32) {
+@compute @workgroup_size(256)
+fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let blocks = Q.cols / 32u;
-    let flat = wid.x + wid.y * Q.wg_x;
+    let e = li % 32u;
+    let k = li / 32u;
+    let flat = (wid.x + wid.y * Q.wg_x) * BLOCKS + k;
     let member = flat / max(blocks * Q.nt, 1u);
     let id = flat - member * blocks * Q.nt;
     // Uniform per workgroup, so every barrier below is reached by all lanes or none (the
@@ -117,25 +124,28 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     if (Q.col_scales != 0xffffffffu) {
         base = Q.col_scales + member * Q.cs_stride;
     }
-    quantise(e, valid, t, b, base, member * Q.q_stride + id * 8u, member * Q.d_stride + id);
+    quantise(e, k, valid, t, b, base, member * Q.q_stride + id * 8u, member * Q.d_stride + id);
 }
 
 // The grouped experts' q8_2f activations: slot s (`Q.members` of them) quantises activation
 // row s / x_div with the column scales of its expert `ids[s]` (at `ids[s] * slot_bytes +
 // col_scales` bytes of binding 1, the expert bank) into code row s.
-@compute @workgroup_size(32)
+@compute @workgroup_size(256)
 fn act_quant_grouped(
     @builtin(workgroup_id) wid: vec3<u32>,
-    @builtin(local_invocation_index) e: u32,
+    @builtin(local_invocation_index) li: u32,
 ) {
     let blocks = Q.cols / 32u;
-    let flat = wid.x + wid.y * Q.wg_x;
+    let e = li % 32u;
+    let k = li / 32u;
+    let flat = (wid.x + wid.y * Q.wg_x) * BLOCKS + k;
     let s = flat / max(blocks, 1u);
     let b = flat - s * blocks;
     let valid = s < max(Q.members, 1u);
     let expert = ids[min(s, max(Q.members, 1u) - 1u)];
     quantise(
         e,
+        k,
         valid,
         s / max(Q.x_div, 1u),
         b,
@@ -145,15 +155,15 @@ fn act_quant_grouped(
     );
 }
 
-// Block b of activation row t (scaled by the column scales at byte `base` unless it is
+// Block b of activation row t, the workgroup's k-th (scaled by the column scales at byte `base` unless it is
 // 0xffffffff) into 8 code words at word `oq` of xq_out and its (d, sum) at pair `od` of xd_out.
-fn quantise(e: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od: u32) {
+fn quantise(e: u32, k: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od: u32) {
     if (e == 0u) {
-        atomicStore(&w_amax, 0u);
-        atomicStore(&w_sum, 0i);
+        atomicStore(&w_amax[k], 0u);
+        atomicStore(&w_sum[k], 0i);
     }
     if (e < 8u) {
-        atomicStore(&w_words[e], 0u);
+        atomicStore(&w_words[k * 8u + e], 0u);
     }
     workgroupBarrier();
     var bits = 0u;
@@ -163,20 +173,20 @@ fn quantise(e: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od: u32) {
             v = v * col_scale(base, b * 32u + e);
         }
         bits = bitcast<u32>(v);
-        atomicMax(&w_amax, bits & 0x7fffffffu);
+        atomicMax(&w_amax[k], bits & 0x7fffffffu);
     }
     workgroupBarrier();
-    let amax = atomicLoad(&w_amax);
+    let amax = atomicLoad(&w_amax[k]);
     var c = 0u;
     if (valid && amax != 0u && amax < 0x7f800000u) {
         c = code(bits, split_mag(amax));
     }
     let s = slot(e);
-    atomicOr(&w_words[s >> 2u], c << ((s & 3u) * 8u));
-    atomicAdd(&w_sum, bitcast<i32>(c << 24u) >> 24u);
+    atomicOr(&w_words[k * 8u + (s >> 2u)], c << ((s & 3u) * 8u));
+    atomicAdd(&w_sum[k], bitcast<i32>(c << 24u) >> 24u);
     workgroupBarrier();
     if (valid && e < 8u) {
-        xq_out[oq + e] = atomicLoad(&w_words[e]);
+        xq_out[oq + e] = atomicLoad(&w_words[k * 8u + e]);
     }
     if (valid && e == 0u) {
         var d = 0.0;
@@ -185,6 +195,6 @@ fn quantise(e: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od: u32) {
         } else if (amax != 0u) {
             d = bitcast<f32>(amax) / 127.0;
         }
-        xd_out[od] = vec2<u32>(bitcast<u32>(d), bitcast<u32>(atomicLoad(&w_sum)));
+        xd_out[od] = vec2<u32>(bitcast<u32>(d), bitcast<u32>(atomicLoad(&w_sum[k])));
     }
 }

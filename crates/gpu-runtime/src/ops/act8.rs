@@ -147,7 +147,7 @@ pub fn prepare_grouped(
         &[],
         Some(pl),
     )?;
-    let n = slots * acts.cols / 32;
+    let n = (slots * acts.cols / 32).div_ceil(kernels_wgsl::ACT_QUANT_BLOCKS as usize);
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let wg_x = n.min(max_dim);
     let wg_y = n.div_ceil(wg_x);
@@ -283,8 +283,8 @@ fn quantiser_step(
     strides: [u32; 2],
 ) -> Result<Step, GpuError> {
     let pipe = pipeline(ctx)?;
-    // One workgroup per block of each member.
-    let n = members * acts.nt * acts.cols / 32;
+    // ACT_QUANT_BLOCKS blocks of the members' a workgroup.
+    let n = (members * acts.nt * acts.cols / 32).div_ceil(kernels_wgsl::ACT_QUANT_BLOCKS as usize);
     let max_dim = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let wg_x = n.min(max_dim);
     let wg_y = n.div_ceil(wg_x);

@@ -14,8 +14,8 @@
 //
 // Only the state update is sequential in the tokens. A chunk of up to TMAX tokens' q, k, v,
 // beta and decay is staged in workgroup memory at once (loads the driver can issue together),
-// then the loop is two cross-part sums a token, one barrier each (two buffers, so the barrier
-// before the next write is the other sum's).
+// then the loop is one cross-part sum a token (S^T k, one barrier); the outputs' sums over the
+// parts wait for the chunk's end, all of its tokens at once.
 struct Params {
     t: u32,
     hk: u32,
@@ -44,20 +44,20 @@ const L: u32 = 8u;
 const C: u32 = WG / L;
 const MAXR: u32 = 64u;
 override R: u32 = 16u;
-// Key values of a chunk's tokens: 12 tokens of dk <= 128, 6 of dk <= 256.
-const KV: u32 = 1536u;
-const TMAX: u32 = 12u;
+// Key values of a chunk's tokens: 8 tokens of dk <= 128, 4 of dk <= 256.
+const KV: u32 = 1024u;
+const TMAX: u32 = 8u;
 
 // A chunk's normalised q and k, token t's at t * width.
 var<workgroup> qs: array<f32, KV>;
 var<workgroup> ks: array<f32, KV>;
-// A token's v for the workgroup's columns, then (same place, once read) its output.
+// The chunk's v for the workgroup's columns.
 var<workgroup> vo: array<f32, TMAX * C>;
 // (beta, decay) per token of the chunk.
 var<workgroup> bd: array<vec2<f32>, TMAX>;
-// The parts' partial sums of S^T k and of S^T q.
-var<workgroup> pd: array<f32, WG>;
-var<workgroup> po: array<f32, WG>;
+// The parts' partial sums of S^T k (two tokens' buffers) and of S^T q (the chunk's tokens).
+var<workgroup> pd: array<f32, 2 * WG>;
+var<workgroup> po: array<f32, TMAX * WG>;
 
 // The smallest power of two >= n (at least 1; n is a head width, far below 2^31).
 fn pow2(n: u32) -> u32 {
@@ -138,11 +138,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     }
                 }
             }
-            pd[li] = d;
+            // Two buffers: the next token's sums go to the other, and the barrier between
+            // this token's reads and the write after next is the next token's.
+            let pb = (t & 1u) * WG;
+            pd[pb + li] = d;
             workgroupBarrier();
-            var dsum = pd[c];
+            var dsum = pd[pb + c];
             for (var p = 1u; p < L; p++) {
-                dsum += pd[p * C + c];
+                dsum += pd[pb + p * C + c];
             }
             var delta = 0.0;
             if (live) {
@@ -158,23 +161,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     }
                 }
             }
-            po[li] = o;
-            workgroupBarrier();
-            // Every part read v before this barrier: its place takes the output.
-            if (part == 0u) {
-                var osum = po[c];
-                for (var p = 1u; p < L; p++) {
-                    osum += po[p * C + c];
-                }
-                vo[t * C + c] = osum;
-            }
+            // The output's parts wait for the chunk's end: nothing in the loop needs them.
+            po[t * WG + li] = o;
         }
         workgroupBarrier();
         for (var x = li; x < n * C; x += WG) {
             let t = x / C;
-            let jj = j0 + x - t * C;
+            let cc = x - t * C;
+            let jj = j0 + cc;
             if (jj < P.dv) {
-                out[(F.row0 + t0 + t) * hvd + h * P.dv + jj] = vo[x];
+                var osum = po[t * WG + cc];
+                for (var p = 1u; p < L; p++) {
+                    osum += po[t * WG + p * C + cc];
+                }
+                out[(F.row0 + t0 + t) * hvd + h * P.dv + jj] = osum;
             }
         }
         workgroupBarrier();
