@@ -12,16 +12,19 @@ pub use model_core::device::{Device, Part, TwoMats};
 /// A qwen4_exp frame being recorded.
 pub type Enc<'a> = model_core::device::Enc<'a, Scratch>;
 
-/// Most token rows of a prompt's frame by default. A frame's chain of ~1,300 dependent
-/// dispatches costs about what a decoded token does whatever its rows (an H100 ran a frame of 8
-/// rows in 21 ms of GPU time against a token's 12, one of 64 in 82), so long frames pay that
-/// chain less often (H100, pp512: frames of 8 329 tok/s, 64 715-719, 128 752-758, 256
-/// 782-785). 64, not 256: each recorded frame shape keeps its own int8 activation buffers
-/// (about 1.3 MB a row at the release geometry, outside the VRAM budget), and a state keeps
-/// its shapes; `CORTIQ_PROMPT_ROWS` allows up to [`MAX_PROMPT_ROWS`]. The matvecs run a frame
-/// longer than 8 rows as tiles of 8 on the 8-row kernels, so every row's sums are those of a
-/// frame of 8.
-pub const PROMPT_ROWS: usize = 64;
+/// Most token rows of a prompt's frame by default (every routed expert resident: frames with
+/// cold experts keep 8 rows). A frame's chain of ~1,300 dependent dispatches costs about what
+/// a decoded token does whatever its rows, and a long frame reads each weight once for more
+/// rows: the tiled matmat reads a weight once per 64 rows and the expert-major kernels an
+/// expert once per 8 of its slots, which at 64 rows (1.25 slots an expert) they seldom have.
+/// On an H100, pp512 1,196-1,259 tok/s in frames of 64 against 1,802-1,898 in frames of 256
+/// (docs/perf.md). The cost: each recorded frame shape keeps its own scratch and int8
+/// activation buffers, about 2.2 MB a row at the release geometry (~570 MB at 256 rows against
+/// ~190 MB at 64), outside the VRAM budget; a long `--ctx` shortens the frames (the attention
+/// logits' cap), and `CORTIQ_PROMPT_ROWS` sets fewer (8 gives the frames of earlier builds).
+/// Frames of 32 rows and more run the tiled kernels, whose sums differ from a frame of 8's in
+/// the last bits (`CORTIQ_MATMAT=plain` keeps them equal).
+pub const PROMPT_ROWS: usize = 256;
 
 /// The longest prompt frame `CORTIQ_PROMPT_ROWS` may ask for (what the matvecs take).
 pub const MAX_PROMPT_ROWS: usize = gpu_runtime::ops::matvec::MAX_FRAME_ROWS;
