@@ -156,3 +156,87 @@ fn a_bank_past_its_capacity_is_refused() {
         );
     }
 }
+
+/// A layer's down projection right after its gate/up in one graph reuses the gate/up's
+/// expert-sorted slots (one sort fewer) and gives, bit for bit, what it gives prepared alone
+/// with its own sort.
+#[test]
+fn the_down_projection_reuses_the_gate_ups_sorted_slots() {
+    use gpu_runtime::ops::graph::{Graph, storage, upload_f32};
+    let Some(ctx) = ctx() else { return };
+    let (dtype, experts, k, nt) = (DType::Q4tp, 9, 8, 20);
+    let slots = nt * k;
+    assert!(slots >= gpu_runtime::ops::experts_tiled::MIN_SLOTS);
+    let (inner, d) = (64, 128);
+    let bank = |rows, cols, seed| {
+        let p: Vec<Vec<u8>> = (0..experts)
+            .map(|e| quantize(dtype, rows, cols, &weights(rows, cols, seed + e as u64)).unwrap())
+            .collect();
+        let m: Vec<MatRef<'_>> = p
+            .iter()
+            .map(|p| MatRef::new(dtype, rows, cols, p).unwrap())
+            .collect();
+        ExpertBank::upload(ctx, &m).unwrap()
+    };
+    let (gate_up, down) = (bank(2 * inner, d, 300), bank(d, inner, 400));
+    let mut r = rng(11);
+    let xs: Vec<f32> = (0..nt * d).map(|_| r()).collect();
+    let ids: Vec<u32> = (0..slots)
+        .map(|s| ((s * 5 + s / 7) % experts) as u32)
+        .collect();
+    let x = upload_f32(ctx, "x", &xs);
+    let idb = upload_f32(ctx, "ids", bytemuck::cast_slice(&ids));
+    let mid = storage(ctx, "mid", slots * inner);
+    let out = storage(ctx, "out", slots * d);
+    let run = |g: &Graph| {
+        let mut enc = ctx
+            .device
+            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: None });
+        g.record(ctx, &mut enc, None);
+        ctx.queue.submit([enc.finish()]);
+        gpu_runtime::readback::read_f32(ctx, &out, 0, slots * d).unwrap()
+    };
+    let (path, gu) = (Path::Int8, Epilogue::SiluGateUp);
+    let mut both = Graph::new();
+    both.grouped(ctx, &gate_up, &x, nt, &idb, &mid, slots, k, path, gu)
+        .unwrap();
+    let after_gate_up = both.dispatches();
+    both.grouped(
+        ctx,
+        &down,
+        &mid,
+        slots,
+        &idb,
+        &out,
+        slots,
+        1,
+        path,
+        Epilogue::None,
+    )
+    .unwrap();
+    let shared = run(&both);
+    let mut alone = Graph::new();
+    alone
+        .grouped(
+            ctx,
+            &down,
+            &mid,
+            slots,
+            &idb,
+            &out,
+            slots,
+            1,
+            path,
+            Epilogue::None,
+        )
+        .unwrap();
+    // The down projection alone: its quantiser, the sort and the kernel.
+    assert_eq!(alone.dispatches(), 3);
+    assert_eq!(both.dispatches() - after_gate_up, 2, "the sort ran again");
+    let own = run(&alone);
+    let same = shared
+        .iter()
+        .zip(&own)
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+    assert!(same && shared.iter().all(|v| v.is_finite()));
+}

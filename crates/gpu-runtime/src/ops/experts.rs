@@ -276,6 +276,46 @@ pub fn prepare_grouped(
     plan: Plan,
     epilogue: Epilogue,
 ) -> Result<Prepared, GpuError> {
+    let g = Grouped {
+        x,
+        x_rows,
+        ids,
+        y,
+        slots,
+        x_div,
+    };
+    Ok(prepare_grouped_sorted(ctx, bank, g, plan, epilogue, None)?.0)
+}
+
+/// A grouped call's buffers and shape (see [`prepare_grouped`]).
+pub(crate) struct Grouped<'a> {
+    pub x: &'a wgpu::Buffer,
+    pub x_rows: usize,
+    pub ids: &'a wgpu::Buffer,
+    pub y: &'a wgpu::Buffer,
+    pub slots: usize,
+    pub x_div: usize,
+}
+
+/// [`prepare_grouped`], reusing `sorted` where the frame runs expert by expert and it holds
+/// these slots' table; with the table the expert-major kernel reads (none on the one-slot
+/// kernels).
+pub(crate) fn prepare_grouped_sorted(
+    ctx: &GpuContext,
+    bank: &ExpertBank,
+    g: Grouped<'_>,
+    plan: Plan,
+    epilogue: Epilogue,
+    sorted: Option<&crate::ops::experts_tiled::SortedSlots>,
+) -> Result<(Prepared, Option<crate::ops::experts_tiled::SortedSlots>), GpuError> {
+    let Grouped {
+        x,
+        x_rows,
+        ids,
+        y,
+        slots,
+        x_div,
+    } = g;
     let pair = epilogue == Epilogue::SiluGateUp;
     if pair && !bank.rows.is_multiple_of(2) {
         return Err(GpuError::UnsupportedFusion {
@@ -340,10 +380,11 @@ pub fn prepare_grouped(
     {
         let acts = crate::ops::act8::ActBuffers::new(ctx, x_rows, bank.cols, layout)?;
         let mut steps = vec![crate::ops::act8::prepare(ctx, x, &acts, None)?];
-        steps.extend(crate::ops::experts_tiled::prepare(
-            ctx, bank, codec, &acts, ids, y, slots, x_div, epilogue,
-        )?);
-        return Ok(Prepared::from_steps(steps, path));
+        let (kernel, sorted) = crate::ops::experts_tiled::prepare(
+            ctx, bank, codec, &acts, ids, y, slots, x_div, epilogue, sorted,
+        )?;
+        steps.extend(kernel);
+        return Ok((Prepared::from_steps(steps, path), Some(sorted)));
     }
     let plan = plan.for_codec(ctx, codec, 1, true);
     let mut k: Matvec = plan.fused_kernel(codec, 1, epilogue);
@@ -439,7 +480,7 @@ pub fn prepare_grouped(
         bank.rows, bank.cols
     );
     steps.push(Step::new(pipe, vec![(bg, n as u32, slots as u32)], label));
-    Ok(Prepared::from_steps(steps, path))
+    Ok((Prepared::from_steps(steps, path), None))
 }
 
 /// The bind group of a grouped kernel over a segmented bank ([`segmented_layout`]).

@@ -57,8 +57,28 @@ fn max_tiles(slots: usize, experts: usize) -> usize {
     slots.div_ceil(EXPERT_TILE as usize) + slots.min(experts)
 }
 
-/// The sort and the kernel for a frame [`applies`] accepted (shapes and buffers checked, and
-/// the activations' quantiser prepared, by the caller).
+/// A frame's slots sorted by expert: what the sort writes and the kernel reads. A layer's
+/// gate/up and down projections read the same ids, so the down projection reuses the gate/up's
+/// table ([`crate::ops::graph::Graph`] passes it on when nothing ran in between).
+#[derive(Debug, Clone)]
+pub struct SortedSlots {
+    ids: wgpu::Buffer,
+    slots: usize,
+    experts: usize,
+    order: wgpu::Buffer,
+    table: wgpu::Buffer,
+}
+
+impl SortedSlots {
+    /// Whether this table sorts `slots` slots of `ids` over a bank of `experts` slots.
+    fn serves(&self, ids: &wgpu::Buffer, slots: usize, experts: usize) -> bool {
+        self.ids == *ids && self.slots == slots && self.experts == experts
+    }
+}
+
+/// The sort (unless `sorted` already holds these slots' table) and the kernel for a frame
+/// [`applies`] accepted (shapes and buffers checked, and the activations' quantiser prepared,
+/// by the caller); with the table the kernel reads.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn prepare(
     ctx: &GpuContext,
@@ -70,7 +90,8 @@ pub(crate) fn prepare(
     slots: usize,
     x_div: usize,
     epilogue: Epilogue,
-) -> Result<Vec<Step>, GpuError> {
+    sorted: Option<&SortedSlots>,
+) -> Result<(Vec<Step>, SortedSlots), GpuError> {
     let k = GroupedTiled { codec, epilogue };
     let pair = epilogue == Epilogue::SiluGateUp;
     let out_rows = if pair { bank.rows / 2 } else { bank.rows };
@@ -110,8 +131,18 @@ pub(crate) fn prepare(
             mapped_at_creation: false,
         })
     };
-    let order = scratch("expert-sorted slots", slots * 4);
-    let table = scratch("expert tiles", tiles * 16);
+    let reuse = sorted.filter(|t| t.serves(ids, slots, bank.count)).cloned();
+    let sorted = match &reuse {
+        Some(t) => t.clone(),
+        None => SortedSlots {
+            ids: ids.clone(),
+            slots,
+            experts: bank.count,
+            order: scratch("expert-sorted slots", slots * 4),
+            table: scratch("expert tiles", tiles * 16),
+        },
+    };
+    let (order, table) = (&sorted.order, &sorted.table);
     let weights = &bank.segments[0];
     let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: Some("grouped tiled"),
@@ -124,8 +155,8 @@ pub(crate) fn prepare(
             entry(4, y),
             slice_entry(5, &acts.xd, acts.xd_offset, acts.xd_bytes()),
             entry(6, ids),
-            entry(7, &order),
-            entry(8, &table),
+            entry(7, order),
+            entry(8, table),
         ],
     });
     let row_tiles = out_rows.div_ceil(k.rows_per_workgroup() as usize);
@@ -133,16 +164,18 @@ pub(crate) fn prepare(
         "grouped tiled {codec:?} {}x{} slots {slots} {epilogue:?}",
         bank.rows, bank.cols
     );
-    Ok(vec![
-        Step::new(
+    let mut steps = Vec::new();
+    if reuse.is_none() {
+        steps.push(Step::new(
             pipe(GroupedTiled::SORT_ENTRY)?,
             vec![(bg.clone(), 1, 1)],
             format!("{label} sort"),
-        ),
-        Step::new(
-            pipe(GroupedTiled::ENTRY)?,
-            vec![(bg, row_tiles as u32, tiles as u32)],
-            label,
-        ),
-    ])
+        ));
+    }
+    steps.push(Step::new(
+        pipe(GroupedTiled::ENTRY)?,
+        vec![(bg, row_tiles as u32, tiles as u32)],
+        label,
+    ));
+    Ok((steps, sorted))
 }

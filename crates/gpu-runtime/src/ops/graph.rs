@@ -105,6 +105,9 @@ impl Profile {
 pub struct Graph {
     items: Vec<Item>,
     dispatches: usize,
+    /// The last grouped call's expert-sorted slots and the item count after it: a grouped
+    /// call right after it over the same ids reuses the table.
+    sorted: Option<(usize, crate::ops::experts_tiled::SortedSlots)>,
 }
 
 /// The op kernels' layout: 0 the op's parameters, 1 the frame, 2..=9 storage.
@@ -371,13 +374,28 @@ impl Graph {
         epilogue: Epilogue,
     ) -> Result<(), GpuError> {
         let plan = Plan::for_matrix(ctx, bank.rows).with_path(path);
-        let p = crate::ops::experts::prepare_grouped(
-            ctx, bank, x, x_rows, ids, y, slots, x_div, plan, epilogue,
-        )?;
+        let g = crate::ops::experts::Grouped {
+            x,
+            x_rows,
+            ids,
+            y,
+            slots,
+            x_div,
+        };
+        // The table of a grouped call just before this one (nothing ran in between to change
+        // the ids): the gate/up's, for the down projection.
+        let sorted = self
+            .sorted
+            .as_ref()
+            .filter(|(at, _)| *at == self.items.len())
+            .map(|(_, t)| t);
+        let (p, sorted) =
+            crate::ops::experts::prepare_grouped_sorted(ctx, bank, g, plan, epilogue, sorted)?;
         self.dispatches += p.dispatches();
         for s in p.into_steps() {
             self.items.push(Item::Step(s));
         }
+        self.sorted = sorted.map(|t| (self.items.len(), t));
         Ok(())
     }
 
