@@ -390,10 +390,11 @@ enum BankKind {
 /// One MoE layer's routed experts through the grouped kernels (gate/up + SiLU, then down, one
 /// dispatch each plus the int8 quantisers) at [`EXPERTS`]' shape and, for mxfp4 (the released
 /// DeepSeek experts' codec), [`DSV4_EXPERTS`]' in banks of one buffer and of 8 segments; T = 1
-/// and 8, every path. The bytes are those of the distinct experts the rows chose (what must be
+/// and 8 (and 256 in one buffer), every path. The bytes are those of the distinct experts the rows chose (what must be
 /// read), averaged over 32 id sets the repetitions cycle through, so the chosen experts are not
 /// cache-resident from the last repetition. The bank holds fewer experts when `--large` or one
-/// binding is smaller.
+/// binding is smaller. One-buffer banks also at T = 256 (a prompt frame: the slots sorted by
+/// expert, each expert's weights read once per 8 of its slots, `ops::experts_tiled`).
 fn grouped_experts(
     ctx: &GpuContext,
     opts: &KernelBenchOptions,
@@ -467,7 +468,13 @@ fn grouped_experts_at(
     };
     let mut out = Vec::new();
     let h200 = ctx.info.name.contains("H200");
-    for nt in [1, 8] {
+    // A prompt frame of 256 rows too (one-buffer banks): the expert-major kernels' case.
+    let frames: &[usize] = if kind == BankKind::One {
+        &[1, 8, 256]
+    } else {
+        &[1, 8]
+    };
+    for &nt in frames {
         let (sets, distinct) = expert_id_sets(experts, nt, k, 32);
         let bytes = (distinct * expert_bytes as f64) as u64;
         for path in gpu_paths(ctx, dtype) {

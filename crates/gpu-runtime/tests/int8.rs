@@ -320,6 +320,23 @@ fn long_frames_of_4_and_2_bit_experts_run_expert_by_expert_within_the_f64_bound(
         assert!(ids.len() >= MIN_SLOTS);
         let mut rr = rng((rows * cols) as u64);
         let xs: Vec<f32> = (0..nt * cols).map(|_| rr()).collect();
+        // The frame runs expert by expert (not the one-slot kernels' fallback).
+        let codec = gpu_runtime::arena::kernel_codec(dtype).unwrap();
+        for e in [Epilogue::None, Epilogue::SiluGateUp] {
+            let segments = kernels_wgsl::Segments::One;
+            assert!(
+                gpu_runtime::ops::experts_tiled::applies(
+                    ctx,
+                    &bank,
+                    codec,
+                    Path::Int8,
+                    segments,
+                    ids.len(),
+                    e
+                ),
+                "{dtype} {e:?} would not run expert by expert"
+            );
+        }
         let y = common::run_grouped(ctx, &bank, &xs, &ids, k, Epilogue::None, Path::Int8);
         for (s, &e) in ids.iter().enumerate() {
             let x = &xs[(s / k) * cols..(s / k + 1) * cols];

@@ -33,7 +33,7 @@ impl GroupedTiled {
 
     /// Whether a variant exists for `codec` and `epilogue`.
     pub const fn supports(codec: Codec, epilogue: Epilogue) -> bool {
-        matches!(codec, Codec::Q4tp | Codec::Q2tp)
+        matches!(codec, Codec::Q4tp | Codec::Q2tp | Codec::Mxfp4)
             && matches!(epilogue, Epilogue::None | Epilogue::SiluGateUp)
     }
 

@@ -115,8 +115,8 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let flat = (wid.x + wid.y * Q.wg_x) * BLOCKS + k;
     let member = flat / max(blocks * Q.nt, 1u);
     let id = flat - member * blocks * Q.nt;
-    // Uniform per workgroup, so every barrier below is reached by all lanes or none (the
-    // grid's last row may run past the members).
+    // Blocks past the members (the grid's last workgroups) only skip their loads and stores:
+    // every lane reaches every barrier.
     let valid = member < max(Q.members, 1u);
     let t = id / max(blocks, 1u);
     let b = id - t * blocks;

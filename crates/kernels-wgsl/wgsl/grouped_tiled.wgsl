@@ -128,6 +128,7 @@ fn expert_tiles(@builtin(local_invocation_index) li: u32) {
 var<workgroup> sxa: array<vec4<u32>, 128>;
 var<workgroup> sxb: array<vec4<u32>, 128>;
 var<workgroup> sxe: array<vec2<u32>, 128>;
+var<workgroup> wtile: vec4<u32>;
 
 fn dot8i(wa: vec4<u32>, wb: vec4<u32>, xa: vec4<u32>, xb: vec4<u32>) -> i32 {
     return ((dot4I8Packed(wa.x, xa.x) + dot4I8Packed(wa.y, xa.y)) + (dot4I8Packed(wa.z, xa.z) + dot4I8Packed(wa.w, xa.w)))
@@ -153,9 +154,13 @@ fn pick(lo: vec4<f32>, hi: vec4<f32>, j: u32) -> f32 {
 
 @compute @workgroup_size(128)
 fn grouped_tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let tile = tiles[wid.y];
+    // The tile through workgroup memory, so the code proves it uniform: an empty table entry
+    // leaves before any barrier.
+    if (li == 0u) {
+        wtile = tiles[wid.y];
+    }
+    let tile = workgroupUniformLoad(&wtile);
     let cnt = tile.z;
-    // Uniform across the workgroup: an empty table entry leaves before any barrier.
     if (cnt == 0u) {
         return;
     }

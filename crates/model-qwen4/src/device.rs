@@ -38,29 +38,43 @@ pub const ALL_LOGITS_ROWS: usize = 64;
 const ATTN_LOGITS_CAP: u64 = 256 << 20;
 
 /// The longest frame a prompt is fed in for `c` and a context of `ctx_len` tokens on a device
-/// binding at most `max_binding` bytes: [`PROMPT_ROWS`], or what `CORTIQ_PROMPT_ROWS` asks
-/// for (8 gives the frames of the earlier builds, for comparisons), fewer where the attention
-/// logits would pass [`ATTN_LOGITS_CAP`] or the binding limit; a multiple of 8, at least 8.
+/// binding at most `max_binding` bytes, `room` bytes of the VRAM budget left after the weights:
+/// [`PROMPT_ROWS`], or what `CORTIQ_PROMPT_ROWS` asks for (8 gives the frames of the earlier
+/// builds, for comparisons), fewer where the attention logits would pass [`ATTN_LOGITS_CAP`]
+/// or the binding limit, and no more than [`ROOMLESS_ROWS`] beyond what `room` holds at
+/// [`row_bytes`] a row (a model that fills its budget keeps the frames it had before long
+/// frames were the default); a multiple of 8, at least 8.
 pub fn frame_rows(
     c: &Qwen4ExpTextConfig,
     ctx_len: usize,
     has_attn: bool,
     max_binding: u64,
+    room: u64,
 ) -> usize {
     let want = std::env::var("CORTIQ_PROMPT_ROWS")
         .ok()
         .and_then(|v| v.trim().parse::<usize>().ok())
         .unwrap_or(PROMPT_ROWS)
         .min(MAX_PROMPT_ROWS);
-    let row_bytes = if has_attn {
+    let logits_row = if has_attn {
         (c.num_attention_heads * ctx_len * 4) as u64
     } else {
         1
     };
-    let cap = ATTN_LOGITS_CAP.min(max_binding) / row_bytes.max(1);
-    let want = want.min(usize::try_from(cap).unwrap_or(usize::MAX));
+    let cap = ATTN_LOGITS_CAP.min(max_binding) / logits_row.max(1);
+    let fit = room / row_bytes(c, ctx_len, has_attn).max(1);
+    let fit = usize::try_from(fit)
+        .unwrap_or(usize::MAX)
+        .max(ROOMLESS_ROWS);
+    let want = want
+        .min(usize::try_from(cap).unwrap_or(usize::MAX))
+        .min(fit);
     (want / MAX_BATCH * MAX_BATCH).max(MAX_BATCH)
 }
+
+/// The frame rows a prompt keeps whatever room the budget leaves (the default before frames
+/// of 256 rows).
+pub const ROOMLESS_ROWS: usize = 64;
 
 /// Logits per workgroup of greedy argmax's first pass.
 pub const ARGMAX_CHUNK: usize = 1024;
@@ -117,6 +131,55 @@ pub struct Scratch {
     pub cold: wgpu::Buffer,
 }
 
+/// The work buffers' row width (the widest any block's layout needs), the QSA blocks of a
+/// context of `ctx_len` tokens, and the attention heads (1 without attention).
+fn work_widths(c: &Qwen4ExpTextConfig, ctx_len: usize, has_attn: bool) -> (usize, usize, usize) {
+    let (h, d) = (c.hc_count, c.hidden_size);
+    // The widest per-row width any block's work buffer holds.
+    let mut widest = vec![d * h, c.num_experts, c.moe_intermediate_size, d];
+    widest.push(c.shared_expert_intermediate_size);
+    widest.push(c.ple_embed_dim());
+    let has_gdn = (0..c.num_hidden_layers).any(|il| c.layer_type(il) == LayerType::LinearAttention);
+    if has_gdn {
+        let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+        let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+        widest.push(2 * hk * dk + hv * dv);
+        // gdn_prep's rows: q, k, beta, decay.
+        widest.push(2 * hk * dk + 2 * hv);
+    }
+    let mut max_blocks = 1;
+    let mut hq = 1;
+    if has_attn {
+        let (hq_, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+        hq = hq_;
+        widest.push(2 * hq * hd);
+        widest.push(hkv * hd);
+        if let Some(q) = c.qsa() {
+            widest.push((q.n_heads + 1) * q.head_dim);
+            max_blocks = ctx_len / q.ratio + 1;
+        }
+    }
+    (widest.into_iter().max().unwrap_or(d), max_blocks, hq)
+}
+
+/// Device bytes a frame row costs beyond the weights, an estimate: the scratch's per-row
+/// buffers ([`Scratch::new`]) three times over, since the int8 activation buffers each frame
+/// shape records are about twice the scratch at the release geometry (0.7 and 1.3 MB a row).
+pub fn row_bytes(c: &Qwen4ExpTextConfig, ctx_len: usize, has_attn: bool) -> u64 {
+    let (h, d, k) = (c.hc_count, c.hidden_size, c.num_experts_per_tok);
+    let (wide, max_blocks, hq) = work_widths(c, ctx_len, has_attn);
+    let floats = 3 * h * d
+        + 2 * c.hc_lowrank
+        + 3 * h
+        + 2 * d
+        + 8 * wide
+        + 2 * max_blocks
+        + hq * ctx_len
+        + 4 * k
+        + k * (c.moe_intermediate_size + d);
+    3 * 4 * floats as u64
+}
+
 impl Scratch {
     /// Buffers for `c`, frames of up to `rows` token rows and a context of `ctx_len` tokens;
     /// `has_attn` when an indexed-attention layer runs (the trunk's, or the MTP head's).
@@ -130,32 +193,8 @@ impl Scratch {
         let nt = rows.max(MAX_BATCH);
         let (h, d) = (c.hc_count, c.hidden_size);
         let buf = |label: &str, n: usize| graph::storage(gpu, label, n);
-        // The widest per-row width any block's work buffer holds.
-        let mut widest = vec![d * h, c.num_experts, c.moe_intermediate_size, d];
-        widest.push(c.shared_expert_intermediate_size);
-        widest.push(c.ple_embed_dim());
-        let has_gdn =
-            (0..c.num_hidden_layers).any(|il| c.layer_type(il) == LayerType::LinearAttention);
-        if has_gdn {
-            let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
-            let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
-            widest.push(2 * hk * dk + hv * dv);
-            // gdn_prep's rows: q, k, beta, decay.
-            widest.push(2 * hk * dk + 2 * hv);
-        }
-        let mut max_blocks = 1;
-        let mut hq = 1;
-        if has_attn {
-            let (hq_, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
-            hq = hq_;
-            widest.push(2 * hq * hd);
-            widest.push(hkv * hd);
-            if let Some(q) = c.qsa() {
-                widest.push((q.n_heads + 1) * q.head_dim);
-                max_blocks = ctx_len / q.ratio + 1;
-            }
-        }
-        let wide = widest.into_iter().max().unwrap_or(d) * nt;
+        let (wide, max_blocks, hq) = work_widths(c, ctx_len, has_attn);
+        let wide = wide * nt;
         Scratch {
             x: buf("x", nt * h * d),
             x_last: buf("x_last", h * d),
@@ -185,5 +224,40 @@ impl Scratch {
             bank_ids: buf("bank slots", nt * c.num_experts_per_tok),
             cold: buf("cold slots", nt * c.num_experts_per_tok),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// At the release geometry a frame row costs about 2 MB beyond the weights (the scratch's
+    /// 0.7 MB of buffers counted from `Scratch::new`'s sizes by hand, three times over), and the
+    /// default frames shrink to what the budget's room holds, never below the old default.
+    #[test]
+    fn frames_shrink_to_the_room_the_budget_leaves() {
+        if std::env::var("CORTIQ_PROMPT_ROWS").is_ok() {
+            return;
+        }
+        let c = Qwen4ExpTextConfig::from_json(&crate::synthetic::release_config(48, 512)).unwrap();
+        let ctx = 528;
+        let row = row_bytes(&c, ctx, true);
+        // x, xn, g: 3 x 4 x 2560; 8 work buffers of 12,288 (QSA's 2 x 24 x 256); the expert
+        // rows 10 x (640 + 2560); QSA block scores and choices of 4-token blocks; attention
+        // logits 24 x 528.
+        let floats = 3 * 4 * 2560
+            + 2 * 320
+            + 12
+            + 2 * 2560
+            + 8 * 12288
+            + 2 * (ctx / 4 + 1)
+            + 24 * ctx
+            + 40
+            + 10 * (640 + 2560);
+        assert_eq!(row, 12 * floats as u64);
+        let max = 1u64 << 31;
+        assert_eq!(frame_rows(&c, ctx, true, max, u64::MAX), PROMPT_ROWS);
+        assert_eq!(frame_rows(&c, ctx, true, max, 0), ROOMLESS_ROWS);
+        assert_eq!(frame_rows(&c, ctx, true, max, 100 * row + 5), 96);
     }
 }

@@ -346,7 +346,8 @@ impl<'a> GpuModel<'a> {
         let frame_rows = if partial {
             MAX_BATCH
         } else {
-            crate::device::frame_rows(c, ctx_len, has_attn, dev.ctx.max_binding())
+            let room = dev.budget().saturating_sub(dev.resident_bytes());
+            crate::device::frame_rows(c, ctx_len, has_attn, dev.ctx.max_binding(), room)
         };
         let scratch = Scratch::new(&dev.ctx, c, frame_rows, ctx_len, has_attn);
         let batch_rows = w
@@ -563,8 +564,9 @@ impl<'a> GpuModel<'a> {
         GpuState::new(self)
     }
 
-    /// The longest frame a prompt is fed in: 64 rows where every routed expert is resident
-    /// (fewer at a long context: [`crate::device::frame_rows`]), else 8.
+    /// The longest frame a prompt is fed in: up to 256 rows where every routed expert is
+    /// resident (fewer at a long context or where the budget leaves little room:
+    /// [`crate::device::frame_rows`]), else 8.
     pub fn frame_rows(&self) -> usize {
         self.res.frame_rows
     }
