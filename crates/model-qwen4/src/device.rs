@@ -20,8 +20,9 @@ pub type Enc<'a> = model_core::device::Enc<'a, Scratch>;
 /// On an H100, pp512 1,196-1,259 tok/s in frames of 64 against 1,802-1,898 in frames of 256
 /// (docs/perf.md). The cost: each recorded frame shape keeps its own scratch and int8
 /// activation buffers, about 2.2 MB a row at the release geometry (~570 MB at 256 rows against
-/// ~190 MB at 64), outside the VRAM budget; a long `--ctx` shortens the frames (the attention
-/// logits' cap), and `CORTIQ_PROMPT_ROWS` sets fewer (8 gives the frames of earlier builds).
+/// ~190 MB at 64), so the frames are no longer than the budget's room after the weights holds
+/// ([`frame_rows`]); a long `--ctx` shortens them too (the attention logits' cap), and
+/// `CORTIQ_PROMPT_ROWS` sets fewer (8 gives the frames of earlier builds).
 /// Frames of 32 rows and more run the tiled kernels, whose sums differ from a frame of 8's in
 /// the last bits (`CORTIQ_MATMAT=plain` keeps them equal).
 pub const PROMPT_ROWS: usize = 256;
