@@ -206,7 +206,7 @@ pub fn default_budget_of(adapter: &wgpu::Adapter) -> u64 {
     }
 }
 
-/// The VRAM budget by adapter type alone (see [`default_budget_of`]): 8 GiB for a discrete
+/// The VRAM budget by adapter type alone (see `default_budget_of`): 8 GiB for a discrete
 /// GPU, 4 GiB integrated or virtual, 2 GiB for a software adapter; never more than the largest
 /// buffer the device allows times 4. Set `--vram` to use a bigger card fully.
 pub fn default_budget(info: &wgpu::AdapterInfo, limits: &wgpu::Limits) -> u64 {

@@ -41,7 +41,7 @@ const ATTN_LOGITS_CAP: u64 = 256 << 20;
 /// The longest frame a prompt is fed in for `c` and a context of `ctx_len` tokens on a device
 /// binding at most `max_binding` bytes, `room` bytes of the VRAM budget left after the weights:
 /// [`PROMPT_ROWS`], or what `CORTIQ_PROMPT_ROWS` asks for (8 gives the frames of the earlier
-/// builds, for comparisons), fewer where the attention logits would pass [`ATTN_LOGITS_CAP`]
+/// builds, for comparisons), fewer where the attention logits would pass `ATTN_LOGITS_CAP` (256 MiB)
 /// or the binding limit, and no more than [`ROOMLESS_ROWS`] beyond what `room` holds at
 /// [`row_bytes`] a row (a model that fills its budget keeps the frames it had before long
 /// frames were the default); a multiple of 8, at least 8.
