@@ -79,10 +79,11 @@ impl GroupedTiled {
             Codec::Mxfp4 => src::GROUPED_TILED_MXFP4,
             c => panic!("no expert-major grouped kernel for {c:?}"),
         };
-        let codes = if self.codec == Codec::Mxfp4 {
+        // mxfp4's table helpers, or the tiered codecs' shared row parameters.
+        let shared = if self.codec == Codec::Mxfp4 {
             src::I8_CODES
         } else {
-            ""
+            src::GROUPED_TILED_TIERED
         };
         let pair = format!(
             "const PAIR: bool = {};",
@@ -91,7 +92,7 @@ impl GroupedTiled {
         let body = [
             src::DECODE,
             src::COMMON,
-            codes,
+            shared,
             src::GROUPED_TILED,
             codec,
             &pair,

@@ -10,9 +10,9 @@
 // in block order, whatever tile or position the slot lands in: the scatter's order within an
 // expert (atomic) changes no bits.
 //
-// Assembled (kernels-wgsl's `GroupedTiled`) as decode.wgsl + common.wgsl + this file + the
-// codec's block decoder (`grouped_tiled_<codec>.wgsl`; mxfp4's after i8_codes.wgsl), with every
-// weight load offset by the tile's bank slot.
+// Assembled (kernels-wgsl's `GroupedTiled`) as decode.wgsl + common.wgsl + i8_codes.wgsl
+// (mxfp4) or grouped_tiled_tiered.wgsl (q4tp, q2tp) + this file + the codec's block decoder
+// (`grouped_tiled_<codec>.wgsl`), with every weight load offset by the tile's bank slot.
 
 struct Params {
     // Rows and columns of each expert matrix.
@@ -121,6 +121,14 @@ fn expert_tiles(@builtin(local_invocation_index) li: u32) {
         let at = atomicAdd(&counts[min(ids[s], ne - 1u)], 1u);
         order[at] = s;
     }
+}
+
+// A block of a weight row as the codec decodes it: its 32 codes as int8 (two halves of four
+// words, in the activation layout's order) and its factor.
+struct Blk {
+    a: vec4<u32>,
+    b: vec4<u32>,
+    s: f32,
 }
 
 // A tile's staged activation blocks, entry `b * TS + j` = block b of the chunk for slot j:

@@ -8,12 +8,6 @@ const X_OFF: i32 = 0;
 
 var<workgroup> lut: array<u32, 256>;
 
-struct Blk {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    s: f32,
-}
-
 struct RowP {
     nb: u32,
 }

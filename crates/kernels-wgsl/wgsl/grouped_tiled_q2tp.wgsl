@@ -5,23 +5,6 @@
 const W_MUL: i32 = 2;
 const X_OFF: i32 = 3;
 
-struct Blk {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    s: f32,
-}
-
-struct RowP {
-    ls: vec2<f32>,
-    cb: u32,
-}
-
-fn prologue(li: u32) {}
-
-fn row_params(row: u32) -> RowP {
-    return RowP(f16x2(ww[P.second / 4u + row]), P.third + row * P.code_stride);
-}
-
 fn quads(w: u32) -> vec4<u32> {
     let m = 0x03030303u;
     return vec4<u32>(w & m, (w >> 2u) & m, (w >> 4u) & m, (w >> 6u) & m);
@@ -36,8 +19,4 @@ fn block(row: u32, r: RowP, c: u32) -> Blk {
     let code = scale_code(r.cb, c);
     let s = select(exp2q(r.ls.x + (f32(code) - 1.0) * r.ls.y) * 0.5, 0.0, code == 0u);
     return Blk(quads(p.x), quads(p.y), s);
-}
-
-fn row_finish(sum: f32, row: u32) -> f32 {
-    return sum;
 }

@@ -5,31 +5,10 @@
 const W_MUL: i32 = 1;
 const X_OFF: i32 = 8;
 
-struct Blk {
-    a: vec4<u32>,
-    b: vec4<u32>,
-    s: f32,
-}
-
-struct RowP {
-    ls: vec2<f32>,
-    cb: u32,
-}
-
-fn prologue(li: u32) {}
-
-fn row_params(row: u32) -> RowP {
-    return RowP(f16x2(ww[P.second / 4u + row]), P.third + row * P.code_stride);
-}
-
 fn block(row: u32, r: RowP, c: u32) -> Blk {
     let v = wv[row * (P.cols / 32u) + c];
     let m = 0x0f0f0f0fu;
     let a = vec4<u32>(v.x & m, (v.x >> 4u) & m, v.y & m, (v.y >> 4u) & m);
     let b = vec4<u32>(v.z & m, (v.z >> 4u) & m, v.w & m, (v.w >> 4u) & m);
     return Blk(a, b, exp2q(r.ls.x + f32(scale_code(r.cb, c)) * r.ls.y));
-}
-
-fn row_finish(sum: f32, row: u32) -> f32 {
-    return sum;
 }
