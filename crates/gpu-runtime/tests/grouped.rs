@@ -5,10 +5,10 @@
 
 mod common;
 
-use common::{ctx, rng, run_grouped as run, weights};
+use common::{ctx, rng, run_grouped as run};
 use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::{Epilogue, Path};
-use quant_codecs::{DType, MatRef, quantize};
+use quant_codecs::{DType, MatRef};
 
 #[test]
 fn a_token_alone_and_in_a_frame_give_the_same_bits() {
@@ -19,14 +19,8 @@ fn a_token_alone_and_in_a_frame_give_the_same_bits() {
             (2 * 128, 1024, Epilogue::SiluGateUp),
             (256, 128, Epilogue::None),
         ] {
-            let payloads: Vec<Vec<u8>> = (0..experts)
-                .map(|e| quantize(dtype, rows, cols, &weights(rows, cols, 40 + e as u64)).unwrap())
-                .collect();
-            let mats: Vec<MatRef<'_>> = payloads
-                .iter()
-                .map(|p| MatRef::new(dtype, rows, cols, p).unwrap())
-                .collect();
-            let bank = ExpertBank::upload(ctx, &mats).unwrap();
+            let payloads = common::expert_payloads(dtype, rows, cols, experts, 40);
+            let bank = common::bank_of(ctx, dtype, rows, cols, &payloads);
             let mut r = rng(7);
             // A frame of 8 token rows (80 slots), and its row 3 alone (10 slots).
             let xs: Vec<f32> = (0..8 * cols).map(|_| r()).collect();
@@ -63,9 +57,7 @@ fn a_token_alone_and_in_a_frame_give_the_same_bits() {
 
 /// `experts` random experts of `dtype`, quantised.
 fn payloads(dtype: DType, rows: usize, cols: usize, experts: usize) -> Vec<Vec<u8>> {
-    (0..experts)
-        .map(|e| quantize(dtype, rows, cols, &weights(rows, cols, 90 + e as u64)).unwrap())
-        .collect()
+    common::expert_payloads(dtype, rows, cols, experts, 90)
 }
 
 /// A bank split into segments (a global bank larger than one binding, forced small here)
@@ -169,14 +161,8 @@ fn the_down_projection_reuses_the_gate_ups_sorted_slots() {
     assert!(slots >= gpu_runtime::ops::experts_tiled::MIN_SLOTS);
     let (inner, d) = (64, 128);
     let bank = |rows, cols, seed| {
-        let p: Vec<Vec<u8>> = (0..experts)
-            .map(|e| quantize(dtype, rows, cols, &weights(rows, cols, seed + e as u64)).unwrap())
-            .collect();
-        let m: Vec<MatRef<'_>> = p
-            .iter()
-            .map(|p| MatRef::new(dtype, rows, cols, p).unwrap())
-            .collect();
-        ExpertBank::upload(ctx, &m).unwrap()
+        let p = common::expert_payloads(dtype, rows, cols, experts, seed);
+        common::bank_of(ctx, dtype, rows, cols, &p)
     };
     let (gate_up, down) = (bank(2 * inner, d, 300), bank(d, inner, 400));
     let mut r = rng(11);
@@ -197,39 +183,19 @@ fn the_down_projection_reuses_the_gate_ups_sorted_slots() {
         gpu_runtime::readback::read_f32(ctx, &out, 0, slots * d).unwrap()
     };
     let (path, gu) = (Path::Int8, Epilogue::SiluGateUp);
+    let down_of = |g: &mut Graph| {
+        let e = Epilogue::None;
+        g.grouped(ctx, &down, &mid, slots, &idb, &out, slots, 1, path, e)
+            .unwrap();
+    };
     let mut both = Graph::new();
     both.grouped(ctx, &gate_up, &x, nt, &idb, &mid, slots, k, path, gu)
         .unwrap();
     let after_gate_up = both.dispatches();
-    both.grouped(
-        ctx,
-        &down,
-        &mid,
-        slots,
-        &idb,
-        &out,
-        slots,
-        1,
-        path,
-        Epilogue::None,
-    )
-    .unwrap();
+    down_of(&mut both);
     let shared = run(&both);
     let mut alone = Graph::new();
-    alone
-        .grouped(
-            ctx,
-            &down,
-            &mid,
-            slots,
-            &idb,
-            &out,
-            slots,
-            1,
-            path,
-            Epilogue::None,
-        )
-        .unwrap();
+    down_of(&mut alone);
     // The down projection alone: its quantiser, the sort and the kernel.
     assert_eq!(alone.dispatches(), 3);
     assert_eq!(both.dispatches() - after_gate_up, 2, "the sort ran again");

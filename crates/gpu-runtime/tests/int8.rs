@@ -284,7 +284,6 @@ fn long_q8_2f_frames_run_tiled_within_the_f64_bound() {
 /// product equals the product of its two rows' sums computed without it.
 #[test]
 fn long_frames_of_4_and_2_bit_experts_run_expert_by_expert_within_the_f64_bound() {
-    use gpu_runtime::ops::experts::ExpertBank;
     use gpu_runtime::ops::experts_tiled::MIN_SLOTS;
     let Some(ctx) = ctx() else { return };
     assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
@@ -299,14 +298,12 @@ fn long_frames_of_4_and_2_bit_experts_run_expert_by_expert_within_the_f64_bound(
         .into_iter()
         .flat_map(|d| cases.map(|c| (d, c)))
     {
-        let payloads: Vec<Vec<u8>> = (0..experts)
-            .map(|e| quantize(dtype, rows, cols, &weights(rows, cols, 60 + e as u64)).unwrap())
-            .collect();
+        let payloads = common::expert_payloads(dtype, rows, cols, experts, 60);
         let mats: Vec<MatRef<'_>> = payloads
             .iter()
             .map(|p| MatRef::new(dtype, rows, cols, p).unwrap())
             .collect();
-        let bank = ExpertBank::upload(ctx, &mats).unwrap();
+        let bank = common::bank_of(ctx, dtype, rows, cols, &payloads);
         // Expert 0 takes every third slot; expert 12 none.
         let ids: Vec<u32> = (0..nt * k)
             .map(|s| {

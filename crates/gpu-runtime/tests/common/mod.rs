@@ -129,3 +129,35 @@ pub fn run_grouped(
     ctx.queue.submit([enc.finish()]);
     gpu_runtime::readback::read_f32(ctx, &y, 0, slots * out_rows).unwrap()
 }
+
+/// `experts` random experts of `dtype` (`rows x cols`), quantised; expert `e` from seed
+/// `seed + e`.
+pub fn expert_payloads(
+    dtype: quant_codecs::DType,
+    rows: usize,
+    cols: usize,
+    experts: usize,
+    seed: u64,
+) -> Vec<Vec<u8>> {
+    (0..experts)
+        .map(|e| {
+            quant_codecs::quantize(dtype, rows, cols, &weights(rows, cols, seed + e as u64))
+                .unwrap()
+        })
+        .collect()
+}
+
+/// A one-buffer bank of `payloads`.
+pub fn bank_of(
+    ctx: &GpuContext,
+    dtype: quant_codecs::DType,
+    rows: usize,
+    cols: usize,
+    payloads: &[Vec<u8>],
+) -> gpu_runtime::ops::experts::ExpertBank {
+    let mats: Vec<quant_codecs::MatRef<'_>> = payloads
+        .iter()
+        .map(|p| quant_codecs::MatRef::new(dtype, rows, cols, p).unwrap())
+        .collect();
+    gpu_runtime::ops::experts::ExpertBank::upload(ctx, &mats).unwrap()
+}
