@@ -61,11 +61,16 @@ pub struct GpuOptions {
     /// default `tiled`), and the routed experts of frames of 128 slots and more run the
     /// one-slot grouped kernels instead of expert by expert (`ops::experts_tiled`).
     pub plain_matmat: bool,
+    /// `CORTIQ_FUSED_OPS=off`: every step of a model forward that has a fused kernel (a GDN
+    /// layer's prep, recurrence and norm of a decode step in `gdn_step`) runs its separate
+    /// kernels instead (default `on`): to measure what a fusion gains, or to rule one out.
+    pub split_ops: bool,
 }
 
 impl GpuOptions {
     /// Options from the environment (`CORTIQ_GPU`, `CORTIQ_ADAPTER`, `CORTIQ_VRAM`,
-    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`, `CORTIQ_MATMAT`); unset variables keep
+    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`, `CORTIQ_MATMAT`, `CORTIQ_FUSED_OPS`);
+    /// unset variables keep
     /// the defaults.
     pub fn from_env() -> Result<GpuOptions, GpuError> {
         let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
@@ -102,6 +107,16 @@ impl GpuOptions {
                 return Err(GpuError::Setting {
                     setting: "CORTIQ_MATMAT",
                     message: format!("{other:?} is not one of tiled, plain"),
+                });
+            }
+        };
+        o.split_ops = match var("CORTIQ_FUSED_OPS").as_deref() {
+            None | Some("on") => false,
+            Some("off") => true,
+            Some(other) => {
+                return Err(GpuError::Setting {
+                    setting: "CORTIQ_FUSED_OPS",
+                    message: format!("{other:?} is not one of on, off"),
                 });
             }
         };
@@ -268,6 +283,8 @@ pub struct GpuContext {
     pub vram_budget: u64,
     /// Long frames through the tiled matmat ([`GpuOptions::plain_matmat`]).
     pub tiled_matmat: bool,
+    /// Fused op kernels where a model has them ([`GpuOptions::split_ops`]).
+    pub fused_ops: bool,
     pub(crate) pipelines: Pipelines,
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
@@ -442,6 +459,7 @@ impl GpuContext {
             caps,
             vram_budget,
             tiled_matmat: !opts.plain_matmat,
+            fused_ops: !opts.split_ops,
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),
             i8_layout: std::sync::OnceLock::new(),

@@ -215,7 +215,8 @@ fn gdn_f64(
 }
 
 #[test]
-fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_for_bit() {
+fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_for_bit_fused_or_not()
+ {
     let Some(ctx) = ctx() else { return };
     // Release heads (128) and the widest key heads the kernel takes (256, half the tokens
     // per chunk); 12 tokens: more than one chunk either way. Value widths that leave the
@@ -245,7 +246,7 @@ fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_f
         .iter()
         .map(|(l, d)| graph::upload_f32(ctx, l, d))
         .collect();
-        let run = |rows: usize| -> (Vec<f32>, Vec<f32>) {
+        let run = |rows: usize, fused: bool| -> (Vec<f32>, Vec<f32>) {
             let s = graph::upload_f32(ctx, "state", &s0);
             let out = graph::storage(ctx, "out", t * hv * dv);
             let p = [
@@ -264,15 +265,21 @@ fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_f
                 &bufs[0], &bufs[1], &bufs[2], &bufs[3], &s, &bufs[4], &out, &qk,
             ];
             let mut g = Graph::new();
-            g.op(ctx, Op::GdnPrep, &p, &frame, &ops, (hk as u32, rows as u32))
-                .unwrap();
             let r = [("R", dk.div_ceil(GDN_PARTS as usize) as f64)];
-            let groups = dv.div_ceil((Op::GdnRecur.wg() / GDN_PARTS) as usize);
-            let grid = ((hv * groups) as u32, 1);
-            g.op_with(ctx, Op::GdnRecur, &r, &p, &frame, &ops, grid)
-                .unwrap();
-            g.op(ctx, Op::GdnNorm, &p, &frame, &ops, (hv as u32, rows as u32))
-                .unwrap();
+            if fused {
+                let grid = (hv as u32, 1);
+                g.op_with(ctx, Op::GdnStep, &r, &p, &frame, &ops, grid)
+                    .unwrap();
+            } else {
+                g.op(ctx, Op::GdnPrep, &p, &frame, &ops, (hk as u32, rows as u32))
+                    .unwrap();
+                let groups = dv.div_ceil((Op::GdnRecur.wg() / GDN_PARTS) as usize);
+                let grid = ((hv * groups) as u32, 1);
+                g.op_with(ctx, Op::GdnRecur, &r, &p, &frame, &ops, grid)
+                    .unwrap();
+                g.op(ctx, Op::GdnNorm, &p, &frame, &ops, (hv as u32, rows as u32))
+                    .unwrap();
+            }
             for row0 in (0..t).step_by(rows) {
                 graph::write_frame(ctx, &frame, 0, (0, 0), row0 as u32);
                 run_and_read(ctx, &g, &out, 1);
@@ -282,14 +289,26 @@ fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_f
                 run_and_read_no_run(ctx, &s, hv * dk * dv),
             )
         };
-        let (whole, s_whole) = run(t);
-        let (one, s_one) = run(1);
+        let (whole, s_whole) = run(t, false);
+        let (one, s_one) = run(1, false);
         let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(
             same(&whole, &one),
             "dk {dk}: a frame of {t} differs from {t} frames of one token"
         );
         assert!(same(&s_whole, &s_one), "dk {dk}: states differ");
+        // gdn_step (decode steps and short frames) adds the same sums in the same order.
+        for rows in [1, 4] {
+            let (fused, s_fused) = run(rows, true);
+            assert!(
+                same(&whole, &fused),
+                "dk {dk}: gdn_step over frames of {rows} differs from the three kernels"
+            );
+            assert!(
+                same(&s_whole, &s_fused),
+                "dk {dk}: gdn_step's states differ"
+            );
+        }
         let mut st: Vec<f64> = s0.iter().map(|&v| v as f64).collect();
         let want = gdn_f64(&conv, &z, &b, &a, &vecs, &mut st, [t, hk, hv, dk, dv], 1e-6);
         for (i, (&g, &w)) in whole.iter().zip(&want).enumerate() {

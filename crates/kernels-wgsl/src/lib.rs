@@ -676,7 +676,10 @@ pub fn act_quant_source() -> String {
 pub const READ_BW: &str = src::READ_BW;
 
 pub mod ops;
-pub use ops::{FRAME_WORDS, GDN_CONV_CHANNELS, GDN_PARTS, OP_STORAGE, OP_WG, Op};
+pub use ops::{
+    FRAME_WORDS, GDN_CONV_CHANNELS, GDN_PARTS, GDN_STEP_MAX_DIMS, GDN_STEP_ROWS, OP_STORAGE, OP_WG,
+    Op,
+};
 
 /// One shader module of the registry.
 #[derive(Debug, Clone)]

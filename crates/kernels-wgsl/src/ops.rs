@@ -21,6 +21,15 @@ pub const OP_WG: u32 = 128;
 /// GDN_PARTS)` rows (the module's `R` override).
 pub const GDN_PARTS: u32 = 8;
 
+/// Most token rows a sequence's frame may have for `gdn_step` (the fused prep, recurrence and
+/// norm: one workgroup per value head walks the rows in order; longer frames take the three
+/// kernels, whose recurrence spreads a head's columns over workgroups).
+pub const GDN_STEP_ROWS: usize = 8;
+
+/// Widest key head (`linear_key_head_dim`) and value head `gdn_step` takes (its `MAXK`,
+/// `MAXV`).
+pub const GDN_STEP_MAX_DIMS: (usize, usize) = (256, 1024);
+
 /// Channels per workgroup of `gdn_conv` (its `CONV_CHANNELS`): each channel's rows are split
 /// over `Op::GdnConv.wg()` / this many lanes (16), so the host dispatches one workgroup per
 /// this many channels.
@@ -74,6 +83,8 @@ ops! {
     GdnRecur => "gdn_recur",
     /// GDN output's gated norm.
     GdnNorm => "gdn_norm",
+    /// GDN's prep, recurrence and gated norm of a few tokens, a workgroup per value head.
+    GdnStep => "gdn_step",
     /// Per-head norm / RoPE / copy into a cache.
     HeadPrep => "head_prep",
     /// QSA block keys.
@@ -136,7 +147,7 @@ impl Op {
     /// group took three rounds of loads per pass, each a memory latency.
     pub const fn wg(self) -> u32 {
         match self {
-            Op::RmsNorm | Op::GdnConv => 512,
+            Op::RmsNorm | Op::GdnConv | Op::GdnStep => 512,
             _ => OP_WG,
         }
     }
@@ -170,6 +181,19 @@ mod tests {
     fn gdn_recur_splits_columns_in_gdn_parts() {
         let want = format!("const L: u32 = {GDN_PARTS}u;");
         assert!(Op::GdnRecur.source().contains(&want));
+    }
+
+    /// `gdn_step`'s lanes split a column in `GDN_PARTS` parts as `gdn_recur`'s do (the same
+    /// sums), and its widest heads are the host's.
+    #[test]
+    fn gdn_step_matches_the_recurrences_parts_and_the_hosts_widths() {
+        let src = Op::GdnStep.source();
+        assert!(src.contains(&format!("const L: u32 = {GDN_PARTS}u;")));
+        let (k, v) = GDN_STEP_MAX_DIMS;
+        assert!(src.contains(&format!("const MAXV: u32 = {v}u;")));
+        assert_eq!(k, 2 * 128);
+        assert!(src.contains("const RL: u32 = 128u;"));
+        assert!(src.contains(&format!("const MAXR: u32 = {}u;", k / GDN_PARTS as usize)));
     }
 
     /// The host sizes `gdn_conv`'s grid from [`GDN_CONV_CHANNELS`].

@@ -308,8 +308,13 @@ pub fn encode<'a>(
     // and keeps the state in registers.
     let rows = c.linear_key_head_dim.div_ceil(GDN_PARTS as usize) as f64;
     let groups = dv.div_ceil((Op::GdnRecur.wg() / GDN_PARTS) as usize);
+    let (max_dk, max_dv) = kernels_wgsl::GDN_STEP_MAX_DIMS;
     for part in parts {
         let st = part.state;
+        let step = e.dev.ctx.fused_ops
+            && part.rows <= kernels_wgsl::GDN_STEP_ROWS
+            && dk <= max_dk
+            && dv <= max_dv;
         e.with_frame(part.frame, |e| {
             let p = [
                 part.rows as u32,
@@ -334,6 +339,11 @@ pub fn encode<'a>(
             ];
             // gdn_prep's rows in the work buffer GDN leaves free.
             let bufs = [conv, z, b, a, &st.s, &w.vecs, o, qk];
+            if step {
+                // A few tokens: prep, recurrence and norm in one dispatch (the same sums).
+                let grid = (hv as u32, 1);
+                return e.op_with(Op::GdnStep, &[("R", rows)], &p, &bufs, grid);
+            }
             e.op(Op::GdnPrep, &p, &bufs, (hk as u32, part.rows as u32))?;
             e.op_with(
                 Op::GdnRecur,
