@@ -691,3 +691,70 @@ fn hyper_connection_epilogues_match_f64() {
         matvec::matmat_aux(ctx, &g, &[0.5; 64], &[0.0; 1], 2, plan, Epilogue::HcFront).unwrap_err();
     assert!(matches!(e, GpuError::BadLength { .. }), "{e}");
 }
+
+/// The MoE output epilogue (the shared expert's down projection adding the routed slots'
+/// weighted sum and scaling itself by the row's gate) against f64 math on the slots and the
+/// same matrix's plain matvec (checked against f64 above), for every codec on the f32 and int8
+/// paths, 1, 3 and 8 token rows and the row-group shapes the plans give.
+#[test]
+fn the_moe_output_epilogue_matches_the_slots_sum_and_the_plain_matvec() {
+    use gpu_runtime::Epilogue;
+    use gpu_runtime::Path;
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let (rows, cols, k) = (96usize, 128usize, 10usize);
+    for (i, dtype) in [DType::F32].into_iter().chain(GPU_DTYPES).enumerate() {
+        let seed = 70 + i as u64;
+        let p = quantize(dtype, rows, cols, &weights(rows, cols, seed)).unwrap();
+        let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+        let g = arena
+            .get_or_upload(ctx, seed, &format!("shared down {dtype}"), &m)
+            .unwrap();
+        let base = Plan::for_shape(ctx, rows, cols);
+        let float = matches!(dtype, DType::F32 | DType::F16 | DType::BF16);
+        let paths: &[Path] = if float {
+            &[Path::F32]
+        } else {
+            &[Path::F32, Path::Int8]
+        };
+        for &path in paths {
+            for (plan, nt) in [
+                (base, 1),
+                (Plan { rows: 2, ..base }, 3),
+                (Plan { rows: 4, ..base }.shared_memory(), 8),
+            ] {
+                let plan = plan.with_path(path);
+                let mut r = rng(seed ^ 0x99);
+                let xs: Vec<f32> = (0..nt * cols).map(|_| r() * 0.2).collect();
+                let (sw_off, g_off) = matvec::moe_out_offsets(nt, k, rows);
+                let slots: Vec<f32> = (0..g_off + nt).map(|_| r()).collect();
+                let (y, back) =
+                    matvec::matmat_aux(ctx, &g, &xs, &slots, k, plan, Epilogue::MoeOut).unwrap();
+                assert_eq!(back, slots, "{dtype}: the epilogue wrote into the slots");
+                let plain = matvec::matmat(ctx, &g, &xs, plan).unwrap();
+                for t in 0..nt {
+                    let gate = slots[g_off + t] as f64;
+                    for row in 0..rows {
+                        let (mut want, mut mag) = (0.0f64, 0.0f64);
+                        for s in 0..k {
+                            let p = slots[sw_off + t * k + s] as f64
+                                * slots[(t * k + s) * rows + row] as f64;
+                            want += p;
+                            mag += p.abs();
+                        }
+                        let v = gate * plain[t * rows + row] as f64;
+                        want += v;
+                        mag += v.abs();
+                        let got = y[t * rows + row] as f64;
+                        assert_ne!(y[t * rows + row], POISON, "{dtype} row {row} t {t}");
+                        // k + 1 f32 additions of terms at most `mag` in all.
+                        assert!(
+                            (got - want).abs() <= 2e-7 * (k as f64 + 2.0) * mag + 1e-30,
+                            "{dtype} {path:?} {plan:?} row {row} t {t}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}

@@ -80,7 +80,7 @@ fn argmax_over_a_release_vocabulary_takes_the_first_of_equal_maxima() {
 }
 
 #[test]
-fn routing_at_the_release_expert_count_matches_a_stable_sort() {
+fn routing_at_the_release_expert_count_matches_a_stable_sort_and_the_gate_f64() {
     let Some(ctx) = ctx() else { return };
     let (e, k, rows) = (512usize, 10usize, 4usize);
     let mut r = rng(9);
@@ -92,21 +92,29 @@ fn routing_at_the_release_expert_count_matches_a_stable_sort() {
     logits[e + 43] = 8.0;
     // A row of equal logits: every expert ties, the first k win.
     logits[3 * e..].fill(0.5);
+    // The shared expert's gate inputs: a hidden width past one pass of the lanes' loads.
+    let d = 1100usize;
+    let u: Vec<f32> = (0..rows * d).map(|_| r()).collect();
+    let gw: Vec<f32> = (0..d).map(|_| 0.1 * r()).collect();
     let frame = graph::frame_buffer(ctx);
     let l = graph::upload_f32(ctx, "router logits", &logits);
     let pr = graph::storage(ctx, "pr", rows * e);
     let rw = graph::storage(ctx, "rw", rows * e);
     let ids = graph::storage(ctx, "ids", rows * k);
-    let sw = graph::storage(ctx, "sw", rows * k);
+    // The slots' buffer: their outputs (not written here), weights, gates.
+    let (sw_off, g_off) = gpu_runtime::ops::matvec::moe_out_offsets(rows, k, d);
+    let tail = graph::storage(ctx, "tail", g_off + rows);
+    let ub = graph::upload_f32(ctx, "u", &u);
+    let gwb = graph::upload_f32(ctx, "gate weights", &gw);
     for norm in [0u32, 1] {
         let mut g = Graph::new();
-        let p = [e as u32, k as u32, norm];
+        let p = [e, k, norm as usize, sw_off, g_off, d].map(|v| v as u32);
         g.op(
             ctx,
             Op::Route,
             &p,
             &frame,
-            &[&l, &pr, &rw, &ids, &sw],
+            &[&l, &pr, &rw, &ids, &tail, &ub, &gwb],
             (rows as u32, 1),
         )
         .unwrap();
@@ -114,9 +122,21 @@ fn routing_at_the_release_expert_count_matches_a_stable_sort() {
             .iter()
             .map(|v| v.to_bits())
             .collect();
-        let got_w = run_and_read(ctx, &g, &sw, rows * k);
+        let tail_back = run_and_read(ctx, &g, &tail, g_off + rows);
+        let got_w = &tail_back[sw_off..sw_off + rows * k];
         let dense = run_and_read(ctx, &g, &rw, rows * e);
         for t in 0..rows {
+            let (dot, mag) = (0..d).fold((0.0f64, 0.0f64), |(s, a), j| {
+                let p = u[t * d + j] as f64 * gw[j] as f64;
+                (s + p, a + p.abs())
+            });
+            let want = 1.0 / (1.0 + (-dot).exp());
+            let got = tail_back[g_off + t] as f64;
+            // The dot within 2e-6 of its magnitude sum; sigmoid' <= 1/4.
+            assert!(
+                (got - want).abs() <= 0.25 * 2e-6 * mag + 1e-7,
+                "row {t} gate: {got} vs {want}"
+            );
             let row = &logits[t * e..(t + 1) * e];
             let mx = row.iter().fold(f64::MIN, |m, &v| m.max(v as f64));
             let z: f64 = row.iter().map(|&v| (v as f64 - mx).exp()).sum();

@@ -150,6 +150,54 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
                 let _ = writeln!(b, "    }}");
             }
         }
+    } else if k.epilogue == Epilogue::MoeOut {
+        // The routed slots' weighted sum, added in slot order with their loads issued four at
+        // a time (shared_add's order and grouping), then the gated shared expert. P.half:
+        // slots a token row; P.slot_bytes and P.x_div: where the slots' weights and the gates
+        // start in aux (floats).
+        for r in 0..nr {
+            for t in 0..nt {
+                let total = finish("total", &format!("(first + {r}u)"));
+                let _ = writeln!(b, "    {{");
+                let _ = writeln!(
+                    b,
+                    "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
+                );
+                let _ = writeln!(b, "        let row = first + {r}u;");
+                let _ = writeln!(b, "        if (lane == 0u && row < P.rows) {{");
+                let _ = writeln!(b, "            let tt = tb + {t}u;");
+                let _ = writeln!(b, "            let s0 = tt * P.half;");
+                let _ = writeln!(b, "            var acc = 0.0;");
+                let _ = writeln!(b, "            var s = 0u;");
+                let _ = writeln!(b, "            for (; s + 4u <= P.half; s += 4u) {{");
+                for q in 0..4 {
+                    let _ = writeln!(
+                        b,
+                        "                let w{q} = aux[P.slot_bytes + s0 + s + {q}u];"
+                    );
+                    let _ = writeln!(
+                        b,
+                        "                let e{q} = aux[(s0 + s + {q}u) * P.rows + row];"
+                    );
+                }
+                for q in 0..4 {
+                    let _ = writeln!(b, "                acc = acc + w{q} * e{q};");
+                }
+                let _ = writeln!(b, "            }}");
+                let _ = writeln!(b, "            for (; s < P.half; s++) {{");
+                let _ = writeln!(
+                    b,
+                    "                acc = acc + aux[P.slot_bytes + s0 + s] * aux[(s0 + s) * P.rows + row];"
+                );
+                let _ = writeln!(b, "            }}");
+                let _ = writeln!(
+                    b,
+                    "            y[tt * P.y_stride + P.row_offset + row] = acc + aux[P.x_div + tt] * ({total});"
+                );
+                let _ = writeln!(b, "        }}");
+                let _ = writeln!(b, "    }}");
+            }
+        }
     } else {
         let act = if k.epilogue == Epilogue::Silu {
             "silu"

@@ -425,6 +425,13 @@ pub enum Epilogue {
     /// `k`'s): `y[t, j] = (sum_k sigmoid(g_k) aux[t, k * D + j]) / H` with `aux` the normalised
     /// streams `[nt, H * D]`, streams added in order. One part only.
     HcReadout,
+    /// A MoE block's output from its shared expert's down projection: with `v = (W x)[r]`,
+    /// `y[t, r] = sum_s sw[t, s] eo[t K + s, r] + gate[t] v` (the routed slots' weighted sum in
+    /// slot order, then the gated shared expert: what `shared_add` computes, in its order).
+    /// `aux` holds the routed slots' outputs `eo` `[nt K, rows]`, then their weights `sw`
+    /// `[nt, K]` and the shared expert's gates `[nt]` (`route` writes both there). One part
+    /// only.
+    MoeOut,
 }
 
 impl Epilogue {
@@ -438,6 +445,7 @@ impl Epilogue {
             Epilogue::PairTwo => "_pair2",
             Epilogue::HcFront => "_hcfront",
             Epilogue::HcReadout => "_hcread",
+            Epilogue::MoeOut => "_moeout",
         }
     }
 
@@ -445,7 +453,7 @@ impl Epilogue {
     pub const fn has_aux(self) -> bool {
         matches!(
             self,
-            Epilogue::HcFront | Epilogue::HcReadout | Epilogue::PairTwo
+            Epilogue::HcFront | Epilogue::HcReadout | Epilogue::PairTwo | Epilogue::MoeOut
         )
     }
 
@@ -469,7 +477,8 @@ impl Epilogue {
 }
 
 /// The auxiliary buffer of the hyper-connection epilogues (the injection weights the front
-/// writes, the normalised streams the read-out reads), and their sigmoid (the op kernels' own
+/// writes, the normalised streams the read-out reads) and of [`Epilogue::MoeOut`] (the routed
+/// slots' outputs, weights and gates), and the hyper-connections' sigmoid (the op kernels' own
 /// expression, so the fused values are the separate ops' values).
 const AUX_DECL: &str = "@group(0) @binding(7) var<storage, read_write> aux: array<f32>;
 fn hc_sigmoid(v: f32) -> f32 {
@@ -724,6 +733,9 @@ pub fn registry() -> Vec<ModuleSpec> {
                     (2, Epilogue::HcReadout),
                     (3, Epilogue::HcReadout),
                     (4, Epilogue::HcReadout),
+                    (1, Epilogue::MoeOut),
+                    (2, Epilogue::MoeOut),
+                    (4, Epilogue::MoeOut),
                 ];
                 // 1..=8 token rows, and the grouped-experts variant (one row per slot).
                 let variants = (1..=8).map(|nt| (nt, false)).chain([(1, true)]);

@@ -74,12 +74,12 @@ fn registry_names_are_systematic_and_unique() {
     // f32 for every codec, the hardware f16 variant, int8 for the four quantised codecs (mxfp4's
     // with its table in 1, 16 and 32 copies); then the activation quantiser, the op kernels
     // and the bandwidth probes. Each: 6 shapes for 1..=8 token rows and the grouped variant,
-    // and the 6 hyper-connection and 2 two-matrix shapes for 1..=8 token rows. The tiled f16
+    // and the 6 hyper-connection, 2 two-matrix and 3 MoE-output shapes for 1..=8 token rows. The tiled f16
     // matmat and the q8_2f one: 3 paths x 4 epilogues, direct and split. The expert-major
     // grouped kernels: q4tp, gate/up and plain.
     assert_eq!(
         registry().len(),
-        2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 8)
+        2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 11)
             + 2
             + 3 * 4 * 2
             + kernels_wgsl::GroupedTiled::all().len()
@@ -98,6 +98,8 @@ fn registry_names_are_systematic_and_unique() {
     assert!(names.contains(&"grouped_tiled_q4tp_gateup".to_string()));
     assert!(names.contains(&"matvec_bf16_sg_t3_r1_hcfront".to_string()));
     assert!(!names.iter().any(|n| n.contains("hcread_grouped")));
+    assert!(names.contains(&"matvec_q8_2f_i8_sg_t1_r2_moeout".to_string()));
+    assert!(!names.iter().any(|n| n.contains("moeout_grouped")));
     assert!(names.contains(&"matvec_mxfp4_i8_sg_t1_r4_lut32".to_string()));
     assert!(names.contains(&"matvec_mxfp4_i8_smem_t1_r2_gateup_grouped_lut16".to_string()));
     assert!(names.contains(&"op_gdn_recur".to_string()));

@@ -118,13 +118,13 @@ pub struct Scratch {
     pub token: wgpu::Buffer,
     /// Greedy argmax's per-chunk best (value bits, index) pairs.
     pub argmax_part: wgpu::Buffer,
-    /// The MoE slots of a frame (rows x top-k): expert ids and routing weights `[rows k]`.
+    /// The MoE slots of a frame (rows x top-k): expert ids `[rows k]`.
     pub slot_ids: wgpu::Buffer,
-    /// See `slot_ids`.
-    pub slot_w: wgpu::Buffer,
     /// The slots' expert hidden states `[8k, I]`.
     pub expert_mid: wgpu::Buffer,
-    /// The slots' expert outputs `[8k, D]`.
+    /// The slots' expert outputs `[rows k, D]`, then their routing weights `[rows, k]` and the
+    /// rows' shared-expert gates `[rows]` (offsets from `gpu_runtime::ops::matvec::moe_out_offsets` for the
+    /// frame's row count).
     pub expert_out: wgpu::Buffer,
     /// The slots' bank slots, where some experts are on the CPU `[rows k]` (u32).
     pub bank_ids: wgpu::Buffer,
@@ -216,12 +216,13 @@ impl Scratch {
             argmax_part: buf("argmax_part", 2 * c.vocab_size.div_ceil(ARGMAX_CHUNK)),
             token: buf("token", 4),
             slot_ids: buf("slot ids", nt * c.num_experts_per_tok),
-            slot_w: buf("slot weights", nt * c.num_experts_per_tok),
             expert_mid: buf(
                 "expert hidden",
                 nt * c.num_experts_per_tok * c.moe_intermediate_size,
             ),
-            expert_out: buf("expert out", nt * c.num_experts_per_tok * d),
+            // The slots' outputs, then their weights and the rows' shared-expert gates
+            // (`gpu_runtime::ops::matvec::moe_out_offsets`).
+            expert_out: buf("expert out", nt * c.num_experts_per_tok * (d + 1) + nt),
             bank_ids: buf("bank slots", nt * c.num_experts_per_tok),
             cold: buf("cold slots", nt * c.num_experts_per_tok),
         }

@@ -410,11 +410,20 @@ pub fn encode(
             });
         }
     }
-    let p = [ne as u32, k as u32, u32::from(c.norm_topk_prob)];
+    // The slots' weights and the shared expert's gates follow the slots' outputs.
+    let (sw_off, g_off) = gpu_runtime::ops::matvec::moe_out_offsets(nt, k, d);
+    let p = [
+        ne as u32,
+        k as u32,
+        u32::from(c.norm_topk_prob),
+        sw_off as u32,
+        g_off as u32,
+        d as u32,
+    ];
     e.op(
         Op::Route,
         &p,
-        &[rl, pr, rw, &s.slot_ids, &s.slot_w],
+        &[rl, pr, rw, &s.slot_ids, &s.expert_out, &s.u, &w.sh_scale],
         (nt as u32, 1),
     )?;
     match &w.routed {
@@ -462,6 +471,13 @@ pub fn encode(
             e.map(2, 0, sg, su, hm, nt * gate.rows)?;
         }
     }
+    // A decode step or a short frame with every routed expert resident: the block's output is
+    // the shared expert's down projection's epilogue (the routed slots' sum, then the gated
+    // shared expert), one dispatch fewer. Longer frames keep the tiled matmat and the op.
+    let fuse = e.dev.ctx.fused_ops && nt <= FUSED_OUT_ROWS && matches!(w.routed, Routed::Banks(_));
+    if fuse {
+        return e.matvec_aux(&w.sh_down, hm, out, &s.expert_out, k, nt, Epilogue::MoeOut);
+    }
     e.matvec(&w.sh_down, hm, eo, nt, Epilogue::None)?;
     // The routed sum from the slots (grouped banks) and the gated shared expert, one op.
     let slots_k = match &w.routed {
@@ -475,8 +491,12 @@ pub fn encode(
     let grid = (d.div_ceil(kernels_wgsl::OP_WG as usize) as u32, nt as u32);
     e.op(
         Op::SharedAdd,
-        &[d as u32, slots_k as u32],
-        &[out, &s.u, &w.sh_scale, eo, &s.slot_w, &s.expert_out],
+        &[d as u32, slots_k as u32, sw_off as u32, g_off as u32],
+        &[out, eo, &s.expert_out],
         grid,
     )
 }
+
+/// Most token rows of a frame whose MoE output is its shared expert's epilogue
+/// ([`Epilogue::MoeOut`]): the 8-row kernel's frames (longer ones run the tiled matmat).
+const FUSED_OUT_ROWS: usize = 8;

@@ -537,14 +537,25 @@ pub fn prepare_fused(
     prepare_inner(ctx, m, x, y, nt, plan, epilogue, None, None, None)
 }
 
-/// The hyper-connection epilogues' second buffer and the site's stream count H.
+/// The hyper-connection epilogues' second buffer and the site's stream count H (for
+/// [`Epilogue::MoeOut`]: the routed slots' buffer and the slots a token row, K).
 #[derive(Clone, Copy)]
 pub struct Aux<'a> {
     /// [`Epilogue::HcFront`]: receives the injection weights `[nt, H]`;
-    /// [`Epilogue::HcReadout`]: holds the normalised streams `[nt, H * D]`.
+    /// [`Epilogue::HcReadout`]: holds the normalised streams `[nt, H * D]`;
+    /// [`Epilogue::MoeOut`]: holds the slots' outputs `[nt K, rows]`, their weights `[nt, K]`
+    /// and the gates `[nt]` ([`moe_out_offsets`]).
     pub buffer: &'a wgpu::Buffer,
-    /// H.
+    /// H (K).
     pub streams: usize,
+}
+
+/// Where [`Epilogue::MoeOut`]'s slot weights and gates start in its auxiliary buffer (floats),
+/// for a frame of `nt` token rows of `k` slots each of `d` outputs: right after the slots'
+/// outputs, then after the weights.
+pub fn moe_out_offsets(nt: usize, k: usize, d: usize) -> (usize, usize) {
+    let weights = nt * k * d;
+    (weights, weights + nt * k)
 }
 
 /// [`prepare_fused`] with a hyper-connection epilogue ([`Epilogue::HcFront`]: `y` receives
@@ -721,6 +732,9 @@ fn prepare_inner(
         (false, ..) => None,
     };
     let streams = aux.map(|a| a.streams);
+    let moe_out = aux
+        .filter(|_| epilogue == Epilogue::MoeOut)
+        .map(|a| moe_out_offsets(nt, a.streams, m.rows));
     if crate::ops::tiled::applies(ctx, m, codec, plan.path, nt, epilogue, streams) {
         let tiled = crate::ops::tiled::Operands {
             x,
@@ -765,10 +779,11 @@ fn prepare_inner(
             wg_x as u32,
             match (epilogue, aux) {
                 (Epilogue::HcFront, Some(a)) => (part.rows - a.streams) as u32,
+                (Epilogue::MoeOut, Some(a)) => a.streams as u32,
                 _ => (part.rows / 2) as u32,
             },
-            members.map_or(0, |m| m.0 as u32),
-            members.map_or(0, |m| m.1 as u32),
+            moe_out.map_or(members.map_or(0, |m| m.0 as u32), |o| o.0 as u32),
+            moe_out.map_or(members.map_or(0, |m| m.1 as u32), |o| o.1 as u32),
             aux.map_or(0, |a| (a.streams as f32).to_bits()),
         ];
         let bufs = Bufs {
@@ -819,6 +834,7 @@ fn check_aux(
         Epilogue::HcFront => "hyper-connection front",
         Epilogue::HcReadout => "hyper-connection read-out",
         Epilogue::PairTwo => "two-matrix pair",
+        Epilogue::MoeOut => "MoE output",
         _ if aux.is_some() => {
             return Err(GpuError::UnsupportedFusion {
                 epilogue: epilogue.suffix(),
@@ -846,6 +862,7 @@ fn check_aux(
     let (fits, floats) = match epilogue {
         Epilogue::PairTwo => (true, nt * (m.rows / 2)),
         Epilogue::HcFront => (h >= 1 && h < m.rows, nt * h),
+        Epilogue::MoeOut => (h >= 1, nt * h * m.rows + nt * h + nt),
         _ => (
             (1..=4).contains(&h) && m.rows.is_multiple_of(h),
             nt * m.rows,
@@ -1019,6 +1036,7 @@ pub fn matmat_aux(
     let nt = xs.len() / m.cols.max(1);
     let y_rows = match epilogue {
         Epilogue::HcFront => m.rows.saturating_sub(streams),
+        Epilogue::MoeOut => m.rows,
         _ => m.rows / streams.max(1),
     };
     let init = |label: &str, data: &[f32]| {

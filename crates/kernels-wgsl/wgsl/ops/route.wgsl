@@ -1,11 +1,18 @@
 // MoE routing of one row per workgroup: softmax over all experts, the top k (equal
 // probabilities: the lower expert), renormalised when `norm` (summed in top-k order, as the CPU
 // does); writes the dense weight row (zero for the experts not chosen) and the row's k slots,
-// ids and weights in ascending expert order: the order the CPU executor adds experts in.
+// ids and weights in ascending expert order: the order the CPU executor adds experts in. Also
+// the row's shared-expert gate `sigmoid(u . w)` (for `d` > 0), so the block's output can be the
+// shared expert's epilogue (kernels-wgsl's `Epilogue::MoeOut`) or `shared_add` without a
+// reduction of its own. The weights and gates go to the slots' buffer `tail`, after the slots'
+// outputs (at `sw_off` and `g_off`).
 struct Params {
     e: u32,
     k: u32,
     norm: u32,
+    sw_off: u32,
+    g_off: u32,
+    d: u32,
 }
 
 @group(0) @binding(0) var<uniform> P: Params;
@@ -13,7 +20,16 @@ struct Params {
 @group(0) @binding(3) var<storage, read_write> pr: array<f32>;
 @group(0) @binding(4) var<storage, read_write> rw: array<f32>;
 @group(0) @binding(5) var<storage, read_write> ids: array<u32>;
-@group(0) @binding(6) var<storage, read_write> sw: array<f32>;
+@group(0) @binding(6) var<storage, read_write> tail: array<f32>;
+@group(0) @binding(7) var<storage, read_write> u: array<f32>;
+@group(0) @binding(8) var<storage, read_write> gw: array<f32>;
+
+fn prod(o: u32, j: u32) -> f32 {
+    if (j < P.d) {
+        return u[o + j] * gw[j];
+    }
+    return 0.0;
+}
 
 var<workgroup> chosen: array<f32, 64>;
 var<workgroup> chosen_i: array<u32, 64>;
@@ -42,6 +58,31 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let e4 = (P.e + 3u) / 4u * 4u;
     if (li == 0u) {
         atomicStore(&ncand, 0u);
+    }
+    // The gate: eight partial sums a lane, eight independent loads an iteration, then the
+    // workgroup's tree (the order shared_add summed it in, on as many lanes).
+    var p0 = 0.0;
+    var p1 = 0.0;
+    var p2 = 0.0;
+    var p3 = 0.0;
+    var p4 = 0.0;
+    var p5 = 0.0;
+    var p6 = 0.0;
+    var p7 = 0.0;
+    let ou = r * P.d;
+    for (var j = li; j < P.d; j += 8u * WG) {
+        p0 += prod(ou, j);
+        p1 += prod(ou, j + WG);
+        p2 += prod(ou, j + 2u * WG);
+        p3 += prod(ou, j + 3u * WG);
+        p4 += prod(ou, j + 4u * WG);
+        p5 += prod(ou, j + 5u * WG);
+        p6 += prod(ou, j + 6u * WG);
+        p7 += prod(ou, j + 7u * WG);
+    }
+    let gate = sigmoid(sum_wg(((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), li));
+    if (li == 0u && P.d > 0u) {
+        tail[P.g_off + r] = gate;
     }
     var m = NEG;
     for (var j = li; j < e4; j += WG) {
@@ -168,7 +209,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         for (var it = 0u; it < P.k; it++) {
             ids[r * P.k + it] = chosen_i[it];
-            sw[r * P.k + it] = chosen[it];
+            tail[P.sw_off + r * P.k + it] = chosen[it];
         }
     }
 }
