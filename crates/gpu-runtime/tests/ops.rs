@@ -1,8 +1,9 @@
 //! Op kernels whose work is split across workgroups or lanes in ways the model fixtures (small
 //! vocabularies, few experts) do not reach, against host references: greedy argmax over a
 //! release-size vocabulary (two passes, ties across chunks), MoE routing at the release
-//! expert count (rank-based top-k against a stable sort in f64), and the gated delta rule at
-//! the release head size over frames longer than the kernel's token chunk.
+//! expert count (rank-based top-k against a stable sort in f64, and the shared expert's gate),
+//! the gated delta rule at the release head size over frames longer than the kernel's token
+//! chunk (and fused for short frames), and the injecting RMSNorm at and past one pass a lane.
 
 mod common;
 
@@ -349,4 +350,67 @@ fn the_gated_delta_rule_over_long_frames_matches_f64_and_a_token_at_a_time_bit_f
 /// Reads `count` floats of `buf` back without running anything.
 fn run_and_read_no_run(ctx: &GpuContext, buf: &wgpu::Buffer, count: usize) -> Vec<f32> {
     run_and_read(ctx, &Graph::new(), buf, count)
+}
+
+/// The grouped RMSNorm with the previous block's output injected first, at a hyper-connection
+/// site's width (one pass of a lane's eight elements, kept in registers across the reduction)
+/// and past it (groups walked twice), against f64: the streams after the injection and the
+/// normalised values.
+#[test]
+fn the_injecting_rms_norm_matches_f64_in_one_pass_and_in_two() {
+    let Some(ctx) = ctx() else { return };
+    let wg = Op::RmsNorm.wg() as usize;
+    for group in [2560usize, 8 * wg + 300] {
+        let (h, rows) = (2usize, 2usize);
+        let groups = rows * h;
+        let eps = 1e-6f32;
+        let mut r = rng(group as u64);
+        let x: Vec<f32> = (0..groups * group).map(|_| r()).collect();
+        let w: Vec<f32> = (0..group).map(|_| 0.3 * r()).collect();
+        let blk: Vec<f32> = (0..rows * group).map(|_| r()).collect();
+        let inj: Vec<f32> = (0..groups).map(|_| 1.0 + r()).collect();
+        let frame = graph::frame_buffer(ctx);
+        let xb = graph::upload_f32(ctx, "x", &x);
+        let wb = graph::upload_f32(ctx, "w", &w);
+        let y = graph::storage(ctx, "y", groups * group);
+        let bb = graph::upload_f32(ctx, "blk", &blk);
+        let ib = graph::upload_f32(ctx, "inj", &inj);
+        let mut g = Graph::new();
+        let p = [groups, group, group, eps.to_bits() as usize, 1, h, 0].map(|v| v as u32);
+        g.op(
+            ctx,
+            Op::RmsNorm,
+            &p,
+            &frame,
+            &[&xb, &wb, &y, &bb, &ib],
+            (groups as u32, 1),
+        )
+        .unwrap();
+        let got = run_and_read(ctx, &g, &y, groups * group);
+        let streams = run_and_read_no_run(ctx, &xb, groups * group);
+        for gi in 0..groups {
+            let v: Vec<f64> = (0..group)
+                .map(|i| {
+                    x[gi * group + i] as f64 + inj[gi] as f64 * blk[(gi / h) * group + i] as f64
+                })
+                .collect();
+            let ms = v.iter().map(|a| a * a).sum::<f64>() / group as f64;
+            let rr = 1.0 / (ms + eps as f64).sqrt();
+            for i in 0..group {
+                let at = gi * group + i;
+                assert!(
+                    (streams[at] as f64 - v[i]).abs() <= 1e-6 * (1.0 + v[i].abs()),
+                    "group {group}: stream {gi} element {i}: {} vs {}",
+                    streams[at],
+                    v[i]
+                );
+                let want = v[i] * rr * (1.0 + w[i] as f64);
+                assert!(
+                    (got[at] as f64 - want).abs() <= 2e-5 * (1.0 + want.abs()),
+                    "group {group}: row {gi} element {i}: {} vs {want}",
+                    got[at]
+                );
+            }
+        }
+    }
 }

@@ -58,6 +58,20 @@ fn store_x(base: u32, i: u32, v: f32) {
     }
 }
 
+// The weight factor of element i of the group at `base`, or 1 past the group.
+fn wf(base: u32, i: u32) -> f32 {
+    if (i < P.group) {
+        return wt(w[(base + i) % P.w_len]);
+    }
+    return 1.0;
+}
+
+fn store_y(base: u32, i: u32, v: f32) {
+    if (i < P.group) {
+        y[base + i] = v;
+    }
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let g = wid.x;
@@ -65,6 +79,19 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         return;
     }
     let base = g * P.group;
+    // One pass of eight elements a lane (groups up to 8 WG wide) keeps them and their weight
+    // factors in registers across the reduction: the output is written without loading them
+    // again (a memory latency saved; the weights' loads overlap the first pass's). Wider
+    // groups walk the group again.
+    let one = P.group <= 8u * WG;
+    var v0 = 0.0;
+    var v1 = 0.0;
+    var v2 = 0.0;
+    var v3 = 0.0;
+    var v4 = 0.0;
+    var v5 = 0.0;
+    var v6 = 0.0;
+    var v7 = 0.0;
     var s0 = 0.0;
     var s1 = 0.0;
     var s2 = 0.0;
@@ -73,18 +100,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var s5 = 0.0;
     var s6 = 0.0;
     var s7 = 0.0;
-    if (P.inject == 1u) {
-        // The squares are summed as the injected values are stored, in the order the other
-        // branch sums them (same lanes, same partial sums), saving its loads.
-        for (var i = li; i < P.group; i += 8u * WG) {
-            let v0 = injected(g, base, i + 0u * WG);
-            let v1 = injected(g, base, i + 1u * WG);
-            let v2 = injected(g, base, i + 2u * WG);
-            let v3 = injected(g, base, i + 3u * WG);
-            let v4 = injected(g, base, i + 4u * WG);
-            let v5 = injected(g, base, i + 5u * WG);
-            let v6 = injected(g, base, i + 6u * WG);
-            let v7 = injected(g, base, i + 7u * WG);
+    for (var i = li; i < P.group; i += 8u * WG) {
+        if (P.inject == 1u) {
+            // The squares are summed as the injected values are stored, in the order the
+            // other branch sums them (same lanes, same partial sums).
+            v0 = injected(g, base, i + 0u * WG);
+            v1 = injected(g, base, i + 1u * WG);
+            v2 = injected(g, base, i + 2u * WG);
+            v3 = injected(g, base, i + 3u * WG);
+            v4 = injected(g, base, i + 4u * WG);
+            v5 = injected(g, base, i + 5u * WG);
+            v6 = injected(g, base, i + 6u * WG);
+            v7 = injected(g, base, i + 7u * WG);
             store_x(base, i + 0u * WG, v0);
             store_x(base, i + 1u * WG, v1);
             store_x(base, i + 2u * WG, v2);
@@ -93,77 +120,64 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             store_x(base, i + 5u * WG, v5);
             store_x(base, i + 6u * WG, v6);
             store_x(base, i + 7u * WG, v7);
-            s0 += v0 * v0;
-            s1 += v1 * v1;
-            s2 += v2 * v2;
-            s3 += v3 * v3;
-            s4 += v4 * v4;
-            s5 += v5 * v5;
-            s6 += v6 * v6;
-            s7 += v7 * v7;
+        } else {
+            v0 = at(base, i + 0u * WG);
+            v1 = at(base, i + 1u * WG);
+            v2 = at(base, i + 2u * WG);
+            v3 = at(base, i + 3u * WG);
+            v4 = at(base, i + 4u * WG);
+            v5 = at(base, i + 5u * WG);
+            v6 = at(base, i + 6u * WG);
+            v7 = at(base, i + 7u * WG);
         }
-    } else {
-        for (var i = li; i < P.group; i += 8u * WG) {
-            let v0 = at(base, i + 0u * WG);
-            let v1 = at(base, i + WG);
-            let v2 = at(base, i + 2u * WG);
-            let v3 = at(base, i + 3u * WG);
-            let v4 = at(base, i + 4u * WG);
-            let v5 = at(base, i + 5u * WG);
-            let v6 = at(base, i + 6u * WG);
-            let v7 = at(base, i + 7u * WG);
-            s0 += v0 * v0;
-            s1 += v1 * v1;
-            s2 += v2 * v2;
-            s3 += v3 * v3;
-            s4 += v4 * v4;
-            s5 += v5 * v5;
-            s6 += v6 * v6;
-            s7 += v7 * v7;
-        }
+        s0 += v0 * v0;
+        s1 += v1 * v1;
+        s2 += v2 * v2;
+        s3 += v3 * v3;
+        s4 += v4 * v4;
+        s5 += v5 * v5;
+        s6 += v6 * v6;
+        s7 += v7 * v7;
+    }
+    var f0 = 1.0;
+    var f1 = 1.0;
+    var f2 = 1.0;
+    var f3 = 1.0;
+    var f4 = 1.0;
+    var f5 = 1.0;
+    var f6 = 1.0;
+    var f7 = 1.0;
+    if (one) {
+        f0 = wf(base, li + 0u * WG);
+        f1 = wf(base, li + 1u * WG);
+        f2 = wf(base, li + 2u * WG);
+        f3 = wf(base, li + 3u * WG);
+        f4 = wf(base, li + 4u * WG);
+        f5 = wf(base, li + 5u * WG);
+        f6 = wf(base, li + 6u * WG);
+        f7 = wf(base, li + 7u * WG);
     }
     let total = sum_wg(((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), li);
     let r = 1.0 / sqrt(total / f32(P.group) + bitcast<f32>(P.eps));
+    if (one) {
+        store_y(base, li + 0u * WG, v0 * r * f0);
+        store_y(base, li + 1u * WG, v1 * r * f1);
+        store_y(base, li + 2u * WG, v2 * r * f2);
+        store_y(base, li + 3u * WG, v3 * r * f3);
+        store_y(base, li + 4u * WG, v4 * r * f4);
+        store_y(base, li + 5u * WG, v5 * r * f5);
+        store_y(base, li + 6u * WG, v6 * r * f6);
+        store_y(base, li + 7u * WG, v7 * r * f7);
+        return;
+    }
     for (var i = li; i < P.group; i += 8u * WG) {
-        let v0 = at(base, i + 0u * WG);
-        let w0 = w[(base + i + 0u * WG) % P.w_len];
-        let v1 = at(base, i + 1u * WG);
-        let w1 = w[(base + i + 1u * WG) % P.w_len];
-        let v2 = at(base, i + 2u * WG);
-        let w2 = w[(base + i + 2u * WG) % P.w_len];
-        let v3 = at(base, i + 3u * WG);
-        let w3 = w[(base + i + 3u * WG) % P.w_len];
-        let v4 = at(base, i + 4u * WG);
-        let w4 = w[(base + i + 4u * WG) % P.w_len];
-        let v5 = at(base, i + 5u * WG);
-        let w5 = w[(base + i + 5u * WG) % P.w_len];
-        let v6 = at(base, i + 6u * WG);
-        let w6 = w[(base + i + 6u * WG) % P.w_len];
-        let v7 = at(base, i + 7u * WG);
-        let w7 = w[(base + i + 7u * WG) % P.w_len];
-        if (i + 0u * WG < P.group) {
-            y[base + i + 0u * WG] = v0 * r * wt(w0);
-        }
-        if (i + 1u * WG < P.group) {
-            y[base + i + 1u * WG] = v1 * r * wt(w1);
-        }
-        if (i + 2u * WG < P.group) {
-            y[base + i + 2u * WG] = v2 * r * wt(w2);
-        }
-        if (i + 3u * WG < P.group) {
-            y[base + i + 3u * WG] = v3 * r * wt(w3);
-        }
-        if (i + 4u * WG < P.group) {
-            y[base + i + 4u * WG] = v4 * r * wt(w4);
-        }
-        if (i + 5u * WG < P.group) {
-            y[base + i + 5u * WG] = v5 * r * wt(w5);
-        }
-        if (i + 6u * WG < P.group) {
-            y[base + i + 6u * WG] = v6 * r * wt(w6);
-        }
-        if (i + 7u * WG < P.group) {
-            y[base + i + 7u * WG] = v7 * r * wt(w7);
-        }
+        store_y(base, i + 0u * WG, at(base, i + 0u * WG) * r * wf(base, i + 0u * WG));
+        store_y(base, i + 1u * WG, at(base, i + 1u * WG) * r * wf(base, i + 1u * WG));
+        store_y(base, i + 2u * WG, at(base, i + 2u * WG) * r * wf(base, i + 2u * WG));
+        store_y(base, i + 3u * WG, at(base, i + 3u * WG) * r * wf(base, i + 3u * WG));
+        store_y(base, i + 4u * WG, at(base, i + 4u * WG) * r * wf(base, i + 4u * WG));
+        store_y(base, i + 5u * WG, at(base, i + 5u * WG) * r * wf(base, i + 5u * WG));
+        store_y(base, i + 6u * WG, at(base, i + 6u * WG) * r * wf(base, i + 6u * WG));
+        store_y(base, i + 7u * WG, at(base, i + 7u * WG) * r * wf(base, i + 7u * WG));
     }
 }
