@@ -564,7 +564,8 @@ impl<'a> GpuModel<'a> {
         GpuState::new(self)
     }
 
-    /// The longest frame a prompt is fed in: up to 256 rows where every routed expert is
+    /// The longest frame a prompt is fed in: up to 256 rows by default (512 with
+    /// `CORTIQ_PROMPT_ROWS`) where every routed expert is
     /// resident (fewer at a long context or where the budget leaves little room:
     /// [`crate::device::frame_rows`]), else 8.
     pub fn frame_rows(&self) -> usize {

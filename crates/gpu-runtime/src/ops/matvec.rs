@@ -14,8 +14,10 @@ use crate::{GpuContext, GpuError};
 pub const POISON: f32 = 7.7e30;
 
 /// Most token rows of one matmat: frames longer than [`MAX_BATCH`] (a prompt's prefill) run in
-/// tiles of [`MAX_BATCH`] rows, so they must be a multiple of it.
-pub const MAX_FRAME_ROWS: usize = 256;
+/// tiles of [`MAX_BATCH`] rows, so they must be a multiple of it. (A frame of 512 rows gives a
+/// layer's routed experts about ten slots each at the release geometry: each expert's weights
+/// are read once for twice the rows of a frame of 256.)
+pub const MAX_FRAME_ROWS: usize = 512;
 
 /// How a matvec kernel is specialised for a device and a matrix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -668,7 +670,7 @@ fn prepare_inner(
     };
     if nt == 0 || (nt > MAX_BATCH && !nt.is_multiple_of(MAX_BATCH)) || nt > MAX_FRAME_ROWS {
         return Err(GpuError::BadLength {
-            what: "token rows (1..=8, or a multiple of 8 up to 256)",
+            what: "token rows (1..=8, or a multiple of 8 up to 512)",
             expected: MAX_BATCH,
             found: nt,
         });
