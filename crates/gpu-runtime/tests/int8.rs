@@ -715,3 +715,53 @@ fn two_matrices_in_one_dispatch_give_their_own_results_bit_for_bit() {
         "{e}"
     );
 }
+
+/// One quantiser for a MoE block's routed experts (q4tp's or q2tp's code layout, no column
+/// scales: a row of unit scales in the table) and its shared expert's two q8_2f matrices
+/// (their own column scales): each member's codes and block pairs are what a quantiser of its
+/// own writes, bit for bit.
+#[test]
+fn a_first_member_of_another_layout_gets_its_own_quantisers_codes() {
+    use gpu_runtime::ops::graph::{Graph, upload_f32};
+    let Some(ctx) = ctx() else { return };
+    let arena = WeightArena::new(ctx);
+    let cols = 256;
+    let (pa, _) = upload(ctx, &arena, DType::Q8_2f, 40, cols, 91);
+    let (pb, _) = upload(ctx, &arena, DType::Q8_2f, 40, cols, 92);
+    let ma = MatRef::new(DType::Q8_2f, 40, cols, &pa).unwrap();
+    let mb = MatRef::new(DType::Q8_2f, 40, cols, &pb).unwrap();
+    let pair = act8::col_scale_table_host(ctx, &[&ma, &mb]).unwrap();
+    let table = act8::col_scale_table_host_units(ctx, 1, &[&ma, &mb]).unwrap();
+    let read = |acts: &act8::ActBuffers| {
+        let blocks = acts.nt * acts.cols / 32;
+        let q = gpu_runtime::readback::read_f32(ctx, &acts.xq, acts.xq_offset, blocks * 8);
+        let d = gpu_runtime::readback::read_f32(ctx, &acts.xd, acts.xd_offset, blocks * 2);
+        let bits = |v: Vec<f32>| v.iter().map(|f| f.to_bits()).collect::<Vec<u32>>();
+        (bits(q.unwrap()), bits(d.unwrap()))
+    };
+    for layout in [ActLayout::Pairs, ActLayout::Quads, ActLayout::Natural] {
+        for nt in [1, 8] {
+            let xs = hard_activations(nt, cols);
+            let x = upload_f32(ctx, "x", &xs);
+            let mut g = Graph::new();
+            let layouts = [layout, ActLayout::Natural, ActLayout::Natural];
+            let acts = g
+                .quantise_shared(ctx, &x, nt, cols, &layouts, &table)
+                .unwrap();
+            let mut two = Graph::new();
+            let own = two
+                .quantise_shared(ctx, &x, nt, cols, &layouts[1..], &pair)
+                .unwrap();
+            replay(ctx, &g, &x, 1);
+            let (q0, d0) = read(&acts[0]);
+            let (wq, wd) = act8::quantize(ctx, &xs, cols, layout).unwrap();
+            let wd: Vec<u32> = wd.iter().flatten().copied().collect();
+            assert_eq!(q0, wq, "{layout:?} member 0 codes, {nt} rows");
+            assert_eq!(d0, wd, "{layout:?} member 0 scales and sums, {nt} rows");
+            let got = [read(&acts[1]), read(&acts[2])];
+            replay(ctx, &two, &x, 1);
+            let want = [read(&own[0]), read(&own[1])];
+            assert_eq!(got, want, "{layout:?} shared pair members, {nt} rows");
+        }
+    }
+}

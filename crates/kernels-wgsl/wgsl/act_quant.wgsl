@@ -15,6 +15,9 @@
 // m (the workgroups past the first nt * cols / 32 blocks) takes its column scales at
 // `col_scales + m * cs_stride` bytes of binding 1 (a table of the members' scales) and writes
 // its codes `m * q_stride` words and its block pairs `m * d_stride` pairs into the outputs.
+// Member 0's codes may take a layout of their own (`mode0`): a MoE block's routed experts
+// (q4tp, q2tp: their layout, unit column scales in the table) and its shared expert's two
+// q8_2f matrices quantised in one dispatch.
 
 struct QParams {
     cols: u32,
@@ -29,7 +32,8 @@ struct QParams {
     // The grouped entry: slots per activation row, and bytes per expert in the bank.
     x_div: u32,
     slot_bytes: u32,
-    _pad2: u32,
+    // Member 0's layout (the others': `mode`).
+    mode0: u32,
 }
 
 @group(0) @binding(0) var<storage, read> xin: array<f32>;
@@ -88,16 +92,16 @@ fn code(xb: u32, a: vec2<u32>) -> u32 {
     return u32(c) & 0xffu;
 }
 
-// Where element e (0..31) of a block goes: word * 4 + byte.
-fn slot(e: u32) -> u32 {
-    if (Q.mode == 1u) {
+// Where element e (0..31) of a block goes in layout `mode`: word * 4 + byte.
+fn slot(e: u32, mode: u32) -> u32 {
+    if (mode == 1u) {
         // pairs: element 8k + 2j + h -> word 2k + h, byte j
         let k = e >> 3u;
         let h = e & 1u;
         let j = (e & 7u) >> 1u;
         return (2u * k + h) * 4u + j;
     }
-    if (Q.mode == 2u) {
+    if (mode == 2u) {
         // quads: element 16k + 4j + jj -> word 4k + jj, byte j
         let k = e >> 4u;
         let jj = e & 3u;
@@ -124,7 +128,8 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     if (Q.col_scales != 0xffffffffu) {
         base = Q.col_scales + member * Q.cs_stride;
     }
-    quantise(e, k, valid, t, b, base, member * Q.q_stride + id * 8u, member * Q.d_stride + id);
+    let mode = select(Q.mode, Q.mode0, member == 0u);
+    quantise(e, k, valid, t, b, base, member * Q.q_stride + id * 8u, member * Q.d_stride + id, mode);
 }
 
 // The grouped experts' q8_2f activations: slot s (`Q.members` of them) quantises activation
@@ -152,12 +157,13 @@ fn act_quant_grouped(
         expert * Q.slot_bytes + Q.col_scales,
         flat * 8u,
         flat,
+        Q.mode,
     );
 }
 
 // Block b of activation row t, the workgroup's k-th (scaled by the column scales at byte `base` unless it is
 // 0xffffffff) into 8 code words at word `oq` of xq_out and its (d, sum) at pair `od` of xd_out.
-fn quantise(e: u32, k: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od: u32) {
+fn quantise(e: u32, k: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od: u32, mode: u32) {
     if (e == 0u) {
         atomicStore(&w_amax[k], 0u);
         atomicStore(&w_sum[k], 0i);
@@ -181,7 +187,7 @@ fn quantise(e: u32, k: u32, valid: bool, t: u32, b: u32, base: u32, oq: u32, od:
     if (valid && amax != 0u && amax < 0x7f800000u) {
         c = code(bits, split_mag(amax));
     }
-    let s = slot(e);
+    let s = slot(e, mode);
     atomicOr(&w_words[k * 8u + (s >> 2u)], c << ((s & 3u) * 8u));
     atomicAdd(&w_sum[k], bitcast<i32>(c << 24u) >> 24u);
     workgroupBarrier();

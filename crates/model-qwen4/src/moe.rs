@@ -13,7 +13,7 @@ use crate::weights::MoeWeights;
 use gpu_runtime::ops::experts::ExpertBank;
 use gpu_runtime::ops::graph::Break;
 use gpu_runtime::staging::{Staged, StagingRing};
-use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
+use gpu_runtime::{ActLayout, Epilogue, GpuError, GpuMatrix};
 use kernels_wgsl::Op;
 use model_core::experts::{Activation, Routes, dense_swiglu};
 use quant_codecs::ops::{linear, sigmoid, top_k};
@@ -170,6 +170,10 @@ pub struct MoeGpu {
     sh_gate_up: TwoMats,
     sh_down: Arc<GpuMatrix>,
     sh_scale: wgpu::Buffer,
+    /// Where the routed experts' int8 activations (their own layout, no column scales) and the
+    /// shared expert's two q8_2f members come from one quantiser: a row of unit scales, then
+    /// the shared expert's gate and up column scales.
+    shared_quant: Option<(ActLayout, wgpu::Buffer)>,
 }
 
 impl MoeGpu {
@@ -180,12 +184,33 @@ impl MoeGpu {
         w: &MoeWeights<'_>,
         routed: Routed,
     ) -> Result<MoeGpu, GpuError> {
+        let sh_gate_up = dev.two(&w.sh_gate, &w.sh_up)?;
+        // One quantiser for both: routed banks on the int8 path in a codec without column
+        // scales, and the shared pair on one quantiser of its own (q8_2f, int8).
+        let layout = match &routed {
+            Routed::Banks(b) if dev.path(b.0.dtype) == gpu_runtime::Path::Int8 => {
+                gpu_runtime::arena::kernel_codec(b.0.dtype)
+                    .filter(|c| *c != kernels_wgsl::Codec::Q8_2f)
+                    .and_then(|c| c.act_layout())
+                    .filter(|_| b.0.cols.is_multiple_of(32))
+            }
+            _ => None,
+        };
+        let shared_quant = match (&sh_gate_up, layout) {
+            (TwoMats::One { table: Some(_), .. }, Some(l)) => {
+                let mats = [w.sh_gate.mat(), w.sh_up.mat()];
+                gpu_runtime::ops::act8::col_scale_table_host_units(&dev.ctx, 1, &mats)
+                    .map(|t| (l, t))
+            }
+            _ => None,
+        };
         Ok(MoeGpu {
             router: dev.mat(&w.router)?,
             routed,
-            sh_gate_up: dev.two(&w.sh_gate, &w.sh_up)?,
+            sh_gate_up,
             sh_down: dev.mat(&w.sh_down)?,
             sh_scale: dev.vec(w.sh_scale.name(), &w.sh_scale),
+            shared_quant,
         })
     }
 }
@@ -426,12 +451,28 @@ pub fn encode(
         &[rl, pr, rw, &s.slot_ids, &s.expert_out, &s.u, &w.sh_scale],
         (nt as u32, 1),
     )?;
+    // The routed experts' and the shared expert's activations from one quantiser.
+    let shared = match (&w.shared_quant, &w.sh_gate_up) {
+        (Some((layout, table)), TwoMats::One { m, .. }) if e.dev.ctx.fused_ops => {
+            let layouts = [*layout, ActLayout::Natural, ActLayout::Natural];
+            let acts =
+                e.g.quantise_shared(&e.dev.ctx, &s.u, nt, d, &layouts, table)?;
+            Some((m, acts))
+        }
+        _ => None,
+    };
     match &w.routed {
         Routed::Banks(banks) => {
             let (gate_up, down) = &**banks;
             let slots = nt * k;
             let (ids, mid, xo) = (&s.slot_ids, &s.expert_mid, &s.expert_out);
-            e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
+            if let Some((_, acts)) = &shared {
+                let path = e.dev.path(gate_up.dtype);
+                let (ctx, epi) = (&e.dev.ctx, Epilogue::SiluGateUp);
+                e.g.grouped_acts(ctx, gate_up, &s.u, &acts[0], ids, mid, slots, k, path, epi)?;
+            } else {
+                e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
+            }
             e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
         }
         Routed::Partial { banks, slot_of, .. } => {
@@ -463,6 +504,12 @@ pub fn encode(
     }
     // The shared expert's gate and up: one dispatch where they are one matrix.
     match &w.sh_gate_up {
+        _ if shared.is_some() => {
+            let (m, acts) = shared.as_ref().expect("matched");
+            let two = [&acts[1], &acts[2]];
+            let ctx = &e.dev.ctx;
+            e.g.matvec_two_acts(ctx, m, &s.u, two, hm, None, nt, Epilogue::GateUpTwo)?;
+        }
         TwoMats::One { m, table } => {
             e.matvec_two(m, table.as_ref(), &s.u, hm, None, nt, Epilogue::GateUpTwo)?;
         }

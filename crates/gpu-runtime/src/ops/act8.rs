@@ -163,7 +163,7 @@ pub fn prepare_grouped(
         slots as u32,
         x_div.max(1) as u32,
         slot_bytes as u32,
-        0,
+        acts.layout as u32,
     ];
     let ubuf = params_buffer(ctx, "act_quant_grouped params", &params);
     let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
@@ -212,7 +212,7 @@ pub fn prepare(
         });
     }
     let col = col_scales.map(|(b, off)| (b, off as u32, 0u32));
-    quantiser_step(ctx, x, acts, col, 1, [0, 0])
+    quantiser_step(ctx, x, acts, col, 1, [0, 0], acts.layout)
 }
 
 /// The one dispatch quantising `x` for `members` q8_2f matrices of `cols` columns, each with
@@ -228,6 +228,36 @@ pub fn prepare_shared(
     table: &wgpu::Buffer,
     members: usize,
 ) -> Result<(Step, Vec<ActBuffers>), GpuError> {
+    prepare_shared_layouts(ctx, x, nt, cols, &vec![layout; members], table)
+}
+
+/// [`prepare_shared`] with a layout per member: the first member's may differ from the
+/// others', which must agree (the kernel's `mode0` and `mode`). A member without column
+/// scales (a q4tp or q2tp matrix) takes a row of f16 ones in `table`: its activations times
+/// one are its activations, so its codes are a quantiser of its own's.
+pub fn prepare_shared_layouts(
+    ctx: &GpuContext,
+    x: &wgpu::Buffer,
+    nt: usize,
+    cols: usize,
+    layouts: &[ActLayout],
+    table: &wgpu::Buffer,
+) -> Result<(Step, Vec<ActBuffers>), GpuError> {
+    let members = layouts.len();
+    let (Some(&first), rest) = (layouts.first(), layouts.get(1..).unwrap_or(&[])) else {
+        return Err(GpuError::BadLength {
+            what: "shared quantiser members",
+            expected: 1,
+            found: 0,
+        });
+    };
+    let layout = rest.first().copied().unwrap_or(first);
+    if rest.iter().any(|&l| l != layout) {
+        return Err(GpuError::UnsupportedFusion {
+            epilogue: "shared quantiser",
+            reason: format!("members after the first need one layout; they have {rest:?}"),
+        });
+    }
     let need = (nt * cols * 4) as u64;
     if x.size() < need {
         return Err(GpuError::BadLength {
@@ -261,11 +291,14 @@ pub fn prepare_shared(
     };
     let strides = [(qs / 4) as u32, (ds / 8) as u32];
     let col = Some((table, 0u32, (2 * cols) as u32));
-    let step = quantiser_step(ctx, x, &all, col, members, strides)?;
-    let views = (0..members as u64)
-        .map(|m| ActBuffers {
+    let step = quantiser_step(ctx, x, &all, col, members, strides, first)?;
+    let views = layouts
+        .iter()
+        .zip(0u64..)
+        .map(|(&layout, m)| ActBuffers {
             xq_offset: m * qs,
             xd_offset: m * ds,
+            layout,
             ..all.clone()
         })
         .collect();
@@ -281,6 +314,7 @@ fn quantiser_step(
     col: Option<(&wgpu::Buffer, u32, u32)>,
     members: usize,
     strides: [u32; 2],
+    first: ActLayout,
 ) -> Result<Step, GpuError> {
     let pipe = pipeline(ctx)?;
     // ACT_QUANT_BLOCKS blocks of the members' a workgroup.
@@ -300,7 +334,7 @@ fn quantiser_step(
         members as u32,
         0,
         0,
-        0,
+        first as u32,
     ];
     let ubuf = params_buffer(ctx, "act_quant params", &params);
     let (bgl, _) = ctx.act_quant_layout();
@@ -410,6 +444,17 @@ pub fn col_scale_table_host(
     ctx: &GpuContext,
     mats: &[&quant_codecs::MatRef<'_>],
 ) -> Option<wgpu::Buffer> {
+    col_scale_table_host_units(ctx, 0, mats)
+}
+
+/// [`col_scale_table_host`] after `units` rows of f16 ones: the rows of members without column
+/// scales (a MoE block's routed experts quantised with its shared expert's two matrices,
+/// [`prepare_shared_layouts`]).
+pub fn col_scale_table_host_units(
+    ctx: &GpuContext,
+    units: usize,
+    mats: &[&quant_codecs::MatRef<'_>],
+) -> Option<wgpu::Buffer> {
     let cols = mats.first()?.cols();
     let fits = |m: &&quant_codecs::MatRef<'_>| {
         m.dtype() == quant_codecs::DType::Q8_2f && m.cols() == cols && cols.is_multiple_of(2)
@@ -417,7 +462,11 @@ pub fn col_scale_table_host(
     if !mats.iter().all(fits) {
         return None;
     }
-    let mut bytes = Vec::with_capacity(2 * cols * mats.len());
+    let mut bytes = Vec::with_capacity(2 * cols * (units + mats.len()));
+    for _ in 0..units * cols {
+        // f16 1.0.
+        bytes.extend_from_slice(&0x3c00u16.to_le_bytes());
+    }
     for m in mats {
         bytes.extend_from_slice(&m.bytes()[m.layout().third..m.layout().third + 2 * cols]);
     }

@@ -283,6 +283,7 @@ pub fn prepare_grouped(
         y,
         slots,
         x_div,
+        pre: None,
     };
     Ok(prepare_grouped_sorted(ctx, bank, g, plan, epilogue, None)?.0)
 }
@@ -295,6 +296,9 @@ pub(crate) struct Grouped<'a> {
     pub y: &'a wgpu::Buffer,
     pub slots: usize,
     pub x_div: usize,
+    /// `x` already quantised (a shared quantiser's member), used where the int8 path runs
+    /// with one quantiser for all slots in this layout (not q8_2f's per-expert scales).
+    pub pre: Option<&'a crate::ops::act8::ActBuffers>,
 }
 
 /// [`prepare_grouped`], reusing `sorted` where the frame runs expert by expert and it holds
@@ -315,7 +319,21 @@ pub(crate) fn prepare_grouped_sorted(
         y,
         slots,
         x_div,
+        pre,
     } = g;
+    // The activations quantised once for all slots: `pre` where it holds them in this
+    // layout, else a quantiser step of this call's own.
+    let quantised = |layout,
+                     steps: &mut Vec<Step>|
+     -> Result<crate::ops::act8::ActBuffers, GpuError> {
+        if let Some(p) = pre.filter(|p| p.layout == layout && p.nt == x_rows && p.cols == bank.cols)
+        {
+            return Ok(p.clone());
+        }
+        let acts = crate::ops::act8::ActBuffers::new(ctx, x_rows, bank.cols, layout)?;
+        steps.push(crate::ops::act8::prepare(ctx, x, &acts, None)?);
+        Ok(acts)
+    };
     let pair = epilogue == Epilogue::SiluGateUp;
     if pair && !bank.rows.is_multiple_of(2) {
         return Err(GpuError::UnsupportedFusion {
@@ -378,8 +396,8 @@ pub(crate) fn prepare_grouped_sorted(
     if crate::ops::experts_tiled::applies(ctx, bank, codec, path, segments, slots, epilogue)
         && let Some(layout) = codec.act_layout()
     {
-        let acts = crate::ops::act8::ActBuffers::new(ctx, x_rows, bank.cols, layout)?;
-        let mut steps = vec![crate::ops::act8::prepare(ctx, x, &acts, None)?];
+        let mut steps = Vec::new();
+        let acts = quantised(layout, &mut steps)?;
         let (kernel, sorted) = crate::ops::experts_tiled::prepare(
             ctx, bank, codec, &acts, ids, y, slots, x_div, epilogue, sorted,
         )?;
@@ -428,11 +446,7 @@ pub(crate) fn prepare_grouped_sorted(
             )?);
             Some(acts)
         }
-        (true, Some(layout)) => {
-            let acts = crate::ops::act8::ActBuffers::new(ctx, x_rows, bank.cols, layout)?;
-            steps.push(crate::ops::act8::prepare(ctx, x, &acts, None)?);
-            Some(acts)
-        }
+        (true, Some(layout)) => Some(quantised(layout, &mut steps)?),
         _ => None,
     };
     let rows_per_group = if pair { 1 } else { plan.rows_for(epilogue) };

@@ -293,6 +293,49 @@ impl Graph {
         Ok(())
     }
 
+    /// A two-matrix epilogue over `m` on the two members `acts` of a shared quantiser that ran
+    /// before (see [`Graph::matvec_two`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_two_acts(
+        &mut self,
+        ctx: &GpuContext,
+        m: &GpuMatrix,
+        x: &wgpu::Buffer,
+        acts: [&crate::ops::act8::ActBuffers; 2],
+        y: &wgpu::Buffer,
+        aux: Option<&wgpu::Buffer>,
+        nt: usize,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let plan = Plan::for_shape(ctx, m.rows, m.cols).with_path(Path::Int8);
+        let p = matvec::prepare_two(ctx, m, x, Some(acts), y, aux, nt, plan, epilogue)?;
+        self.dispatches += p.dispatches();
+        for s in p.into_steps() {
+            self.items.push(Item::Step(s));
+        }
+        Ok(())
+    }
+
+    /// One quantiser dispatch for the members `layouts` of `x` (`nt` rows of `cols`), their
+    /// column scales in `table` (see [`crate::ops::act8::prepare_shared_layouts`]): the
+    /// members' activations, for calls that take them ([`Graph::grouped_acts`],
+    /// [`Graph::matvec_two_acts`]).
+    pub fn quantise_shared(
+        &mut self,
+        ctx: &GpuContext,
+        x: &wgpu::Buffer,
+        nt: usize,
+        cols: usize,
+        layouts: &[kernels_wgsl::ActLayout],
+        table: &wgpu::Buffer,
+    ) -> Result<Vec<crate::ops::act8::ActBuffers>, GpuError> {
+        let (step, acts) =
+            crate::ops::act8::prepare_shared_layouts(ctx, x, nt, cols, layouts, table)?;
+        self.items.push(Item::Step(step));
+        self.dispatches += 1;
+        Ok(acts)
+    }
+
     /// `y_i = W_i x` for q8_2f matrices `mats` that read the same `x`, on the int8 path with
     /// one quantiser dispatch for all of them (their column scales from `table`, built by
     /// [`crate::ops::act8::col_scale_table`]) instead of one each.
@@ -373,7 +416,6 @@ impl Graph {
         path: Path,
         epilogue: Epilogue,
     ) -> Result<(), GpuError> {
-        let plan = Plan::for_matrix(ctx, bank.rows).with_path(path);
         let g = crate::ops::experts::Grouped {
             x,
             x_rows,
@@ -381,7 +423,48 @@ impl Graph {
             y,
             slots,
             x_div,
+            pre: None,
         };
+        self.grouped_call(ctx, bank, g, path, epilogue)
+    }
+
+    /// [`Graph::grouped`] on activations a shared quantiser has written (`acts`, in the
+    /// bank's codec's int8 layout; where they do not apply the call quantises `x` itself).
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_acts(
+        &mut self,
+        ctx: &GpuContext,
+        bank: &crate::ops::experts::ExpertBank,
+        x: &wgpu::Buffer,
+        acts: &crate::ops::act8::ActBuffers,
+        ids: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        slots: usize,
+        x_div: usize,
+        path: Path,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let g = crate::ops::experts::Grouped {
+            x,
+            x_rows: acts.nt,
+            ids,
+            y,
+            slots,
+            x_div,
+            pre: Some(acts),
+        };
+        self.grouped_call(ctx, bank, g, path, epilogue)
+    }
+
+    fn grouped_call(
+        &mut self,
+        ctx: &GpuContext,
+        bank: &crate::ops::experts::ExpertBank,
+        g: crate::ops::experts::Grouped<'_>,
+        path: Path,
+        epilogue: Epilogue,
+    ) -> Result<(), GpuError> {
+        let plan = Plan::for_matrix(ctx, bank.rows).with_path(path);
         // The table of a grouped call just before this one (nothing ran in between to change
         // the ids): the gate/up's, for the down projection.
         let sorted = self
