@@ -397,109 +397,123 @@ fn attend_part(
         heads: usize,
     }
     let qk_row = (ni + 1) * di;
-    let preps = [
-        // q: norm + RoPE; the gate: a copy.
-        Prep {
-            src: qg,
-            src_stride: 2 * hq * hd,
-            src_off: 0,
-            head_stride: 2 * hd,
-            dim: hd,
-            dst: q,
-            dst_stride: hq * hd,
-            at_past: 0,
-            norm: Some(&w.q_norm),
-            rope: true,
-            heads: hq,
-        },
-        Prep {
-            src: qg,
-            src_stride: 2 * hq * hd,
-            src_off: hd,
-            head_stride: 2 * hd,
-            dim: hd,
-            dst: gate,
-            dst_stride: hq * hd,
-            at_past: 0,
-            norm: None,
-            rope: false,
-            heads: hq,
-        },
-        // k (norm + RoPE) and v into the cache rows past..past+nt.
-        Prep {
-            src: k,
-            src_stride: kvd,
-            src_off: 0,
-            head_stride: hd,
-            dim: hd,
-            dst: &st.k,
-            dst_stride: kvd,
-            at_past: 1,
-            norm: Some(&w.k_norm),
-            rope: true,
-            heads: hkv,
-        },
-        Prep {
-            src: v,
-            src_stride: kvd,
-            src_off: 0,
-            head_stride: hd,
-            dim: hd,
-            dst: &st.v,
-            dst_stride: kvd,
-            at_past: 1,
-            norm: None,
-            rope: false,
-            heads: hkv,
-        },
-        // Indexer queries (norm + RoPE); raw indexer keys into their cache.
-        Prep {
-            src: qki,
-            src_stride: qk_row,
-            src_off: 0,
-            head_stride: di,
-            dim: di,
-            dst: qi,
-            dst_stride: ni * di,
-            at_past: 0,
-            norm: Some(&w.idx_q_norm),
-            rope: true,
-            heads: ni,
-        },
-        Prep {
-            src: qki,
-            src_stride: qk_row,
-            src_off: ni * di,
-            head_stride: 0,
-            dim: di,
-            dst: &st.raw,
-            dst_stride: di,
-            at_past: 1,
-            norm: None,
-            rope: false,
-            heads: 1,
-        },
+    // Three dispatches, each a normed (and rotated) member and a copied one of the same width:
+    // q and the attention gate, k and v into the cache rows past..past+nt, the indexer queries
+    // and the raw indexer keys into their cache.
+    let pairs = [
+        (
+            Prep {
+                src: qg,
+                src_stride: 2 * hq * hd,
+                src_off: 0,
+                head_stride: 2 * hd,
+                dim: hd,
+                dst: q,
+                dst_stride: hq * hd,
+                at_past: 0,
+                norm: Some(&w.q_norm),
+                rope: true,
+                heads: hq,
+            },
+            Prep {
+                src: qg,
+                src_stride: 2 * hq * hd,
+                src_off: hd,
+                head_stride: 2 * hd,
+                dim: hd,
+                dst: gate,
+                dst_stride: hq * hd,
+                at_past: 0,
+                norm: None,
+                rope: false,
+                heads: hq,
+            },
+        ),
+        (
+            Prep {
+                src: k,
+                src_stride: kvd,
+                src_off: 0,
+                head_stride: hd,
+                dim: hd,
+                dst: &st.k,
+                dst_stride: kvd,
+                at_past: 1,
+                norm: Some(&w.k_norm),
+                rope: true,
+                heads: hkv,
+            },
+            Prep {
+                src: v,
+                src_stride: kvd,
+                src_off: 0,
+                head_stride: hd,
+                dim: hd,
+                dst: &st.v,
+                dst_stride: kvd,
+                at_past: 1,
+                norm: None,
+                rope: false,
+                heads: hkv,
+            },
+        ),
+        (
+            Prep {
+                src: qki,
+                src_stride: qk_row,
+                src_off: 0,
+                head_stride: di,
+                dim: di,
+                dst: qi,
+                dst_stride: ni * di,
+                at_past: 0,
+                norm: Some(&w.idx_q_norm),
+                rope: true,
+                heads: ni,
+            },
+            Prep {
+                src: qki,
+                src_stride: qk_row,
+                src_off: ni * di,
+                head_stride: 0,
+                dim: di,
+                dst: &st.raw,
+                dst_stride: di,
+                at_past: 1,
+                norm: None,
+                rope: false,
+                heads: 1,
+            },
+        ),
     ];
-    for pr in preps {
+    for (a, b) in pairs {
+        // The second member is a plain copy of the same width (the kernel's `src_b`, `dst_b`).
+        debug_assert!(b.norm.is_none() && !b.rope && b.dim == a.dim);
+        let own = !std::ptr::eq(a.src, b.src);
         let p = [
-            pr.src_stride as u32,
-            pr.src_off as u32,
-            pr.head_stride as u32,
-            pr.dim as u32,
-            pr.dst_stride as u32,
-            0,
-            pr.at_past,
-            u32::from(pr.norm.is_some()),
-            if pr.rope { half } else { 0 },
+            a.src_stride as u32,
+            a.src_off as u32,
+            a.head_stride as u32,
+            a.dim as u32,
+            a.dst_stride as u32,
+            a.heads as u32,
+            a.at_past,
+            u32::from(a.norm.is_some()),
+            if a.rope { half } else { 0 },
             eps,
+            b.src_stride as u32,
+            b.src_off as u32,
+            b.head_stride as u32,
+            b.dst_stride as u32,
+            b.at_past,
+            u32::from(own),
         ];
-        let wbuf = pr.norm.unwrap_or(&s.g);
-        e.op(
-            Op::HeadPrep,
-            &p,
-            &[pr.src, wbuf, pr.dst, cs, sn],
-            (pr.heads as u32, nt as u32),
-        )?;
+        let wbuf = a.norm.unwrap_or(&s.g);
+        let bufs = [a.src, wbuf, a.dst, cs, sn, b.dst, b.src];
+        // A source both members read is bound once (binding 2).
+        let bufs = if own { &bufs[..] } else { &bufs[..6] };
+        let grid = ((a.heads + b.heads) as u32, nt as u32);
+        e.op(Op::HeadPrep, &p, bufs, grid)?;
     }
     let p = [qsa.ratio as u32, di as u32, half, eps];
     let new_blocks = (nt / qsa.ratio + 1) as u32;
