@@ -716,10 +716,10 @@ fn two_matrices_in_one_dispatch_give_their_own_results_bit_for_bit() {
     );
 }
 
-/// One quantiser for a MoE block's routed experts (q4tp's or q2tp's code layout, no column
-/// scales: a row of unit scales in the table) and its shared expert's two q8_2f matrices
-/// (their own column scales): each member's codes and block pairs are what a quantiser of its
-/// own writes, bit for bit.
+/// One quantiser for a MoE block's routed experts (q4tp's, q2tp's or mxfp4's code layout, no
+/// column scales: the table's first row a placeholder the kernel does not read) and its shared
+/// expert's two q8_2f matrices (their own column scales): each member's codes and block pairs
+/// are what a quantiser of its own writes, bit for bit.
 #[test]
 fn a_first_member_of_another_layout_gets_its_own_quantisers_codes() {
     use gpu_runtime::ops::graph::{Graph, upload_f32};
@@ -746,11 +746,11 @@ fn a_first_member_of_another_layout_gets_its_own_quantisers_codes() {
             let mut g = Graph::new();
             let layouts = [layout, ActLayout::Natural, ActLayout::Natural];
             let acts = g
-                .quantise_shared(ctx, &x, nt, cols, &layouts, &table)
+                .quantise_shared(ctx, &x, nt, cols, &layouts, &table, true)
                 .unwrap();
             let mut two = Graph::new();
             let own = two
-                .quantise_shared(ctx, &x, nt, cols, &layouts[1..], &pair)
+                .quantise_shared(ctx, &x, nt, cols, &layouts[1..], &pair, false)
                 .unwrap();
             replay(ctx, &g, &x, 1);
             let (q0, d0) = read(&acts[0]);

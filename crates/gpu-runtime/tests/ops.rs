@@ -3,7 +3,8 @@
 //! release-size vocabulary (two passes, ties across chunks), MoE routing at the release
 //! expert count (rank-based top-k against a stable sort in f64, and the shared expert's gate),
 //! the gated delta rule at the release head size over frames longer than the kernel's token
-//! chunk (and fused for short frames), and the injecting RMSNorm at and past one pass a lane.
+//! chunk (and fused for short frames), and the RMSNorm (injecting or not, every weight mode) at
+//! and past one pass a lane.
 
 mod common;
 
@@ -352,15 +353,20 @@ fn run_and_read_no_run(ctx: &GpuContext, buf: &wgpu::Buffer, count: usize) -> Ve
     run_and_read(ctx, &Graph::new(), buf, count)
 }
 
-/// The grouped RMSNorm with the previous block's output injected first, at a hyper-connection
-/// site's width (one pass of a lane's eight elements, kept in registers across the reduction)
-/// and past it (groups walked twice), against f64: the streams after the injection and the
-/// normalised values.
+/// The grouped RMSNorm at a hyper-connection site's width (one pass of a lane's eight
+/// elements, kept in registers across the reduction) and past it (groups walked twice),
+/// against f64: with the previous block's output injected first (the streams after the
+/// injection and the normalised values), and without, under each weight mode ((1 + w), w,
+/// none).
 #[test]
-fn the_injecting_rms_norm_matches_f64_in_one_pass_and_in_two() {
+fn the_rms_norm_matches_f64_in_one_pass_and_in_two() {
     let Some(ctx) = ctx() else { return };
     let wg = Op::RmsNorm.wg() as usize;
-    for group in [2560usize, 8 * wg + 300] {
+    let modes = [(1usize, 0usize), (0, 0), (0, 1), (0, 2)];
+    for (group, (inject, wmode)) in [2560usize, 8 * wg + 300]
+        .into_iter()
+        .flat_map(|g| modes.map(|m| (g, m)))
+    {
         let (h, rows) = (2usize, 2usize);
         let groups = rows * h;
         let eps = 1e-6f32;
@@ -376,7 +382,16 @@ fn the_injecting_rms_norm_matches_f64_in_one_pass_and_in_two() {
         let bb = graph::upload_f32(ctx, "blk", &blk);
         let ib = graph::upload_f32(ctx, "inj", &inj);
         let mut g = Graph::new();
-        let p = [groups, group, group, eps.to_bits() as usize, 1, h, 0].map(|v| v as u32);
+        let p = [
+            groups,
+            group,
+            group,
+            eps.to_bits() as usize,
+            inject,
+            h,
+            wmode,
+        ]
+        .map(|v| v as u32);
         g.op(
             ctx,
             Op::RmsNorm,
@@ -391,7 +406,8 @@ fn the_injecting_rms_norm_matches_f64_in_one_pass_and_in_two() {
         for gi in 0..groups {
             let v: Vec<f64> = (0..group)
                 .map(|i| {
-                    x[gi * group + i] as f64 + inj[gi] as f64 * blk[(gi / h) * group + i] as f64
+                    let add = inj[gi] as f64 * blk[(gi / h) * group + i] as f64;
+                    x[gi * group + i] as f64 + if inject == 1 { add } else { 0.0 }
                 })
                 .collect();
             let ms = v.iter().map(|a| a * a).sum::<f64>() / group as f64;
@@ -400,14 +416,15 @@ fn the_injecting_rms_norm_matches_f64_in_one_pass_and_in_two() {
                 let at = gi * group + i;
                 assert!(
                     (streams[at] as f64 - v[i]).abs() <= 1e-6 * (1.0 + v[i].abs()),
-                    "group {group}: stream {gi} element {i}: {} vs {}",
+                    "group {group} inject {inject}: stream {gi} element {i}: {} vs {}",
                     streams[at],
                     v[i]
                 );
-                let want = v[i] * rr * (1.0 + w[i] as f64);
+                let f = [1.0 + w[i] as f64, w[i] as f64, 1.0][wmode];
+                let want = v[i] * rr * f;
                 assert!(
                     (got[at] as f64 - want).abs() <= 2e-5 * (1.0 + want.abs()),
-                    "group {group}: row {gi} element {i}: {} vs {want}",
+                    "group {group} mode {wmode} inject {inject}: row {gi} element {i}: {} vs {want}",
                     got[at]
                 );
             }

@@ -191,8 +191,11 @@ mod tests {
         assert!(src.contains(&format!("const L: u32 = {GDN_PARTS}u;")));
         let (k, v) = GDN_STEP_MAX_DIMS;
         assert!(src.contains(&format!("const MAXV: u32 = {v}u;")));
-        assert_eq!(k, 2 * 128);
-        assert!(src.contains("const RL: u32 = 128u;"));
+        // Its reductions run on as many lanes as gdn_prep's and gdn_norm's workgroups.
+        let rl = Op::GdnPrep.wg();
+        assert_eq!(rl, Op::GdnNorm.wg());
+        assert_eq!(k, 2 * rl as usize);
+        assert!(src.contains(&format!("const RL: u32 = {rl}u;")));
         assert!(src.contains(&format!("const MAXR: u32 = {}u;", k / GDN_PARTS as usize)));
     }
 

@@ -15,9 +15,11 @@
 // m (the workgroups past the first nt * cols / 32 blocks) takes its column scales at
 // `col_scales + m * cs_stride` bytes of binding 1 (a table of the members' scales) and writes
 // its codes `m * q_stride` words and its block pairs `m * d_stride` pairs into the outputs.
-// Member 0's codes may take a layout of their own (`mode0`): a MoE block's routed experts
-// (q4tp, q2tp: their layout, unit column scales in the table) and its shared expert's two
-// q8_2f matrices quantised in one dispatch.
+// Member 0's codes may take a layout of their own (`mode0`'s low bits) and skip the column
+// scales (`mode0`'s bit 31: the table's first row is then not read): a MoE block's routed
+// experts (q4tp, q2tp, mxfp4: their layout, no column scales) and its shared expert's two
+// q8_2f matrices quantised in one dispatch, member 0's codes those of a quantiser of its own
+// (no multiplication by 1, whatever the device does with subnormals).
 
 struct QParams {
     cols: u32,
@@ -32,7 +34,7 @@ struct QParams {
     // The grouped entry: slots per activation row, and bytes per expert in the bank.
     x_div: u32,
     slot_bytes: u32,
-    // Member 0's layout (the others': `mode`).
+    // Member 0's layout (the others': `mode`), and in bit 31 whether it skips the scales.
     mode0: u32,
 }
 
@@ -125,10 +127,11 @@ fn act_quant(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_in
     let t = id / max(blocks, 1u);
     let b = id - t * blocks;
     var base = 0xffffffffu;
-    if (Q.col_scales != 0xffffffffu) {
+    let unscaled = member == 0u && (Q.mode0 >> 31u) == 1u;
+    if (Q.col_scales != 0xffffffffu && !unscaled) {
         base = Q.col_scales + member * Q.cs_stride;
     }
-    let mode = select(Q.mode, Q.mode0, member == 0u);
+    let mode = select(Q.mode, Q.mode0 & 0x7fffffffu, member == 0u);
     quantise(e, k, valid, t, b, base, member * Q.q_stride + id * 8u, member * Q.d_stride + id, mode);
 }
 

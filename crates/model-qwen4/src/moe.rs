@@ -455,8 +455,9 @@ pub fn encode(
     let shared = match (&w.shared_quant, &w.sh_gate_up) {
         (Some((layout, table)), TwoMats::One { m, .. }) if e.dev.ctx.fused_ops => {
             let layouts = [*layout, ActLayout::Natural, ActLayout::Natural];
+            let ctx = &e.dev.ctx;
             let acts =
-                e.g.quantise_shared(&e.dev.ctx, &s.u, nt, d, &layouts, table)?;
+                e.g.quantise_shared(ctx, &s.u, nt, d, &layouts, table, true)?;
             Some((m, acts))
         }
         _ => None,
@@ -521,7 +522,11 @@ pub fn encode(
     // A decode step or a short frame with every routed expert resident: the block's output is
     // the shared expert's down projection's epilogue (the routed slots' sum, then the gated
     // shared expert), one dispatch fewer. Longer frames keep the tiled matmat and the op.
-    let fuse = e.dev.ctx.fused_ops && nt <= FUSED_OUT_ROWS && matches!(w.routed, Routed::Banks(_));
+    let fuse = e.dev.ctx.fused_ops
+        && nt <= FUSED_OUT_ROWS
+        && matches!(w.routed, Routed::Banks(_))
+        && w.sh_down.parts.len() == 1
+        && w.sh_down.rows == d;
     if fuse {
         return e.matvec_aux(&w.sh_down, hm, out, &s.expert_out, k, nt, Epilogue::MoeOut);
     }

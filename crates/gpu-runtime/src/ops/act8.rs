@@ -212,7 +212,7 @@ pub fn prepare(
         });
     }
     let col = col_scales.map(|(b, off)| (b, off as u32, 0u32));
-    quantiser_step(ctx, x, acts, col, 1, [0, 0], acts.layout)
+    quantiser_step(ctx, x, acts, col, 1, [0, 0], acts.layout as u32)
 }
 
 /// The one dispatch quantising `x` for `members` q8_2f matrices of `cols` columns, each with
@@ -228,13 +228,13 @@ pub fn prepare_shared(
     table: &wgpu::Buffer,
     members: usize,
 ) -> Result<(Step, Vec<ActBuffers>), GpuError> {
-    prepare_shared_layouts(ctx, x, nt, cols, &vec![layout; members], table)
+    prepare_shared_layouts(ctx, x, nt, cols, &vec![layout; members], table, false)
 }
 
 /// [`prepare_shared`] with a layout per member: the first member's may differ from the
-/// others', which must agree (the kernel's `mode0` and `mode`). A member without column
-/// scales (a q4tp or q2tp matrix) takes a row of f16 ones in `table`: its activations times
-/// one are its activations, so its codes are a quantiser of its own's.
+/// others', which must agree (the kernel's `mode0` and `mode`). With `first_unscaled` the
+/// first member (a q4tp, q2tp or mxfp4 matrix: no column scales) is quantised as its own
+/// quantiser would (its row of `table`, a placeholder of unit scales, is not read).
 pub fn prepare_shared_layouts(
     ctx: &GpuContext,
     x: &wgpu::Buffer,
@@ -242,6 +242,7 @@ pub fn prepare_shared_layouts(
     cols: usize,
     layouts: &[ActLayout],
     table: &wgpu::Buffer,
+    first_unscaled: bool,
 ) -> Result<(Step, Vec<ActBuffers>), GpuError> {
     let members = layouts.len();
     let (Some(&first), rest) = (layouts.first(), layouts.get(1..).unwrap_or(&[])) else {
@@ -291,7 +292,8 @@ pub fn prepare_shared_layouts(
     };
     let strides = [(qs / 4) as u32, (ds / 8) as u32];
     let col = Some((table, 0u32, (2 * cols) as u32));
-    let step = quantiser_step(ctx, x, &all, col, members, strides, first)?;
+    let mode0 = first as u32 | if first_unscaled { 1 << 31 } else { 0 };
+    let step = quantiser_step(ctx, x, &all, col, members, strides, mode0)?;
     let views = layouts
         .iter()
         .zip(0u64..)
@@ -314,7 +316,7 @@ fn quantiser_step(
     col: Option<(&wgpu::Buffer, u32, u32)>,
     members: usize,
     strides: [u32; 2],
-    first: ActLayout,
+    mode0: u32,
 ) -> Result<Step, GpuError> {
     let pipe = pipeline(ctx)?;
     // ACT_QUANT_BLOCKS blocks of the members' a workgroup.
@@ -334,7 +336,7 @@ fn quantiser_step(
         members as u32,
         0,
         0,
-        first as u32,
+        mode0,
     ];
     let ubuf = params_buffer(ctx, "act_quant params", &params);
     let (bgl, _) = ctx.act_quant_layout();
@@ -447,9 +449,9 @@ pub fn col_scale_table_host(
     col_scale_table_host_units(ctx, 0, mats)
 }
 
-/// [`col_scale_table_host`] after `units` rows of f16 ones: the rows of members without column
-/// scales (a MoE block's routed experts quantised with its shared expert's two matrices,
-/// [`prepare_shared_layouts`]).
+/// [`col_scale_table_host`] after `units` rows of f16 ones: placeholders for members without
+/// column scales (a MoE block's routed experts quantised with its shared expert's two
+/// matrices, [`prepare_shared_layouts`]).
 pub fn col_scale_table_host_units(
     ctx: &GpuContext,
     units: usize,

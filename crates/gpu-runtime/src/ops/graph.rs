@@ -317,9 +317,10 @@ impl Graph {
     }
 
     /// One quantiser dispatch for the members `layouts` of `x` (`nt` rows of `cols`), their
-    /// column scales in `table` (see [`crate::ops::act8::prepare_shared_layouts`]): the
-    /// members' activations, for calls that take them ([`Graph::grouped_acts`],
-    /// [`Graph::matvec_two_acts`]).
+    /// column scales in `table`, the first member without any with `first_unscaled` (see
+    /// [`crate::ops::act8::prepare_shared_layouts`]): the members' activations, for calls that
+    /// take them ([`Graph::grouped_acts`], [`Graph::matvec_two_acts`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn quantise_shared(
         &mut self,
         ctx: &GpuContext,
@@ -328,9 +329,17 @@ impl Graph {
         cols: usize,
         layouts: &[kernels_wgsl::ActLayout],
         table: &wgpu::Buffer,
+        first_unscaled: bool,
     ) -> Result<Vec<crate::ops::act8::ActBuffers>, GpuError> {
-        let (step, acts) =
-            crate::ops::act8::prepare_shared_layouts(ctx, x, nt, cols, layouts, table)?;
+        let (step, acts) = crate::ops::act8::prepare_shared_layouts(
+            ctx,
+            x,
+            nt,
+            cols,
+            layouts,
+            table,
+            first_unscaled,
+        )?;
         self.items.push(Item::Step(step));
         self.dispatches += 1;
         Ok(acts)
