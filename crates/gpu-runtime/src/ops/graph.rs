@@ -209,6 +209,13 @@ impl Graph {
         Graph::default()
     }
 
+    /// Appends a prepared call's steps, counting its dispatches.
+    fn push_prepared(&mut self, p: matvec::Prepared) {
+        self.dispatches += p.dispatches();
+        self.items
+            .extend(p.into_steps().into_iter().map(Item::Step));
+    }
+
     /// `y = W x` (with `epilogue`) over `nt` token rows on `path` (or the f32 path where the
     /// codec or the device lacks it); int8 activations are quantised by a step of their own.
     #[allow(clippy::too_many_arguments)]
@@ -224,10 +231,7 @@ impl Graph {
     ) -> Result<(), GpuError> {
         let plan = Plan::for_shape(ctx, m.rows, m.cols).with_path(path);
         let p = matvec::prepare_fused(ctx, m, x, y, nt, plan, epilogue)?;
-        self.dispatches += p.dispatches();
-        for s in p.into_steps() {
-            self.items.push(Item::Step(s));
-        }
+        self.push_prepared(p);
         Ok(())
     }
 
@@ -247,10 +251,7 @@ impl Graph {
     ) -> Result<(), GpuError> {
         let plan = Plan::for_shape(ctx, m.rows, m.cols).with_path(path);
         let p = matvec::prepare_aux(ctx, m, x, y, aux, nt, plan, epilogue)?;
-        self.dispatches += p.dispatches();
-        for s in p.into_steps() {
-            self.items.push(Item::Step(s));
-        }
+        self.push_prepared(p);
         Ok(())
     }
 
@@ -286,10 +287,7 @@ impl Graph {
             }
             None => matvec::prepare_two(ctx, m, x, None, y, aux, nt, plan, epilogue)?,
         };
-        self.dispatches += p.dispatches();
-        for s in p.into_steps() {
-            self.items.push(Item::Step(s));
-        }
+        self.push_prepared(p);
         Ok(())
     }
 
@@ -309,10 +307,7 @@ impl Graph {
     ) -> Result<(), GpuError> {
         let plan = Plan::for_shape(ctx, m.rows, m.cols).with_path(Path::Int8);
         let p = matvec::prepare_two(ctx, m, x, Some(acts), y, aux, nt, plan, epilogue)?;
-        self.dispatches += p.dispatches();
-        for s in p.into_steps() {
-            self.items.push(Item::Step(s));
-        }
+        self.push_prepared(p);
         Ok(())
     }
 
@@ -402,10 +397,7 @@ impl Graph {
                 matvec::prepare_with_acts(ctx, i.m, x, &acts[at], i.y, nt, plan, i.epilogue)?
             };
             at += width(i);
-            self.dispatches += p.dispatches();
-            for s in p.into_steps() {
-                self.items.push(Item::Step(s));
-            }
+            self.push_prepared(p);
         }
         Ok(())
     }
@@ -483,10 +475,7 @@ impl Graph {
             .map(|(_, t)| t);
         let (p, sorted) =
             crate::ops::experts::prepare_grouped_sorted(ctx, bank, g, plan, epilogue, sorted)?;
-        self.dispatches += p.dispatches();
-        for s in p.into_steps() {
-            self.items.push(Item::Step(s));
-        }
+        self.push_prepared(p);
         self.sorted = sorted.map(|t| (self.items.len(), t));
         Ok(())
     }

@@ -27,18 +27,6 @@ struct Params {
 @group(0) @binding(7) var<storage, read_write> vecs: array<f32>;
 @group(0) @binding(9) var<storage, read_write> qk: array<f32>;
 
-// torch's softplus (threshold 20) with an accurate log1p.
-fn softplus(x: f32) -> f32 {
-    if (x > 20.0) {
-        return x;
-    }
-    let e = exp(x);
-    let u = 1.0 + e;
-    if (u == 1.0) {
-        return e;
-    }
-    return log(u) * e / (u - 1.0);
-}
 
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {

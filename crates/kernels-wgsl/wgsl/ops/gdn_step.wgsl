@@ -51,18 +51,6 @@ var<workgroup> oh: array<f32, MAXV>;
 var<workgroup> pd: array<f32, WG>;
 var<workgroup> bd: vec2<f32>;
 
-// torch's softplus (threshold 20) with an accurate log1p (gdn_prep's).
-fn softplus(x: f32) -> f32 {
-    if (x > 20.0) {
-        return x;
-    }
-    let e = exp(x);
-    let u = 1.0 + e;
-    if (u == 1.0) {
-        return e;
-    }
-    return log(u) * e / (u - 1.0);
-}
 
 // The sum of `v` over lanes 0..RL (sum_wg's tree on RL lanes); every lane gets it. Called by
 // every lane (the barriers), lanes past RL contribute nothing.

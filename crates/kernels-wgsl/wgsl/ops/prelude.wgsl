@@ -32,6 +32,19 @@ fn silu(v: f32) -> f32 {
     return v * sigmoid(v);
 }
 
+// torch's softplus (threshold 20) with an accurate log1p (GDN's decay).
+fn softplus(x: f32) -> f32 {
+    if (x > 20.0) {
+        return x;
+    }
+    let e = exp(x);
+    let u = 1.0 + e;
+    if (u == 1.0) {
+        return e;
+    }
+    return log(u) * e / (u - 1.0);
+}
+
 // The workgroup's sum of `v` (tree order); every lane gets it.
 fn sum_wg(v: f32, li: u32) -> f32 {
     red[li] = v;
