@@ -85,6 +85,30 @@ unsafe fn dot8(w: &[__m512i; 8], q: *const i8, init: __m512i) -> __m512i {
     _mm512_add_epi32(acc[0], acc[1])
 }
 
+/// [`dot8`] for two weight rows `wa`, `wb` against the same activation codes, each vector of
+/// which is loaded once; each row's sums are its own `dot8`'s (exact integer sums).
+///
+/// # Safety
+/// `q` holds 512 bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+unsafe fn dot8x2(
+    wa: &[__m512i; 8],
+    wb: &[__m512i; 8],
+    q: *const i8,
+    init: __m512i,
+) -> (__m512i, __m512i) {
+    let mut a = [init, _mm512_setzero_si512()];
+    let mut b = [init, _mm512_setzero_si512()];
+    for v in 0..8 {
+        // SAFETY: the caller's contract; this load reads 64v .. 64v + 64.
+        let x = unsafe { q64(q, 64 * v) };
+        a[v % 2] = _mm512_dpbusd_epi32(a[v % 2], wa[v], x);
+        b[v % 2] = _mm512_dpbusd_epi32(b[v % 2], wb[v], x);
+    }
+    (_mm512_add_epi32(a[0], a[1]), _mm512_add_epi32(b[0], b[1]))
+}
+
 /// A 16-bit mask of the lanes whose blocks are below `nbl`.
 fn lane_mask(order: Order, nbl: usize) -> __mmask16 {
     (0..nbl.min(LANES8)).fold(0, |m, k| m | (1 << order.lane(k)))
@@ -240,8 +264,42 @@ fn drive<const NT: usize>(
         prep_rows(m, r0 + g0, rows);
         let mut accs = [[_mm512_setzero_ps(); NT]; LANES8];
         for c0 in (0..chunks).step_by(tile) {
-            for (row, acc) in rows.iter().zip(accs.iter_mut()) {
-                for c in c0..(c0 + tile).min(chunks) {
+            let c1 = (c0 + tile).min(chunks);
+            // With several token rows, two weight rows at a time: each activation vector is
+            // loaded once for both rows' products (the loads, not the dot products, bound the
+            // loop when eight token rows share one row's codes).
+            let paired = if NT > 1 { rows.len() / 2 * 2 } else { 0 };
+            for j in (0..paired).step_by(2) {
+                let (lo, hi) = accs.split_at_mut(j + 1);
+                let (acc_a, acc_b) = (&mut lo[j], &mut hi[0]);
+                for c in c0..c1 {
+                    let mask = if c + 1 == chunks { tail } else { 0xFFFF };
+                    let (wa, sa) = decode(&rows[j], c);
+                    let (wb, sb) = decode(&rows[j + 1], c);
+                    for t in 0..NT {
+                        let at = t * a.nbp + c * LANES8;
+                        // SAFETY: as in the one-row loop below.
+                        let (osums, d) = unsafe {
+                            (
+                                _mm512_loadu_si512(a.osums.as_ptr().add(at).cast()),
+                                _mm512_loadu_ps(a.d.as_ptr().add(at)),
+                            )
+                        };
+                        // SAFETY: as in the one-row loop below.
+                        let q = unsafe { a.q().as_ptr().add(t * per + c * CHUNK_Q) };
+                        // SAFETY: as above.
+                        let (ia, ib) = unsafe { dot8x2(&wa, &wb, q, osums) };
+                        let fa = _mm512_mul_ps(d, sa);
+                        let fb = _mm512_mul_ps(d, sb);
+                        acc_a[t] =
+                            _mm512_mask3_fmadd_ps(fa, _mm512_cvtepi32_ps(ia), acc_a[t], mask);
+                        acc_b[t] =
+                            _mm512_mask3_fmadd_ps(fb, _mm512_cvtepi32_ps(ib), acc_b[t], mask);
+                    }
+                }
+            }
+            for (row, acc) in rows.iter().zip(accs.iter_mut()).skip(paired) {
+                for c in c0..c1 {
                     let mask = if c + 1 == chunks { tail } else { 0xFFFF };
                     let (w, s) = decode(row, c);
                     for t in 0..NT {
