@@ -61,6 +61,10 @@ pub struct GpuOptions {
     /// default `tiled`), and the routed experts of frames of 128 slots and more run the
     /// one-slot grouped kernels instead of expert by expert (`ops::experts_tiled`).
     pub plain_matmat: bool,
+    /// `CORTIQ_MATMAT=tiled4x4`: the tiled matmat's f16 variants run four token rows x four
+    /// matrix rows a lane in 256 lanes (the kernel before the wide one, for a same-build
+    /// comparison) instead of eight x eight in 64 (default).
+    pub narrow_tiles: bool,
     /// `CORTIQ_FUSED_OPS=off`: every step of a model forward that has a fused kernel (a GDN
     /// layer's prep, recurrence and norm of a decode step in `gdn_step`) runs its separate
     /// kernels instead (default `on`): to measure what a fusion gains, or to rule one out.
@@ -100,13 +104,14 @@ impl GpuOptions {
                 });
             }
         };
-        o.plain_matmat = match var("CORTIQ_MATMAT").as_deref() {
-            None | Some("tiled") => false,
-            Some("plain") => true,
+        (o.plain_matmat, o.narrow_tiles) = match var("CORTIQ_MATMAT").as_deref() {
+            None | Some("tiled") => (false, false),
+            Some("tiled4x4") => (false, true),
+            Some("plain") => (true, false),
             Some(other) => {
                 return Err(GpuError::Setting {
                     setting: "CORTIQ_MATMAT",
-                    message: format!("{other:?} is not one of tiled, plain"),
+                    message: format!("{other:?} is not one of tiled, tiled4x4, plain"),
                 });
             }
         };
@@ -283,6 +288,8 @@ pub struct GpuContext {
     pub vram_budget: u64,
     /// Long frames through the tiled matmat ([`GpuOptions::plain_matmat`]).
     pub tiled_matmat: bool,
+    /// The tiled matmat's f16 variants eight x eight a lane ([`GpuOptions::narrow_tiles`]).
+    pub wide_tiles: bool,
     /// Fused op kernels where a model has them ([`GpuOptions::split_ops`]).
     pub fused_ops: bool,
     pub(crate) pipelines: Pipelines,
@@ -459,6 +466,7 @@ impl GpuContext {
             caps,
             vram_budget,
             tiled_matmat: !opts.plain_matmat,
+            wide_tiles: !opts.narrow_tiles,
             fused_ops: !opts.split_ops,
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),

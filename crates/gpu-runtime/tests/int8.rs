@@ -259,7 +259,7 @@ fn long_q8_2f_frames_run_tiled_within_the_f64_bound() {
     let Some(ctx) = ctx() else { return };
     assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
     for (rows, cols, parted) in common::TILED_SHAPES {
-        let arena = common::tiled_arena(parted);
+        let arena = common::tiled_arena(ctx, parted);
         let seed = (rows + cols) as u64;
         let (p, g) = upload(ctx, &arena, DType::Q8_2f, rows, cols, seed);
         assert_eq!(g.parts.len() > 1, parted, "{} parts", g.parts.len());

@@ -231,14 +231,23 @@ fn frames_longer_than_8_rows_run_in_tiles_of_8_bit_for_bit() {
 /// Long frames of f16 matrices run the tiled matmat: every row within the f64 witness's bound
 /// and the CPU kernel's (its sums are added in another order than the 8-row kernel's), with
 /// and without the columns split, over a partial last tile of rows and of token rows, with
-/// silu, and over a matrix in several bindings (each part's rows at its offset).
+/// silu, and over a matrix in several bindings (each part's rows at its offset); the default
+/// 8x8-a-lane kernel and the 4x4 one (`CORTIQ_MATMAT=tiled4x4`).
 #[test]
 fn long_f16_frames_run_tiled_within_the_f64_bound() {
-    use gpu_runtime::Epilogue;
     let Some(ctx) = ctx() else { return };
     assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
+    assert!(ctx.wide_tiles, "CORTIQ_MATMAT=tiled4x4 is set");
+    long_f16_frames(ctx);
+    let narrow = common::ctx_narrow().expect("a second context");
+    assert!(!narrow.wide_tiles);
+    long_f16_frames(narrow);
+}
+
+fn long_f16_frames(ctx: &GpuContext) {
+    use gpu_runtime::Epilogue;
     for (rows, cols, parted) in common::TILED_SHAPES {
-        let arena = common::tiled_arena(parted);
+        let arena = common::tiled_arena(ctx, parted);
         let (w, g) = resident(
             ctx,
             &arena,

@@ -45,6 +45,7 @@ mod src {
     pub const MXFP4: &str = include_str!("../wgsl/mxfp4.wgsl");
     pub const TILED: &str = include_str!("../wgsl/tiled.wgsl");
     pub const TILED_F16: &str = include_str!("../wgsl/tiled_f16.wgsl");
+    pub const TILED_F16_8X8: &str = include_str!("../wgsl/tiled_f16_8x8.wgsl");
     pub const TILED_I8: &str = include_str!("../wgsl/tiled_i8.wgsl");
     pub const GROUPED_TILED: &str = include_str!("../wgsl/grouped_tiled.wgsl");
     pub const GROUPED_TILED_TIERED: &str = include_str!("../wgsl/grouped_tiled_tiered.wgsl");

@@ -28,6 +28,10 @@ pub struct Tiled {
     pub epilogue: Epilogue,
     /// The columns split over the grid's z.
     pub split: bool,
+    /// f16 weights: eight token rows x eight matrix rows a lane in a workgroup of
+    /// [`Tiled::WIDE_WG`] lanes (`tiled_f16_8x8.wgsl`), instead of four x four in
+    /// [`Tiled::WG`]; the same tiles and grid.
+    pub wide: bool,
 }
 
 impl Tiled {
@@ -36,8 +40,15 @@ impl Tiled {
     /// The split variants' second entry point: one lane per token row and group of 4 rows adds
     /// the splits' sums in split order, then applies the epilogue.
     pub const REDUCE_ENTRY: &'static str = "tiled_reduce";
-    /// Lanes per workgroup of both entries.
+    /// Lanes per workgroup of both entries (the wide variant's matmat: [`Tiled::WIDE_WG`]).
     pub const WG: u32 = 256;
+    /// Lanes per workgroup of the wide variant's matmat.
+    pub const WIDE_WG: u32 = 64;
+
+    /// Lanes per workgroup of the matmat entry.
+    pub const fn lanes(&self) -> u32 {
+        if self.wide { Self::WIDE_WG } else { Self::WG }
+    }
 
     /// Whether the tiled matmat has `epilogue` (the read-out only over 4 streams: a lane's 4
     /// consecutive rows are one column's streams).
@@ -59,11 +70,17 @@ impl Tiled {
                 Epilogue::HcReadout,
             ] {
                 for split in [false, true] {
-                    out.push(Tiled {
-                        path,
-                        epilogue,
-                        split,
-                    });
+                    for wide in [false, true] {
+                        if wide && path == Path::Int8 {
+                            continue;
+                        }
+                        out.push(Tiled {
+                            path,
+                            epilogue,
+                            split,
+                            wide,
+                        });
+                    }
                 }
             }
         }
@@ -73,11 +90,12 @@ impl Tiled {
     /// Systematic name.
     pub fn name(&self) -> String {
         format!(
-            "tiled_{}{}{}{}",
+            "tiled_{}{}{}{}{}",
             self.codec().name(),
             self.path.suffix(),
             self.epilogue.suffix(),
-            if self.split { "_split" } else { "" }
+            if self.split { "_split" } else { "" },
+            if self.wide { "_8x8" } else { "" }
         )
     }
 
@@ -110,10 +128,15 @@ impl Tiled {
     /// The assembled module.
     pub fn source(&self) -> String {
         let mut parts = vec![src::DECODE, src::COMMON];
+        let f16 = if self.wide {
+            src::TILED_F16_8X8
+        } else {
+            src::TILED_F16
+        };
         match self.path {
             Path::Int8 => parts.extend([src::TILED, src::TILED_I8]),
-            Path::HwF16 => parts.extend([src::F16_HW, src::TILED, src::TILED_F16]),
-            Path::F32 => parts.extend([src::F16, src::TILED, src::TILED_F16]),
+            Path::HwF16 => parts.extend([src::F16_HW, src::TILED, f16]),
+            Path::F32 => parts.extend([src::F16, src::TILED, f16]),
         }
         if self.epilogue.has_aux() {
             parts.insert(0, AUX_DECL);
@@ -229,5 +252,6 @@ mod tests {
         for k in [src::TILED_F16, src::TILED_I8] {
             assert!(k.contains(&format!("@workgroup_size({})", Tiled::WG)));
         }
+        assert!(src::TILED_F16_8X8.contains(&format!("@workgroup_size({})", Tiled::WIDE_WG)));
     }
 }

@@ -25,9 +25,10 @@ use crate::{GpuContext, GpuError};
 /// frames keep the 8-row kernel).
 pub const MIN_ROWS: usize = 32;
 
-/// Workgroups a frame's tiles should reach before its columns are split: two per
-/// multiprocessor of an H100 or H200 (132).
-const TARGET_WORKGROUPS: usize = 264;
+/// Lanes a frame's tiles should reach before its columns are split: two workgroups of 256
+/// per multiprocessor of an H100 or H200 (132); the wide variant's 64-lane workgroups split
+/// until there are four times as many.
+const TARGET_LANES: usize = 264 * 256;
 
 /// Fewest column steps of one split.
 const MIN_SPLIT_STEPS: usize = 4;
@@ -75,12 +76,12 @@ pub fn applies(
             .all(|p| p.rows.div_ceil(TILE_ROWS as usize) <= max_dim)
 }
 
-/// How a grid of `tiles` workgroups over `cols` columns splits them: (splits, column steps per
-/// split). Splits only until the grid reaches `TARGET_WORKGROUPS` (264), each at least
-/// `MIN_SPLIT_STEPS` (4) steps.
-pub fn splits(tiles: usize, cols: usize) -> (usize, usize) {
+/// How a grid of `tiles` workgroups of `lanes` lanes over `cols` columns splits them:
+/// (splits, column steps per split). Splits only until the grid reaches `TARGET_LANES` (264
+/// workgroups of 256), each at least `MIN_SPLIT_STEPS` (4) steps.
+pub fn splits(tiles: usize, lanes: usize, cols: usize) -> (usize, usize) {
     let total = (cols / TILE_COLS as usize).max(1);
-    let want = TARGET_WORKGROUPS
+    let want = (TARGET_LANES / lanes.max(1))
         .div_ceil(tiles.max(1))
         .min(total / MIN_SPLIT_STEPS)
         .max(1);
@@ -145,7 +146,9 @@ pub(crate) fn prepare(
         let row_tiles = part.rows.div_ceil(TILE_ROWS as usize);
         let groups = part.rows.div_ceil(4);
         let reduce_wgs = (nt * groups).div_ceil(Tiled::WG as usize);
-        let (mut n_splits, mut per) = splits(row_tiles * token_tiles, m.cols);
+        let wide = ctx.wide_tiles && path != Path::Int8;
+        let lanes = if wide { Tiled::WIDE_WG } else { Tiled::WG };
+        let (mut n_splits, mut per) = splits(row_tiles * token_tiles, lanes as usize, m.cols);
         let bytes = (n_splits * nt * groups * 16) as u64;
         // Several parts would share the scratch buffer between their two steps: one split.
         if m.parts.len() > 1 || reduce_wgs > max_dim || bytes > ctx.max_binding() {
@@ -156,6 +159,7 @@ pub(crate) fn prepare(
             path,
             epilogue,
             split,
+            wide,
         };
         let (bgl, pl) = ctx.tiled_layout(int8, aux.is_some(), split);
         let pipe = |entry_point: &str| {
@@ -244,15 +248,17 @@ mod tests {
     #[test]
     fn columns_split_only_until_the_grid_fills() {
         // The HC read-out at 256 rows: 160 x 4 tiles, no split.
-        assert_eq!(splits(640, 320), (1, 10));
-        // The HC front (324 x 10240) at 256 rows: 6 x 4 tiles, 11 splits of 30 steps.
-        assert_eq!(splits(24, 10240), (11, 30));
+        assert_eq!(splits(640, 256, 320), (1, 10));
+        // The HC front (324 x 10240) at 256 rows: 6 x 4 tiles, 11 splits of 30 steps; in
+        // 64-lane workgroups 40 splits of 8.
+        assert_eq!(splits(24, 256, 10240), (11, 30));
+        assert_eq!(splits(24, 64, 10240), (40, 8));
         // Too few steps to split.
-        assert_eq!(splits(1, 64), (1, 2));
+        assert_eq!(splits(1, 256, 64), (1, 2));
         // Every split at least MIN_SPLIT_STEPS steps, the steps all covered.
         for tiles in 1..300 {
             for cols in (32..4096).step_by(32 * 7) {
-                let (s, per) = splits(tiles, cols);
+                let (s, per) = splits(tiles, 256, cols);
                 let total = cols / 32;
                 assert!(s * per >= total && (s - 1) * per < total, "{tiles} {cols}");
                 assert!(s == 1 || per >= MIN_SPLIT_STEPS, "{tiles} {cols}");

@@ -8,9 +8,21 @@ use gpu_runtime::{GpuContext, GpuOptions};
 
 pub fn ctx() -> Option<&'static GpuContext> {
     static CTX: OnceLock<Option<GpuContext>> = OnceLock::new();
-    CTX.get_or_init(|| {
+    CTX.get_or_init(|| open(false)).as_ref()
+}
+
+/// A second context whose tiled matmat runs the 4x4-a-lane f16 kernel
+/// (`CORTIQ_MATMAT=tiled4x4`), so both variants are tested.
+pub fn ctx_narrow() -> Option<&'static GpuContext> {
+    static CTX: OnceLock<Option<GpuContext>> = OnceLock::new();
+    CTX.get_or_init(|| open(true)).as_ref()
+}
+
+fn open(narrow_tiles: bool) -> Option<GpuContext> {
+    {
         let opts = GpuOptions {
             pipeline_cache_dir: None,
+            narrow_tiles,
             ..GpuOptions::default()
         };
         match GpuContext::new(&opts) {
@@ -26,8 +38,7 @@ pub fn ctx() -> Option<&'static GpuContext> {
                 None
             }
         }
-    })
-    .as_ref()
+    }
 }
 
 pub fn rng(seed: u64) -> impl FnMut() -> f32 {
@@ -58,12 +69,12 @@ pub const TILED_SHAPES: [(usize, usize, bool); 4] = [
 ];
 pub const TILED_FRAMES: [usize; 4] = [gpu_runtime::ops::tiled::MIN_ROWS, 40, 64, 256];
 
-/// The arena a [`TILED_SHAPES`] case uploads into.
-pub fn tiled_arena(parted: bool) -> gpu_runtime::WeightArena {
+/// The arena a [`TILED_SHAPES`] case uploads into on `ctx`.
+pub fn tiled_arena(ctx: &GpuContext, parted: bool) -> gpu_runtime::WeightArena {
     if parted {
         gpu_runtime::WeightArena::with_limits(1 << 30, 4096)
     } else {
-        gpu_runtime::WeightArena::new(ctx().expect("a context"))
+        gpu_runtime::WeightArena::new(ctx)
     }
 }
 
