@@ -238,7 +238,6 @@ fn drive<const NT: usize>(
     mut decode: impl FnMut(&Prep, usize) -> ([__m512i; 8], __m512),
 ) {
     let n = outs.first().map_or(0, |o| o.len());
-    let per = a.nbp * ACT_BLOCK;
     let chunks = a.nb.div_ceil(LANES8);
     let tail = lane_mask(a.order, a.nb - (chunks - 1) * LANES8);
     let back: [u32; LANES8] = core::array::from_fn(|k| a.order.lane(k) as u32);
@@ -277,17 +276,8 @@ fn drive<const NT: usize>(
                     let (wa, sa) = decode(&rows[j], c);
                     let (wb, sb) = decode(&rows[j + 1], c);
                     for t in 0..NT {
-                        let at = t * a.nbp + c * LANES8;
-                        // SAFETY: as in the one-row loop below.
-                        let (osums, d) = unsafe {
-                            (
-                                _mm512_loadu_si512(a.osums.as_ptr().add(at).cast()),
-                                _mm512_loadu_ps(a.d.as_ptr().add(at)),
-                            )
-                        };
-                        // SAFETY: as in the one-row loop below.
-                        let q = unsafe { a.q().as_ptr().add(t * per + c * CHUNK_Q) };
-                        // SAFETY: as above.
+                        let (osums, d, q) = chunk_acts(a, t, c);
+                        // SAFETY: `q` holds the chunk's 512 codes.
                         let (ia, ib) = unsafe { dot8x2(&wa, &wb, q, osums) };
                         let fa = _mm512_mul_ps(d, sa);
                         let fb = _mm512_mul_ps(d, sb);
@@ -303,19 +293,8 @@ fn drive<const NT: usize>(
                     let mask = if c + 1 == chunks { tail } else { 0xFFFF };
                     let (w, s) = decode(row, c);
                     for t in 0..NT {
-                        let at = t * a.nbp + c * LANES8;
-                        // SAFETY: `d` and `osums` hold `nbp` values per token row; 16 from
-                        // `at` fit.
-                        let (osums, d) = unsafe {
-                            (
-                                _mm512_loadu_si512(a.osums.as_ptr().add(at).cast()),
-                                _mm512_loadu_ps(a.d.as_ptr().add(at)),
-                            )
-                        };
-                        // SAFETY: token row `t` holds `nbp * 32` codes, and chunk
-                        // `c < nbp / 16`.
-                        let q = unsafe { a.q().as_ptr().add(t * per + c * CHUNK_Q) };
-                        // SAFETY: as above.
+                        let (osums, d, q) = chunk_acts(a, t, c);
+                        // SAFETY: `q` holds the chunk's 512 codes.
                         let int = unsafe { dot8(&w, q, osums) };
                         let f = _mm512_mul_ps(d, s);
                         acc[t] = _mm512_mask3_fmadd_ps(f, _mm512_cvtepi32_ps(int), acc[t], mask);
@@ -336,6 +315,23 @@ fn drive<const NT: usize>(
                 outs[t][g0 + j] = sums[j] * row.rs;
             }
         }
+    }
+}
+
+/// Token row `t`'s activations for chunk `c` (`c < nbp / 16`): the 16 negated offset sums, the
+/// 16 block scales and a pointer to the chunk's 512 codes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni")]
+#[inline]
+fn chunk_acts(a: &Acts, t: usize, c: usize) -> (__m512i, __m512, *const i8) {
+    let at = t * a.nbp + c * LANES8;
+    // SAFETY: `d` and `osums` hold `nbp` values per token row and `c < nbp / 16`, so 16 from
+    // `at` fit; token row `t` holds `nbp * 32` codes, so the chunk's 512 from its start do.
+    unsafe {
+        (
+            _mm512_loadu_si512(a.osums.as_ptr().add(at).cast()),
+            _mm512_loadu_ps(a.d.as_ptr().add(at)),
+            a.q().as_ptr().add(t * a.nbp * ACT_BLOCK + c * CHUNK_Q),
+        )
     }
 }
 
