@@ -98,6 +98,17 @@ fn shapes(dtype: DType, large_bytes: u64) -> Vec<(usize, usize, usize)> {
     ]
 }
 
+/// The GPU's prompt-frame shapes (256 token rows, the tiled matmat's case) of the matrices a
+/// frame spends most on: f16, the hyper-connection front (low rank + injection rows) and
+/// read-out and a router; q8_2f, GDN's projections.
+fn frame_shapes(dtype: DType) -> Vec<(usize, usize, usize)> {
+    match dtype {
+        DType::F16 => vec![(324, 10240, 256), (10240, 320, 256), (512, 2560, 256)],
+        DType::Q8_2f => vec![(10240, 2560, 256), (2560, 6144, 256)],
+        _ => Vec::new(),
+    }
+}
+
 fn record(
     test: &'static str,
     format: String,
@@ -287,7 +298,9 @@ fn gpu(
     let mut ring = StagingRing::new(ctx);
     for dtype in formats(opts, &GPU_FORMATS) {
         let mut last: Option<(usize, usize, GpuMatrix)> = None;
-        for (rows, cols, nt) in shapes(dtype, opts.large_bytes) {
+        let mut all = shapes(dtype, opts.large_bytes);
+        all.extend(frame_shapes(dtype));
+        for (rows, cols, nt) in all {
             if last
                 .as_ref()
                 .is_none_or(|(r, c, _)| (*r, *c) != (rows, cols))
