@@ -146,21 +146,20 @@ pub(crate) fn prepare(
         let row_tiles = part.rows.div_ceil(TILE_ROWS as usize);
         let groups = part.rows.div_ceil(4);
         let reduce_wgs = (nt * groups).div_ceil(Tiled::WG as usize);
-        let wide = ctx.wide_tiles && path != Path::Int8;
-        let lanes = if wide { Tiled::WIDE_WG } else { Tiled::WG };
-        let (mut n_splits, mut per) = splits(row_tiles * token_tiles, lanes as usize, m.cols);
+        let mut k = Tiled {
+            path,
+            epilogue,
+            split: false,
+            wide: ctx.wide_tiles && path != Path::Int8,
+        };
+        let (mut n_splits, mut per) = splits(row_tiles * token_tiles, k.lanes() as usize, m.cols);
         let bytes = (n_splits * nt * groups * 16) as u64;
         // Several parts would share the scratch buffer between their two steps: one split.
         if m.parts.len() > 1 || reduce_wgs > max_dim || bytes > ctx.max_binding() {
             (n_splits, per) = (1, total);
         }
         let split = n_splits > 1;
-        let k = Tiled {
-            path,
-            epilogue,
-            split,
-            wide,
-        };
+        k.split = split;
         let (bgl, pl) = ctx.tiled_layout(int8, aux.is_some(), split);
         let pipe = |entry_point: &str| {
             ctx.pipelines.get(
