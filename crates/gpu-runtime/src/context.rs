@@ -61,9 +61,9 @@ pub struct GpuOptions {
     /// default `tiled`), and the routed experts of frames of 128 slots and more run the
     /// one-slot grouped kernels instead of expert by expert (`ops::experts_tiled`).
     pub plain_matmat: bool,
-    /// `CORTIQ_MATMAT=tiled4x4`: the tiled matmat's f16 variants run four token rows x four
-    /// matrix rows a lane in 256 lanes (the kernel before the wide one, for a same-build
-    /// comparison) instead of eight x eight in 64 (default).
+    /// `CORTIQ_MATMAT=tiled4x4`: the tiled matmats (f16, and q8_2f on int8 activations) run
+    /// four token rows x four matrix rows a lane in 256 lanes (the kernels before the wide
+    /// ones, for a same-build comparison) instead of eight x eight in 64 (default).
     pub narrow_tiles: bool,
     /// `CORTIQ_FUSED_OPS=off`: every step of a model forward that has a fused kernel (a GDN
     /// layer's prep, recurrence and norm of a decode step in `gdn_step`) runs its separate
@@ -288,7 +288,7 @@ pub struct GpuContext {
     pub vram_budget: u64,
     /// Long frames through the tiled matmat ([`GpuOptions::plain_matmat`]).
     pub tiled_matmat: bool,
-    /// The tiled matmat's f16 variants eight x eight a lane ([`GpuOptions::narrow_tiles`]).
+    /// The tiled matmats eight x eight a lane ([`GpuOptions::narrow_tiles`]).
     pub wide_tiles: bool,
     /// Fused op kernels where a model has them ([`GpuOptions::split_ops`]).
     pub fused_ops: bool,

@@ -254,16 +254,27 @@ fn int8_matvec_matches_f64_for_every_codec_1_to_8_rows_every_reduction() {
 /// Long frames of q8_2f matrices on int8 activations run the tiled matmat: every row within
 /// the witness's bounds (the same integer dot products, f32 sums in another order), with and
 /// without the columns split, over partial last tiles, and over a matrix in several bindings.
+/// The 8x8-a-lane kernel (default) and the 4x4 one (`CORTIQ_MATMAT=tiled4x4`, a second
+/// context) compute the same products in the same order: where they split the columns alike,
+/// the same bits.
 #[test]
 fn long_q8_2f_frames_run_tiled_within_the_f64_bound() {
+    use gpu_runtime::ops::tiled::splits;
+    use kernels_wgsl::{TILE_ROWS, TILE_TOKENS, Tiled};
     let Some(ctx) = ctx() else { return };
     assert!(ctx.tiled_matmat, "CORTIQ_MATMAT=plain is set");
+    assert!(ctx.wide_tiles, "CORTIQ_MATMAT=tiled4x4 is set");
+    let narrow = common::ctx_narrow().expect("a second context");
+    let mut compared = 0;
     for (rows, cols, parted) in common::TILED_SHAPES {
         let arena = common::tiled_arena(ctx, parted);
+        let arena_n = common::tiled_arena(narrow, parted);
         let seed = (rows + cols) as u64;
         let (p, g) = upload(ctx, &arena, DType::Q8_2f, rows, cols, seed);
+        let (_, gn) = upload(narrow, &arena_n, DType::Q8_2f, rows, cols, seed);
         assert_eq!(g.parts.len() > 1, parted, "{} parts", g.parts.len());
         let plan = Plan::for_shape(ctx, rows, cols).with_path(Path::Int8);
+        let plan_n = Plan::for_shape(narrow, rows, cols).with_path(Path::Int8);
         for nt in common::TILED_FRAMES {
             let mut rr = rng(seed ^ nt as u64);
             let xs: Vec<f32> = (0..nt * cols).map(|_| rr()).collect();
@@ -272,8 +283,22 @@ fn long_q8_2f_frames_run_tiled_within_the_f64_bound() {
             for (x8, y8) in xs.chunks(8 * cols).zip(y.chunks(8 * rows)) {
                 check_int8(DType::Q8_2f, rows, cols, &p, x8, y8);
             }
+            let yn = matvec::matmat(narrow, &gn, &xs, plan_n).unwrap();
+            for (x8, y8) in xs.chunks(8 * cols).zip(yn.chunks(8 * rows)) {
+                check_int8(DType::Q8_2f, rows, cols, &p, x8, y8);
+            }
+            let tiles = rows.div_ceil(TILE_ROWS as usize) * nt.div_ceil(TILE_TOKENS as usize);
+            let alike = parted
+                || splits(tiles, Tiled::WIDE_WG as usize, cols)
+                    == splits(tiles, Tiled::WG as usize, cols);
+            if alike {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&y), bits(&yn), "[{rows}x{cols}] T{nt}: 8x8 vs 4x4");
+                compared += 1;
+            }
         }
     }
+    assert!(compared >= 8, "only {compared} frames split alike");
 }
 
 /// Long frames of q4tp, q2tp and mxfp4 experts run expert by expert (`ops::experts_tiled`): every slot's

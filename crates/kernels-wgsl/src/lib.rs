@@ -47,6 +47,7 @@ mod src {
     pub const TILED_F16: &str = include_str!("../wgsl/tiled_f16.wgsl");
     pub const TILED_F16_8X8: &str = include_str!("../wgsl/tiled_f16_8x8.wgsl");
     pub const TILED_I8: &str = include_str!("../wgsl/tiled_i8.wgsl");
+    pub const TILED_I8_8X8: &str = include_str!("../wgsl/tiled_i8_8x8.wgsl");
     pub const GROUPED_TILED: &str = include_str!("../wgsl/grouped_tiled.wgsl");
     pub const GROUPED_TILED_TIERED: &str = include_str!("../wgsl/grouped_tiled_tiered.wgsl");
     pub const GROUPED_TILED_Q4TP: &str = include_str!("../wgsl/grouped_tiled_q4tp.wgsl");

@@ -28,9 +28,9 @@ pub struct Tiled {
     pub epilogue: Epilogue,
     /// The columns split over the grid's z.
     pub split: bool,
-    /// f16 weights: eight token rows x eight matrix rows a lane in a workgroup of
-    /// [`Tiled::WIDE_WG`] lanes (`tiled_f16_8x8.wgsl`), instead of four x four in
-    /// [`Tiled::WG`]; the same tiles and grid.
+    /// Eight token rows x eight matrix rows a lane in a workgroup of [`Tiled::WIDE_WG`] lanes
+    /// (`tiled_f16_8x8.wgsl`, `tiled_i8_8x8.wgsl`), instead of four x four in [`Tiled::WG`];
+    /// the same tiles and grid.
     pub wide: bool,
 }
 
@@ -71,9 +71,6 @@ impl Tiled {
             ] {
                 for split in [false, true] {
                     for wide in [false, true] {
-                        if wide && path == Path::Int8 {
-                            continue;
-                        }
                         out.push(Tiled {
                             path,
                             epilogue,
@@ -128,13 +125,13 @@ impl Tiled {
     /// The assembled module.
     pub fn source(&self) -> String {
         let mut parts = vec![src::DECODE, src::COMMON];
-        let f16 = if self.wide {
-            src::TILED_F16_8X8
+        let (f16, i8) = if self.wide {
+            (src::TILED_F16_8X8, src::TILED_I8_8X8)
         } else {
-            src::TILED_F16
+            (src::TILED_F16, src::TILED_I8)
         };
         match self.path {
-            Path::Int8 => parts.extend([src::TILED, src::TILED_I8]),
+            Path::Int8 => parts.extend([src::TILED, i8]),
             Path::HwF16 => parts.extend([src::F16_HW, src::TILED, f16]),
             Path::F32 => parts.extend([src::F16, src::TILED, f16]),
         }
@@ -252,6 +249,8 @@ mod tests {
         for k in [src::TILED_F16, src::TILED_I8] {
             assert!(k.contains(&format!("@workgroup_size({})", Tiled::WG)));
         }
-        assert!(src::TILED_F16_8X8.contains(&format!("@workgroup_size({})", Tiled::WIDE_WG)));
+        for k in [src::TILED_F16_8X8, src::TILED_I8_8X8] {
+            assert!(k.contains(&format!("@workgroup_size({})", Tiled::WIDE_WG)));
+        }
     }
 }

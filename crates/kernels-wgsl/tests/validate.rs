@@ -75,14 +75,14 @@ fn registry_names_are_systematic_and_unique() {
     // with its table in 1, 16 and 32 copies); then the activation quantiser, the op kernels
     // and the bandwidth probes. Each: 6 shapes for 1..=8 token rows and the grouped variant,
     // and the 6 hyper-connection, 2 two-matrix and 3 MoE-output shapes for 1..=8 token rows. The tiled f16
-    // matmat and the q8_2f one: 3 paths x 4 epilogues, direct and split, the two f16 paths
-    // also 8x8 a lane. The expert-major
+    // matmat and the q8_2f one: 3 paths x 4 epilogues, direct and split, 4x4 and 8x8 a lane.
+    // The expert-major
     // grouped kernels: q4tp, gate/up and plain.
     assert_eq!(
         registry().len(),
         2 * (Codec::ALL.len() + 1 + 3 + 3) * ((8 + 1) * 6 + 8 * 11)
             + 2
-            + (3 + 2) * 4 * 2
+            + 3 * 4 * 2 * 2
             + kernels_wgsl::GroupedTiled::all().len()
             + kernels_wgsl::Op::ALL.len()
             // Grouped kernels over segmented banks (fixed and array bindings, 8 and 16

@@ -150,7 +150,7 @@ pub(crate) fn prepare(
             path,
             epilogue,
             split: false,
-            wide: ctx.wide_tiles && path != Path::Int8,
+            wide: ctx.wide_tiles,
         };
         let (mut n_splits, mut per) = splits(row_tiles * token_tiles, k.lanes() as usize, m.cols);
         let bytes = (n_splits * nt * groups * 16) as u64;
