@@ -46,6 +46,7 @@ mod src {
     pub const TILED: &str = include_str!("../wgsl/tiled.wgsl");
     pub const TILED_F16: &str = include_str!("../wgsl/tiled_f16.wgsl");
     pub const TILED_F16_8X8: &str = include_str!("../wgsl/tiled_f16_8x8.wgsl");
+    pub const TILED_I8_COMMON: &str = include_str!("../wgsl/tiled_i8_common.wgsl");
     pub const TILED_I8: &str = include_str!("../wgsl/tiled_i8.wgsl");
     pub const TILED_I8_8X8: &str = include_str!("../wgsl/tiled_i8_8x8.wgsl");
     pub const GROUPED_TILED: &str = include_str!("../wgsl/grouped_tiled.wgsl");

@@ -131,7 +131,7 @@ impl Tiled {
             (src::TILED_F16, src::TILED_I8)
         };
         match self.path {
-            Path::Int8 => parts.extend([src::TILED, i8]),
+            Path::Int8 => parts.extend([src::TILED, src::TILED_I8_COMMON, i8]),
             Path::HwF16 => parts.extend([src::F16_HW, src::TILED, f16]),
             Path::F32 => parts.extend([src::F16, src::TILED, f16]),
         }

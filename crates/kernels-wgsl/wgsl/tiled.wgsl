@@ -6,9 +6,10 @@
 // traffic). Each lane keeps 4 token rows x 4 consecutive matrix rows (a read-out column's 4
 // streams) in four vec4 accumulators.
 //
-// This file: what both kernels share. Assembled (kernels-wgsl's `Tiled`) as decode.wgsl +
-// common.wgsl + [f16: the codec's chunk decoder] + this file + tiled_f16.wgsl or tiled_i8.wgsl
-// + the epilogue's `emit4` + `finish`. A frame whose tiles are too few to fill the device
+// This file: what every variant shares. Assembled (kernels-wgsl's `Tiled`) as decode.wgsl +
+// common.wgsl + [f16: the codec's chunk decoder] + this file + [int8: tiled_i8_common.wgsl] +
+// the kernel (tiled_f16.wgsl, tiled_i8.wgsl, or their 8x8-a-lane forms) + the epilogue's
+// `emit4` + `finish`. A frame whose tiles are too few to fill the device
 // splits its columns over the grid's z: each split writes its sums to `part` and
 // `tiled_reduce` adds the splits in order and applies the epilogue.
 
@@ -47,22 +48,18 @@ fn silu(v: f32) -> f32 {
     return v / (1.0 + exp(-v));
 }
 
-// A lane's sums: token rows t .. t + 3 (a0 .. a3) of matrix rows r0 .. r0 + 3, those past the
-// frame's or the matrix's end dropped.
+// A lane's sums of token row t, rows r0 .. r0 + 3; past the frame's or the matrix's end
+// dropped (rows r0 + 1 .. past the end: by the epilogue).
+fn finish_one(z: u32, t: u32, r0: u32, v: vec4<f32>) {
+    if (r0 < P.rows && t < P.nt) {
+        finish(z, t, r0, v);
+    }
+}
+
+// A lane's sums: token rows t .. t + 3 (a0 .. a3) of matrix rows r0 .. r0 + 3.
 fn finish4(z: u32, t: u32, r0: u32, a0: vec4<f32>, a1: vec4<f32>, a2: vec4<f32>, a3: vec4<f32>) {
-    if (r0 >= P.rows) {
-        return;
-    }
-    if (t < P.nt) {
-        finish(z, t, r0, a0);
-    }
-    if (t + 1u < P.nt) {
-        finish(z, t + 1u, r0, a1);
-    }
-    if (t + 2u < P.nt) {
-        finish(z, t + 2u, r0, a2);
-    }
-    if (t + 3u < P.nt) {
-        finish(z, t + 3u, r0, a3);
-    }
+    finish_one(z, t, r0, a0);
+    finish_one(z, t + 1u, r0, a1);
+    finish_one(z, t + 2u, r0, a2);
+    finish_one(z, t + 3u, r0, a3);
 }

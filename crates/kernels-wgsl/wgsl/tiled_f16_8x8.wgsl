@@ -235,11 +235,3 @@ fn stage_chunk(base: u32, m: u32, v: vec4<u32>) {
     wt[base + 96u][m] = hi.z;
     wt[base + 112u][m] = hi.w;
 }
-
-// A lane's sums of token row t, rows r0 .. r0 + 3 (past the frame's or the matrix's end:
-// dropped, as `finish4` drops them).
-fn finish_one(z: u32, t: u32, r0: u32, v: vec4<f32>) {
-    if (r0 < P.rows && t < P.nt) {
-        finish(z, t, r0, v);
-    }
-}

@@ -4,20 +4,12 @@
 // is one block: lanes 0..127 stage the token rows' codes and scales, lanes 128..255 the matrix
 // rows' codes.
 
-@group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
-@group(0) @binding(5) var<storage, read> xd: array<vec2<u32>>;
-
 // A block's codes as two vec4 halves, [2][64]: token rows in order, matrix rows in the order
 // (r % 4) * 16 + r / 4 (as tiled_f16.wgsl: lane `tx`'s rows are four runs of 16 consecutive
 // vec4s, and a half-warp's lanes share their token rows).
 var<workgroup> xt: array<vec4<u32>, 128>;
 var<workgroup> wt: array<vec4<u32>, 128>;
 var<workgroup> dt: array<f32, 64>;
-
-fn dot8v(wa: vec4<u32>, wb: vec4<u32>, xa: vec4<u32>, xb: vec4<u32>) -> f32 {
-    return f32(((dot4I8Packed(wa.x, xa.x) + dot4I8Packed(wa.y, xa.y)) + (dot4I8Packed(wa.z, xa.z) + dot4I8Packed(wa.w, xa.w)))
-        + ((dot4I8Packed(wb.x, xb.x) + dot4I8Packed(wb.y, xb.y)) + (dot4I8Packed(wb.z, xb.z) + dot4I8Packed(wb.w, xb.w))));
-}
 
 @compute @workgroup_size(256)
 fn tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -103,13 +95,6 @@ fn tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     }
     let r0 = n0 + tx * 4u;
     let t = t0 + ty * 4u;
-    // The rows' f16 scales (past the end: the last row's; never written).
-    let last = P.rows - 1u;
-    let sc = vec4<f32>(
-        f16_at(P.second + 2u * min(r0, last)),
-        f16_at(P.second + 2u * min(r0 + 1u, last)),
-        f16_at(P.second + 2u * min(r0 + 2u, last)),
-        f16_at(P.second + 2u * min(r0 + 3u, last)),
-    );
+    let sc = row_scales(r0);
     finish4(wid.z, t, r0, a0 * sc, a1 * sc, a2 * sc, a3 * sc);
 }

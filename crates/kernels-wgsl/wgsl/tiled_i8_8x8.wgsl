@@ -5,9 +5,6 @@
 // 16 weight and 16 activation vec4s and 8 scales from workgroup memory for 64 block products
 // (the 256-lane kernel: 8 + 8 and 4 for 16).
 
-@group(0) @binding(3) var<storage, read> xq: array<vec4<u32>>;
-@group(0) @binding(5) var<storage, read> xd: array<vec2<u32>>;
-
 // A block's codes as two vec4 halves, [2][64]: token row t at slot t, matrix row r at slot
 // ((r / 32) * 4 + r % 4) * 8 + (r % 32) / 4. Lane (tx, ty) = (li % 8, li / 8) finds its token
 // rows ty + 8 i at 8 i + ty and its rows 4 tx + 32 j + m at (4 j + m) * 8 + tx: a warp's loads
@@ -15,11 +12,6 @@
 var<workgroup> xt: array<vec4<u32>, 128>;
 var<workgroup> wt: array<vec4<u32>, 128>;
 var<workgroup> dt: array<f32, 64>;
-
-fn dot8v(wa: vec4<u32>, wb: vec4<u32>, xa: vec4<u32>, xb: vec4<u32>) -> f32 {
-    return f32(((dot4I8Packed(wa.x, xa.x) + dot4I8Packed(wa.y, xa.y)) + (dot4I8Packed(wa.z, xa.z) + dot4I8Packed(wa.w, xa.w)))
-        + ((dot4I8Packed(wb.x, xb.x) + dot4I8Packed(wb.y, xb.y)) + (dot4I8Packed(wb.z, xb.z) + dot4I8Packed(wb.w, xb.w))));
-}
 
 @compute @workgroup_size(64)
 fn tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -166,22 +158,4 @@ fn tiled(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index)
     finish_one(wid.z, t0 + ty + 48u, r1, a61 * c1);
     finish_one(wid.z, t0 + ty + 56u, r0, a70 * c0);
     finish_one(wid.z, t0 + ty + 56u, r1, a71 * c1);
-}
-
-fn row_scales(r0: u32) -> vec4<f32> {
-    let last = P.rows - 1u;
-    return vec4<f32>(
-        f16_at(P.second + 2u * min(r0, last)),
-        f16_at(P.second + 2u * min(r0 + 1u, last)),
-        f16_at(P.second + 2u * min(r0 + 2u, last)),
-        f16_at(P.second + 2u * min(r0 + 3u, last)),
-    );
-}
-
-// A lane's sums of token row t, rows r0 .. r0 + 3 (past the frame's or the matrix's end:
-// dropped, as `finish4` drops them).
-fn finish_one(z: u32, t: u32, r0: u32, v: vec4<f32>) {
-    if (r0 < P.rows && t < P.nt) {
-        finish(z, t, r0, v);
-    }
 }
