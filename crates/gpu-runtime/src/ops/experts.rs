@@ -398,11 +398,12 @@ pub(crate) fn prepare_grouped_sorted(
     {
         let mut steps = Vec::new();
         let acts = quantised(layout, &mut steps)?;
+        let quant = steps.len();
         let (kernel, sorted) = crate::ops::experts_tiled::prepare(
             ctx, bank, codec, &acts, ids, y, slots, x_div, epilogue, sorted,
         )?;
         steps.extend(kernel);
-        return Ok((Prepared::from_steps(steps, path), Some(sorted)));
+        return Ok((Prepared::from_steps(steps, quant, path), Some(sorted)));
     }
     let plan = plan.for_codec(ctx, codec, 1, true);
     let mut k: Matvec = plan.fused_kernel(codec, 1, epilogue);
@@ -493,8 +494,9 @@ pub(crate) fn prepare_grouped_sorted(
         "grouped {codec:?} {}x{} slots {slots} {path:?} {epilogue:?}",
         bank.rows, bank.cols
     );
+    let quant = steps.len();
     steps.push(Step::new(pipe, vec![(bg, n as u32, slots as u32)], label));
-    Ok((Prepared::from_steps(steps, path), None))
+    Ok((Prepared::from_steps(steps, quant, path), None))
 }
 
 /// The bind group of a grouped kernel over a segmented bank ([`segmented_layout`]).

@@ -468,6 +468,8 @@ impl Step {
 /// one bind group per part of the matrix.
 pub struct Prepared {
     steps: Vec<Step>,
+    /// How many of `steps` quantise the activations (they come first).
+    quant: usize,
     /// The path that runs.
     pub path: Path,
 }
@@ -481,16 +483,18 @@ impl Prepared {
         }
     }
 
-    /// Records only the matvec (the activations already quantised by an earlier recording:
-    /// what a forward sharing one quantised input among several matrices does).
+    /// Records only the matvec, every step of it (a split tiled matmat's reduce too), the
+    /// activations already quantised by an earlier recording: what a forward sharing one
+    /// quantised input among several matrices does.
     pub fn record_matvec(&self, pass: &mut wgpu::ComputePass<'_>) {
-        if let Some(s) = self.steps.last() {
+        for s in &self.steps[self.quant..] {
             s.record(pass);
         }
     }
 
-    pub(crate) fn from_steps(steps: Vec<Step>, path: Path) -> Prepared {
-        Prepared { steps, path }
+    /// `steps`, of which the first `quant` quantise the activations.
+    pub(crate) fn from_steps(steps: Vec<Step>, quant: usize, path: Path) -> Prepared {
+        Prepared { steps, quant, path }
     }
 
     /// The steps, in order (what a [`crate::ops::graph::Graph`] keeps).
@@ -744,13 +748,11 @@ fn prepare_inner(
             y,
             aux,
         };
+        let quant = steps.len();
         steps.extend(crate::ops::tiled::prepare(
             ctx, m, tiled, nt, plan.path, epilogue, y_rows,
         )?);
-        return Ok(Prepared {
-            steps,
-            path: plan.path,
-        });
+        return Ok(Prepared::from_steps(steps, quant, plan.path));
     }
     let pipe = codec_pipeline(ctx, codec, nt_kernel, plan, epilogue)?;
     let (bgl, _) = if aux.is_some() {
@@ -803,11 +805,9 @@ fn prepare_inner(
         "matvec {codec:?} {}x{} T{nt} {:?} {epilogue:?} l{}",
         m.rows, m.cols, plan.path, plan.lanes
     );
+    let quant = steps.len();
     steps.push(Step::new(pipe, groups, label).with_tiles(tiles as u32));
-    Ok(Prepared {
-        steps,
-        path: plan.path,
-    })
+    Ok(Prepared::from_steps(steps, quant, plan.path))
 }
 
 /// A matvec dispatch's buffers besides the weights: the activations (`x`, or the int8 codes
