@@ -267,8 +267,8 @@ pub fn bench(
     let mut dispatches = Vec::new();
     let mut frame_stages = Vec::new();
     let mut frame_dispatches = Vec::new();
-    // The longest frame the `-p` prompt is fed in (qwen4_exp all-resident: 256 rows by
-    // default, up to 512).
+    // The longest frame the `-p` prompt is fed in (qwen4_exp all-resident: up to 512 rows
+    // by default).
     let batch = quant_codecs::MAX_BATCH;
     let frame_rows = match model {
         AnyModel::Qwen4Gpu(g) if offload.is_none() => {

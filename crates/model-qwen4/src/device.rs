@@ -13,19 +13,20 @@ pub use model_core::device::{Device, Part, TwoMats};
 pub type Enc<'a> = model_core::device::Enc<'a, Scratch>;
 
 /// Most token rows of a prompt's frame by default (every routed expert resident: frames with
-/// cold experts keep 8 rows). A frame's chain of ~1,300 dependent dispatches costs about what
+/// cold experts keep 8 rows). A frame's chain of ~1,200 dependent dispatches costs about what
 /// a decoded token does whatever its rows, and a long frame reads each weight once for more
 /// rows: the tiled matmat reads a weight once per 64 rows and the expert-major kernels an
-/// expert once per 8 of its slots, which at 64 rows (1.25 slots an expert) they seldom have.
-/// On an H100, pp512 1,196-1,259 tok/s in frames of 64 against 1,802-1,898 in frames of 256
-/// (docs/perf.md). The cost: each recorded frame shape keeps its own scratch and int8
-/// activation buffers, about 2.2 MB a row at the release geometry (~570 MB at 256 rows against
-/// ~190 MB at 64), so the frames are no longer than the budget's room after the weights holds
-/// ([`frame_rows`]); a long `--ctx` shortens them too (the attention logits' cap), and
-/// `CORTIQ_PROMPT_ROWS` sets fewer (8 gives the frames of earlier builds).
+/// expert once per 8 of its slots, which at 64 rows (1.25 slots an expert) they seldom have
+/// and at 512 rows (10 slots an expert at the release geometry) they mostly have. On an H100,
+/// pp512 1,217 tok/s in frames of 64, 1,991 in frames of 256 and 2,376 in frames of 512
+/// (2026-12-07, docs/perf.md). The cost: each recorded frame shape keeps its own scratch and
+/// int8 activation buffers, about 2.2 MB a row at the release geometry (~1.1 GB at 512 rows
+/// against ~190 MB at 64), so the frames are no longer than the budget's room after the
+/// weights holds ([`frame_rows`]); a long `--ctx` shortens them too (the attention logits'
+/// cap), and `CORTIQ_PROMPT_ROWS` sets fewer (8 gives the frames of earlier builds).
 /// Frames of 32 rows and more run the tiled kernels, whose sums differ from a frame of 8's in
 /// the last bits (`CORTIQ_MATMAT=plain` keeps them equal).
-pub const PROMPT_ROWS: usize = 256;
+pub const PROMPT_ROWS: usize = 512;
 
 /// The longest prompt frame `CORTIQ_PROMPT_ROWS` may ask for (what the matvecs take).
 pub const MAX_PROMPT_ROWS: usize = gpu_runtime::ops::matvec::MAX_FRAME_ROWS;
@@ -73,8 +74,40 @@ pub fn frame_rows(
     (want / MAX_BATCH * MAX_BATCH).max(MAX_BATCH)
 }
 
-/// The frame rows a prompt keeps whatever room the budget leaves (the default before frames
-/// of 256 rows).
+/// The shortest of a prompt's long frames: the tiled matmats run from 32 rows, where a frame
+/// reads each weight once against four times in frames of 8.
+pub const SHORTEST_LONG_FRAME: usize = 32;
+
+/// The lengths of the frames `n` prompt tokens are fed in when the longest frame is `long`
+/// rows: the longest of `long`, `long / 2`, `long / 4`, ... (multiples of 8, down to
+/// [`SHORTEST_LONG_FRAME`]) that the tokens left fill, then frames of 8 and a last one of the
+/// rest. A prompt shorter than `long` still runs in long frames (a 300-token prompt at 512:
+/// 256, 32, 8, 4), while a state records at most one graph per rung, not one per prompt length
+/// (each keeps its own int8 activation buffers: [`row_bytes`] counts the rungs below the
+/// longest).
+pub fn frame_lengths(n: usize, long: usize) -> Vec<usize> {
+    let mut rungs = Vec::new();
+    let mut r = long / MAX_BATCH * MAX_BATCH;
+    while r >= SHORTEST_LONG_FRAME {
+        rungs.push(r);
+        r = r / 2 / MAX_BATCH * MAX_BATCH;
+    }
+    let mut out = Vec::new();
+    let mut rest = n;
+    while rest > 0 {
+        let len = rungs
+            .iter()
+            .copied()
+            .find(|&r| r <= rest)
+            .unwrap_or(rest.min(MAX_BATCH));
+        out.push(len);
+        rest -= len;
+    }
+    out
+}
+
+/// The frame rows a prompt keeps whatever room the budget leaves (the default before longer
+/// frames).
 pub const ROOMLESS_ROWS: usize = 64;
 
 /// Logits per workgroup of greedy argmax's first pass.
@@ -164,8 +197,9 @@ fn work_widths(c: &Qwen4ExpTextConfig, ctx_len: usize, has_attn: bool) -> (usize
 }
 
 /// Device bytes a frame row costs beyond the weights, an estimate: the scratch's per-row
-/// buffers ([`Scratch::new`]) three times over, since the int8 activation buffers each frame
-/// shape records are about twice the scratch at the release geometry (0.7 and 1.3 MB a row).
+/// buffers ([`Scratch::new`]) five times over, since the int8 activation buffers each frame
+/// shape records are about twice the scratch at the release geometry (0.7 and 1.3 MB a row),
+/// and the shorter rungs of [`frame_lengths`] record as many rows again as the longest.
 pub fn row_bytes(c: &Qwen4ExpTextConfig, ctx_len: usize, has_attn: bool) -> u64 {
     let (h, d, k) = (c.hc_count, c.hidden_size, c.num_experts_per_tok);
     let (wide, max_blocks, hq) = work_widths(c, ctx_len, has_attn);
@@ -178,7 +212,7 @@ pub fn row_bytes(c: &Qwen4ExpTextConfig, ctx_len: usize, has_attn: bool) -> u64 
         + hq * ctx_len
         + 4 * k
         + k * (c.moe_intermediate_size + d);
-    3 * 4 * floats as u64
+    5 * 4 * floats as u64
 }
 
 impl Scratch {
@@ -233,8 +267,44 @@ impl Scratch {
 mod tests {
     use super::*;
 
-    /// At the release geometry a frame row costs about 2 MB beyond the weights (the scratch's
-    /// 0.7 MB of buffers counted from `Scratch::new`'s sizes by hand, three times over), and the
+    /// Every prompt length's frames add up to it, each a rung of the ladder (the longest frame
+    /// halved while a multiple of 8 and at least 32 rows), 8 rows, or the last one's rest;
+    /// longer rungs first, and a rung only where no longer one fits what is left.
+    #[test]
+    fn prompt_frames_take_the_longest_rung_that_fits() {
+        for long in [8usize, 24, 64, 96, 256, 512] {
+            let mut rungs = vec![];
+            let mut r = long;
+            while r >= 32 && r % 8 == 0 {
+                rungs.push(r);
+                r /= 2;
+            }
+            for n in 0..1200 {
+                let f = frame_lengths(n, long);
+                assert_eq!(f.iter().sum::<usize>(), n, "{n} at {long}");
+                let mut rest = n;
+                for (i, &len) in f.iter().enumerate() {
+                    let want = rungs.iter().copied().find(|&r| r <= rest);
+                    match want {
+                        Some(r) => assert_eq!(len, r, "{n} at {long}: frame {i}"),
+                        None => {
+                            let last = i + 1 == f.len();
+                            assert!(
+                                len == 8 || (last && len == rest && len < 8),
+                                "{n} at {long}: {f:?}"
+                            );
+                        }
+                    }
+                    rest -= len;
+                }
+            }
+        }
+        assert_eq!(frame_lengths(300, 512), vec![256, 32, 8, 4]);
+        assert_eq!(frame_lengths(1000, 512), vec![512, 256, 128, 64, 32, 8]);
+    }
+
+    /// At the release geometry a frame row costs about 3.5 MB beyond the weights (the scratch's
+    /// 0.7 MB of buffers counted from `Scratch::new`'s sizes by hand, five times over), and the
     /// default frames shrink to what the budget's room holds, never below the old default.
     #[test]
     fn frames_shrink_to_the_room_the_budget_leaves() {
@@ -256,7 +326,7 @@ mod tests {
             + 24 * ctx
             + 40
             + 10 * (640 + 2560);
-        assert_eq!(row, 12 * floats as u64);
+        assert_eq!(row, 20 * floats as u64);
         let max = 1u64 << 31;
         assert_eq!(frame_rows(&c, ctx, true, max, u64::MAX), PROMPT_ROWS);
         assert_eq!(frame_rows(&c, ctx, true, max, 0), ROOMLESS_ROWS);

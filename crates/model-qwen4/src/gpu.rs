@@ -564,7 +564,7 @@ impl<'a> GpuModel<'a> {
         GpuState::new(self)
     }
 
-    /// The longest frame a prompt is fed in: up to 256 rows by default (512 with
+    /// The longest frame a prompt is fed in: up to 512 rows by default (fewer with
     /// `CORTIQ_PROMPT_ROWS`) where every routed expert is
     /// resident (fewer at a long context or where the budget leaves little room:
     /// [`crate::device::frame_rows`]), else 8.
@@ -572,10 +572,11 @@ impl<'a> GpuModel<'a> {
         self.res.frame_rows
     }
 
-    /// A prompt's frames: of [`Resident::frame_rows`] rows (at most
-    /// [`crate::device::ALL_LOGITS_ROWS`] when every row's logits are read: `all`) while that
-    /// many are left, then frames of 8 (so a state records one long shape per head, not one
-    /// per prompt length: each keeps its own activation buffers).
+    /// A prompt's frames ([`crate::device::frame_lengths`]): the longest of
+    /// [`Resident::frame_rows`] rows and its halves (at most
+    /// [`crate::device::ALL_LOGITS_ROWS`] when every row's logits are read: `all`) that the
+    /// tokens left fill, then frames of 8 (so a state records a few long shapes, not one per
+    /// prompt length: each keeps its own activation buffers).
     fn frames<'t>(&self, tokens: &'t [u32], all: bool) -> Vec<&'t [u32]> {
         let long = if all {
             self.res.frame_rows.min(crate::device::ALL_LOGITS_ROWS)
@@ -584,12 +585,7 @@ impl<'a> GpuModel<'a> {
         };
         let mut out = Vec::new();
         let mut rest = tokens;
-        while !rest.is_empty() {
-            let n = if rest.len() >= long {
-                long
-            } else {
-                rest.len().min(MAX_BATCH)
-            };
+        for n in crate::device::frame_lengths(tokens.len(), long) {
             let (f, r) = rest.split_at(n);
             out.push(f);
             rest = r;
