@@ -82,6 +82,12 @@ pub struct ModelReport {
     pub frame_stages: Vec<StageTime>,
     /// With `dispatches`: a prefill frame's GPU time by kernel.
     pub frame_dispatches: Vec<StageTime>,
+    /// A decoded token's (and a prefill frame's) GPU time in one timed pass, as it runs
+    /// unprofiled: the GPU's busy time without the stage passes' boundaries, to set beside the
+    /// wall clock of `tgN` (milliseconds; absent without timestamp queries).
+    pub whole_ms: Option<f64>,
+    /// The same for a prefill frame of [`ModelReport::frame_rows`] rows.
+    pub frame_whole_ms: Option<f64>,
     /// With routed experts on the CPU: the decode test's cold path, per decoded token of the
     /// timed repetitions.
     pub offload: Option<OffloadRecord>,
@@ -267,6 +273,8 @@ pub fn bench(
     let mut dispatches = Vec::new();
     let mut frame_stages = Vec::new();
     let mut frame_dispatches = Vec::new();
+    let mut whole = Vec::new();
+    let mut frame_whole = Vec::new();
     // The longest frame the `-p` prompt is fed in (qwen4_exp all-resident: up to 512 rows
     // by default).
     let batch = quant_codecs::MAX_BATCH;
@@ -297,6 +305,7 @@ pub fn bench(
         if opts.decode > 0 || opts.prompt < frame_rows {
             let n = opts.decode.clamp(1, 16);
             runs.push((1, n, Granularity::Stage, &mut stages));
+            runs.push((1, n, Granularity::Whole, &mut whole));
             if opts.dispatches {
                 runs.push((1, n, Granularity::Dispatch, &mut dispatches));
             }
@@ -304,6 +313,7 @@ pub fn bench(
         if opts.prompt >= frame_rows {
             let n = (opts.prompt / frame_rows).clamp(1, 8);
             runs.push((frame_rows, n, Granularity::Stage, &mut frame_stages));
+            runs.push((frame_rows, n, Granularity::Whole, &mut frame_whole));
             if opts.dispatches {
                 runs.push((frame_rows, n, Granularity::Dispatch, &mut frame_dispatches));
             }
@@ -339,6 +349,8 @@ pub fn bench(
         frame_rows,
         frame_stages,
         frame_dispatches,
+        whole_ms: total_ms(&whole),
+        frame_whole_ms: total_ms(&frame_whole),
         offload,
     })
 }
@@ -522,6 +534,38 @@ impl ModelReport {
                 )?;
             }
         }
+        if let Some(ms) = self.whole_ms {
+            // The decode test's wall clock per token against the GPU's busy time: what is
+            // left is the host's turn between tokens (the token's readback, the next token's
+            // inputs, the submission) and any gaps the GPU leaves.
+            let wall = self
+                .records
+                .iter()
+                .find(|r| r.test.starts_with("tg") && !r.test.contains('x') && r.tok_s > 0.0)
+                .map(|r| 1e3 / r.tok_s);
+            write!(
+                w,
+                "\nGPU time of a decoded token in one timed pass: {ms:.3} ms"
+            )?;
+            match wall {
+                Some(wall) => writeln!(
+                    w,
+                    "; the decode test's wall clock {wall:.3} ms a token ({:.3} ms besides the \
+                     GPU's)",
+                    wall - ms
+                )?,
+                None => writeln!(w)?,
+            }
+        }
+        if let Some(ms) = self.frame_whole_ms {
+            writeln!(
+                w,
+                "GPU time of a prefill frame of {} rows in one timed pass: {ms:.3} ms ({:.1} \
+                 tok/s)",
+                self.frame_rows,
+                1e3 * self.frame_rows as f64 / ms
+            )?;
+        }
         print_profile(
             w,
             &self.stages,
@@ -541,6 +585,11 @@ impl ModelReport {
         }
         Ok(())
     }
+}
+
+/// The milliseconds of a profile's passes together (`None` when nothing was timed).
+fn total_ms(passes: &[StageTime]) -> Option<f64> {
+    (!passes.is_empty()).then(|| passes.iter().map(|s| s.ms).sum())
 }
 
 /// Writes a stage profile and, when there is one, the per-kernel profile under it, as
@@ -623,6 +672,62 @@ mod tests {
         let text = String::from_utf8(text).unwrap();
         assert!(
             text.contains("tg4: ") && !text.contains("tg4x3: "),
+            "{text}"
+        );
+    }
+
+    /// On the GPU (lavapipe in CI) the report times a decoded token and a prefill frame in one
+    /// pass beside the stage profile, and sets the token's against the decode test's wall clock.
+    #[test]
+    fn the_gpu_report_times_a_token_in_one_pass() {
+        let opts = gpu_runtime::GpuOptions {
+            pipeline_cache_dir: None,
+            ..Default::default()
+        };
+        if let Err(e) = gpu_runtime::GpuContext::new(&opts) {
+            assert_ne!(
+                std::env::var("CORTIQ_REQUIRE_GPU").as_deref(),
+                Ok("1"),
+                "CORTIQ_REQUIRE_GPU=1 but no GPU: {e}"
+            );
+            return;
+        }
+        let place = crate::model::Placement {
+            backend: gpu_runtime::BackendChoice::Wgpu,
+            ..Default::default()
+        };
+        let loaded = LoadedModel::new_on(crate::embedded_model().unwrap(), &place).unwrap();
+        let opts = ModelBenchOptions {
+            prompt: 64,
+            decode: 2,
+            reps: 1,
+            dispatches: false,
+            batch: 1,
+            verify: false,
+            scripted: false,
+        };
+        let r = bench(loaded.model(), "demo", "q8", 1e9, &opts, &mut |_| {}).unwrap();
+        if r.stages.is_empty() {
+            // No timestamp queries on this adapter: no profile of either kind.
+            assert!(r.whole_ms.is_none() && r.frame_whole_ms.is_none());
+            return;
+        }
+        assert!(r.whole_ms.is_some_and(|ms| ms > 0.0), "{:?}", r.whole_ms);
+        assert!(
+            r.frame_whole_ms.is_some_and(|ms| ms > 0.0),
+            "{:?}",
+            r.frame_whole_ms
+        );
+        let mut text = Vec::new();
+        r.write_text(&mut text).unwrap();
+        let text = String::from_utf8(text).unwrap();
+        assert!(
+            text.contains("GPU time of a decoded token in one timed pass: ")
+                && text.contains("the decode test's wall clock")
+                && text.contains(&format!(
+                    "prefill frame of {} rows in one timed pass",
+                    r.frame_rows
+                )),
             "{text}"
         );
     }

@@ -59,8 +59,8 @@ pub struct Span {
     pub end: Option<Break>,
 }
 
-/// What a profiled recording times: each stage (the dispatches between two marks) or each
-/// dispatch step (named `stage: kernel shape`).
+/// What a profiled recording times: each stage (the dispatches between two marks), each
+/// dispatch step (named `stage: kernel shape`), or all of it in one pass (named `all`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Granularity {
     /// A timed compute pass per stage.
@@ -68,6 +68,9 @@ pub enum Granularity {
     /// A timed compute pass per step: slower (a pass boundary per dispatch), for which kernels
     /// the stage time is made of.
     Dispatch,
+    /// One timed pass of every step, as the recording runs unprofiled: the GPU's busy time with
+    /// no pass boundaries added (a stage profile's passes add several microseconds each).
+    Whole,
 }
 
 /// A profiled recording: one timestamp pair per timed pass, resolved into a buffer to read
@@ -617,14 +620,14 @@ impl Graph {
             match item {
                 Item::Step(s) => open.push(s),
                 Item::Tap(_) | Item::Break(_) => {}
+                Item::Mark(_) if granularity == Granularity::Whole => {}
                 Item::Mark(name) => {
                     let steps = std::mem::take(&mut open);
-                    match granularity {
-                        Granularity::Stage => passes.push((name.to_string(), steps)),
-                        Granularity::Dispatch => {
-                            for s in steps {
-                                passes.push((format!("{name}: {}", s.label()), vec![s]));
-                            }
+                    if granularity == Granularity::Stage {
+                        passes.push((name.to_string(), steps));
+                    } else {
+                        for s in steps {
+                            passes.push((format!("{name}: {}", s.label()), vec![s]));
                         }
                     }
                 }
@@ -633,6 +636,7 @@ impl Graph {
         if !open.is_empty() {
             match granularity {
                 Granularity::Stage => passes.push(("tail".into(), open)),
+                Granularity::Whole => passes.push(("all".into(), open)),
                 Granularity::Dispatch => {
                     for s in open {
                         passes.push((format!("tail: {}", s.label()), vec![s]));
