@@ -108,7 +108,16 @@ fn routing_at_the_release_expert_count_matches_a_stable_sort_and_the_gate_f64() 
     let tail = graph::storage(ctx, "tail", g_off + rows);
     let ub = graph::upload_f32(ctx, "u", &u);
     let gwb = graph::upload_f32(ctx, "gate weights", &gw);
-    for norm in [0u32, 1] {
+    type Run = (Vec<u32>, Vec<u32>, Vec<u32>);
+    let mut one_high: [Option<Run>; 2] = [None, None];
+    // A grid one workgroup high (one workgroup a row routes and sums the gate) and two high
+    // (the second sums the gate): the same code, so the same bits.
+    for (norm, high) in [(0u32, 1u32), (1, 1), (0, 2), (1, 2)] {
+        // NaN everywhere first: nothing a run leaves unwritten passes for an earlier run's.
+        for (b, n) in [(&tail, g_off + rows), (&rw, rows * e), (&ids, rows * k)] {
+            ctx.queue
+                .write_buffer(b, 0, bytemuck::cast_slice(&vec![f32::NAN; n]));
+        }
         let mut g = Graph::new();
         let p = [e, k, norm as usize, sw_off, g_off, d].map(|v| v as u32);
         g.op(
@@ -117,7 +126,7 @@ fn routing_at_the_release_expert_count_matches_a_stable_sort_and_the_gate_f64() 
             &p,
             &frame,
             &[&l, &pr, &rw, &ids, &tail, &ub, &gwb],
-            (rows as u32, 1),
+            (rows as u32, high),
         )
         .unwrap();
         let got_ids: Vec<u32> = run_and_read(ctx, &g, &ids, rows * k)
@@ -127,6 +136,12 @@ fn routing_at_the_release_expert_count_matches_a_stable_sort_and_the_gate_f64() 
         let tail_back = run_and_read(ctx, &g, &tail, g_off + rows);
         let got_w = &tail_back[sw_off..sw_off + rows * k];
         let dense = run_and_read(ctx, &g, &rw, rows * e);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+        let run = (got_ids.clone(), bits(&tail_back[sw_off..]), bits(&dense));
+        match &one_high[norm as usize] {
+            None => one_high[norm as usize] = Some(run),
+            Some(first) => assert!(*first == run, "norm {norm}: grids 1 and 2 high differ"),
+        }
         for t in 0..rows {
             let (dot, mag) = (0..d).fold((0.0f64, 0.0f64), |(s, a), j| {
                 let p = u[t * d + j] as f64 * gw[j] as f64;

@@ -445,11 +445,12 @@ pub fn encode(
         g_off as u32,
         d as u32,
     ];
+    // Two workgroups a row: the second computes the shared expert's gate beside the routing.
     e.op(
         Op::Route,
         &p,
         &[rl, pr, rw, &s.slot_ids, &s.expert_out, &s.u, &w.sh_scale],
-        (nt as u32, 1),
+        (nt as u32, 2),
     )?;
     // The routed experts' and the shared expert's activations from one quantiser.
     let shared = match (&w.shared_quant, &w.sh_gate_up) {

@@ -5,7 +5,10 @@
 // the row's shared-expert gate `sigmoid(u . w)` (for `d` > 0), so the block's output can be the
 // shared expert's epilogue (kernels-wgsl's `Epilogue::MoeOut`) or `shared_add` without a
 // reduction of its own. The weights and gates go to the slots' buffer `tail`, after the slots'
-// outputs (at `sw_off` and `g_off`).
+// outputs (at `sw_off` and `g_off`). With a grid two workgroups high, the row's second
+// workgroup computes the gate while the first routes (a decode step's routing is one
+// workgroup, a chain of latencies the gate's loads and reduction no longer add to); with one,
+// the one workgroup does both. The same code sums the gate either way.
 struct Params {
     e: u32,
     k: u32,
@@ -52,37 +55,46 @@ fn before(u: f32, i: u32, v: f32, j: u32) -> bool {
 }
 
 @compute @workgroup_size(WG)
-fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
     let r = wid.x;
     let o = r * P.e;
     let e4 = (P.e + 3u) / 4u * 4u;
     if (li == 0u) {
         atomicStore(&ncand, 0u);
     }
-    // The gate: eight partial sums a lane, eight independent loads an iteration, then the
-    // workgroup's tree (the order shared_add summed it in, on as many lanes).
-    var p0 = 0.0;
-    var p1 = 0.0;
-    var p2 = 0.0;
-    var p3 = 0.0;
-    var p4 = 0.0;
-    var p5 = 0.0;
-    var p6 = 0.0;
-    var p7 = 0.0;
-    let ou = r * P.d;
-    for (var j = li; j < P.d; j += 8u * WG) {
-        p0 += prod(ou, j);
-        p1 += prod(ou, j + WG);
-        p2 += prod(ou, j + 2u * WG);
-        p3 += prod(ou, j + 3u * WG);
-        p4 += prod(ou, j + 4u * WG);
-        p5 += prod(ou, j + 5u * WG);
-        p6 += prod(ou, j + 6u * WG);
-        p7 += prod(ou, j + 7u * WG);
+    if (nwg.y == 1u || wid.y == 1u) {
+        // The gate: eight partial sums a lane, eight independent loads an iteration, then the
+        // workgroup's tree (the order shared_add summed it in, on as many lanes).
+        var p0 = 0.0;
+        var p1 = 0.0;
+        var p2 = 0.0;
+        var p3 = 0.0;
+        var p4 = 0.0;
+        var p5 = 0.0;
+        var p6 = 0.0;
+        var p7 = 0.0;
+        let ou = r * P.d;
+        for (var j = li; j < P.d; j += 8u * WG) {
+            p0 += prod(ou, j);
+            p1 += prod(ou, j + WG);
+            p2 += prod(ou, j + 2u * WG);
+            p3 += prod(ou, j + 3u * WG);
+            p4 += prod(ou, j + 4u * WG);
+            p5 += prod(ou, j + 5u * WG);
+            p6 += prod(ou, j + 6u * WG);
+            p7 += prod(ou, j + 7u * WG);
+        }
+        let gate = sigmoid(sum_wg(((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), li));
+        if (li == 0u && P.d > 0u) {
+            tail[P.g_off + r] = gate;
+        }
     }
-    let gate = sigmoid(sum_wg(((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), li));
-    if (li == 0u && P.d > 0u) {
-        tail[P.g_off + r] = gate;
+    if (wid.y == 1u) {
+        return;
     }
     var m = NEG;
     for (var j = li; j < e4; j += WG) {
