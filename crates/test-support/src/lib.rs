@@ -13,6 +13,18 @@ pub mod mtp;
 pub use cmf_convert::Profile;
 pub use cmf_format::npy::Npy;
 
+/// What a GPU test does where no adapter is found (`what` says why): fails under
+/// `CORTIQ_REQUIRE_GPU=1` (CI, whose GPU is lavapipe), else notes the skip on stderr, and the
+/// test returns.
+pub fn no_gpu(what: &dyn std::fmt::Display) {
+    assert_ne!(
+        std::env::var("CORTIQ_REQUIRE_GPU").as_deref(),
+        Ok("1"),
+        "CORTIQ_REQUIRE_GPU=1 but no GPU: {what}"
+    );
+    eprintln!("no GPU, skipped: {what}");
+}
+
 /// The workspace root.
 pub fn workspace() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
