@@ -69,11 +69,43 @@ pub struct GpuOptions {
     /// layer's prep, recurrence and norm of a decode step in `gdn_step`) runs its separate
     /// kernels instead (default `on`): to measure what a fusion gains, or to rule one out.
     pub split_ops: bool,
+    /// `CORTIQ_MATVEC_SPLIT=LANES[:CHUNKS]`: how far the rows of few-row matrices are split
+    /// across lanes ([`crate::Plan::for_shape`]): until the matrix has `LANES` lanes in flight
+    /// or a lane would walk fewer than `CHUNKS` 16-column chunks (default
+    /// [`MatvecSplit::DEFAULT`]). A measurement knob: a plan changes a row's order of additions,
+    /// and every frame of up to 8 rows and every decode step share the one plan of a matrix.
+    pub matvec_split: Option<MatvecSplit>,
+}
+
+/// How far [`crate::Plan::for_shape`] splits a row across lanes ([`GpuOptions::matvec_split`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MatvecSplit {
+    /// Lanes in flight the split aims for.
+    pub target_lanes: usize,
+    /// Fewest 16-column chunks a lane walks.
+    pub min_chunks: usize,
+}
+
+impl MatvecSplit {
+    /// 65,536 lanes, four chunks a lane: measured on the H200 (docs/perf.md, 2026-12-02).
+    pub const DEFAULT: MatvecSplit = MatvecSplit {
+        target_lanes: 65536,
+        min_chunks: 4,
+    };
+
+    fn parse(v: &str) -> Option<MatvecSplit> {
+        let (lanes, chunks) = v.split_once(':').unwrap_or((v, "4"));
+        let s = MatvecSplit {
+            target_lanes: lanes.trim().parse().ok()?,
+            min_chunks: chunks.trim().parse().ok()?,
+        };
+        (s.target_lanes > 0 && s.min_chunks > 0).then_some(s)
+    }
 }
 
 impl GpuOptions {
     /// Options from the environment (`CORTIQ_GPU`, `CORTIQ_ADAPTER`, `CORTIQ_VRAM`,
-    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`, `CORTIQ_MATMAT`, `CORTIQ_FUSED_OPS`);
+    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`, `CORTIQ_MATMAT`, `CORTIQ_FUSED_OPS`, `CORTIQ_MATVEC_SPLIT`);
     /// unset variables keep
     /// the defaults.
     pub fn from_env() -> Result<GpuOptions, GpuError> {
@@ -115,6 +147,12 @@ impl GpuOptions {
                 });
             }
         };
+        if let Some(v) = var("CORTIQ_MATVEC_SPLIT") {
+            o.matvec_split = Some(MatvecSplit::parse(&v).ok_or_else(|| GpuError::Setting {
+                setting: "CORTIQ_MATVEC_SPLIT",
+                message: format!("{v:?} is not LANES or LANES:CHUNKS (positive integers)"),
+            })?);
+        }
         o.split_ops = match var("CORTIQ_FUSED_OPS").as_deref() {
             None | Some("on") => false,
             Some("off") => true,
@@ -292,6 +330,8 @@ pub struct GpuContext {
     pub wide_tiles: bool,
     /// Fused op kernels where a model has them ([`GpuOptions::split_ops`]).
     pub fused_ops: bool,
+    /// How far few-row matrices' rows are split across lanes ([`GpuOptions::matvec_split`]).
+    pub matvec_split: MatvecSplit,
     pub(crate) pipelines: Pipelines,
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
@@ -468,6 +508,7 @@ impl GpuContext {
             tiled_matmat: !opts.plain_matmat,
             wide_tiles: !opts.narrow_tiles,
             fused_ops: !opts.split_ops,
+            matvec_split: opts.matvec_split.unwrap_or(MatvecSplit::DEFAULT),
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),
             i8_layout: std::sync::OnceLock::new(),
@@ -616,5 +657,20 @@ mod tests {
             BackendChoice::Wgpu
         );
         assert!("cuda".parse::<BackendChoice>().is_err());
+    }
+
+    #[test]
+    fn matvec_splits_parse() {
+        let s = |lanes, chunks| {
+            Some(MatvecSplit {
+                target_lanes: lanes,
+                min_chunks: chunks,
+            })
+        };
+        assert_eq!(MatvecSplit::parse("262144:1"), s(262144, 1));
+        assert_eq!(MatvecSplit::parse("131072"), s(131072, 4));
+        assert_eq!(MatvecSplit::parse("0:1"), None);
+        assert_eq!(MatvecSplit::parse("65536:0"), None);
+        assert_eq!(MatvecSplit::parse("many"), None);
     }
 }

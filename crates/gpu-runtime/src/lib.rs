@@ -31,7 +31,8 @@ pub mod staging;
 
 pub use arena::{GpuMatrix, WeightArena};
 pub use context::{
-    BackendChoice, DeviceCaps, GpuContext, GpuOptions, Selected, default_budget, parse_size, select,
+    BackendChoice, DeviceCaps, GpuContext, GpuOptions, MatvecSplit, Selected, default_budget,
+    parse_size, select,
 };
 pub use error::GpuError;
 pub use kernels_wgsl::{ActLayout, Epilogue, Op, Path};

@@ -75,14 +75,14 @@ impl Plan {
     /// so its 20 KB rows are not each read by a single subgroup's dependent loads.
     pub fn for_shape(ctx: &GpuContext, rows: usize, cols: usize) -> Plan {
         // Lanes in flight that hide the memory latency of a large GPU (an H200 runs 270k).
-        const TARGET_LANES: usize = 65536;
+        let split = ctx.matvec_split;
         let base = Plan::for_matrix(ctx, rows);
         let groups = rows.div_ceil(base.rows as usize);
         let chunks = cols / 16;
         let mut lanes = base.lanes;
         while lanes < 256
-            && groups * 2 * lanes as usize <= TARGET_LANES
-            && chunks >= 4 * 2 * lanes as usize
+            && groups * 2 * lanes as usize <= split.target_lanes
+            && chunks >= split.min_chunks * 2 * lanes as usize
         {
             lanes *= 2;
         }
