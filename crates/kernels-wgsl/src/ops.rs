@@ -147,7 +147,10 @@ impl Op {
     /// group took three rounds of loads per pass, each a memory latency.
     pub const fn wg(self) -> u32 {
         match self {
-            Op::RmsNorm | Op::GdnConv | Op::GdnStep => 512,
+            Op::RmsNorm | Op::GdnConv => 512,
+            // A value head of up to 128 columns in one pass of its 8 parts (docs/perf.md):
+            // the state stays in registers, and a token pays one round of loads.
+            Op::GdnStep => 1024,
             _ => OP_WG,
         }
     }
@@ -190,7 +193,8 @@ mod tests {
         let src = Op::GdnStep.source();
         assert!(src.contains(&format!("const L: u32 = {GDN_PARTS}u;")));
         let (k, v) = GDN_STEP_MAX_DIMS;
-        assert!(src.contains(&format!("const MAXV: u32 = {v}u;")));
+        assert!(src.contains("const MAXV: u32 = WG;"));
+        assert_eq!(v, Op::GdnStep.wg() as usize);
         // Its reductions run on as many lanes as gdn_prep's and gdn_norm's workgroups.
         let rl = Op::GdnPrep.wg();
         assert_eq!(rl, Op::GdnNorm.wg());

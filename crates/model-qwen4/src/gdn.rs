@@ -311,7 +311,10 @@ pub fn encode<'a>(
     let (max_dk, max_dv) = kernels_wgsl::GDN_STEP_MAX_DIMS;
     for part in parts {
         let st = part.state;
+        let lim = &e.dev.ctx.limits;
         let step = e.dev.ctx.fused_ops
+            && lim.max_compute_invocations_per_workgroup >= Op::GdnStep.wg()
+            && lim.max_compute_workgroup_size_x >= Op::GdnStep.wg()
             && part.rows <= kernels_wgsl::GDN_STEP_ROWS
             && dk <= max_dk
             && dv <= max_dv;

@@ -12,6 +12,13 @@
 // (part, column) pairs, C = WG / L columns a pass, so a head of dv columns takes
 // ceil(dv / C) passes; its state is loaded and stored per token and pass (a token reads each
 // state value once either way).
+//
+// A decode step's workgroup is a chain of memory latencies and barriers, so every global load
+// of a token is issued first, before any reduction: q and k, the head's scalars, v, the gate's
+// z and the norm's weights, and (where a pass covers the whole head: `WG / L` >= dv) the state
+// itself, which then stays in registers across the frame's tokens (a store and a load of the
+// same f32 give it back unchanged, so the bits are the reloading path's). q's and k's sums of
+// squares share one tree (each component's additions the same as alone).
 struct Params {
     t: u32,
     hk: u32,
@@ -41,15 +48,16 @@ const L: u32 = 8u;
 const C: u32 = WG / L;
 const MAXR: u32 = 32u;
 override R: u32 = 16u;
-// Widest key head (two elements a reduction lane) and value head.
+// Widest key head (two elements a reduction lane) and value head (at most one value a lane).
 const MAXK: u32 = 2u * RL;
-const MAXV: u32 = 1024u;
+const MAXV: u32 = WG;
 
 var<workgroup> qs: array<f32, MAXK>;
 var<workgroup> ks: array<f32, MAXK>;
 var<workgroup> oh: array<f32, MAXV>;
 var<workgroup> pd: array<f32, WG>;
 var<workgroup> bd: vec2<f32>;
+var<workgroup> red2: array<vec2<f32>, RL>;
 
 
 // The sum of `v` over lanes 0..RL (sum_wg's tree on RL lanes); every lane gets it. Called by
@@ -70,6 +78,23 @@ fn sum_rl(v: f32, li: u32) -> f32 {
     return r;
 }
 
+// `sum_rl` of two values at once: each component summed in `sum_rl`'s order.
+fn sum_rl2(v: vec2<f32>, li: u32) -> vec2<f32> {
+    if (li < RL) {
+        red2[li] = v;
+    }
+    workgroupBarrier();
+    for (var h = RL / 2u; h > 0u; h = h >> 1u) {
+        if (li < h) {
+            red2[li] = red2[li] + red2[li + h];
+        }
+        workgroupBarrier();
+    }
+    let r = red2[0];
+    workgroupBarrier();
+    return r;
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wid.x;
@@ -80,9 +105,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let i0 = part * R;
     let i1 = min(i0 + R, P.dk);
     let passes = (P.dv + C - 1u) / C;
+    // One pass a token: this lane's column of the state is loaded once for the frame.
+    let one = passes == 1u;
+    let live0 = c < P.dv;
+    let base0 = h * P.dk * P.dv + c;
+    var st: array<f32, MAXR>;
+    if (one && live0) {
+        for (var ii = 0u; ii < R; ii++) {
+            if (i0 + ii < i1) {
+                st[ii] = s[base0 + (i0 + ii) * P.dv];
+            }
+        }
+    }
     for (var t = 0u; t < P.t; t++) {
         let r = F.row0 + t;
-        // gdn_prep: the head's normalised q and k, beta and the decay.
+        // Every load of the token before the first barrier.
         let src = r * P.c + kh * P.dk;
         var q0 = 0.0;
         var k0 = 0.0;
@@ -96,8 +133,26 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             q1 = conv[src + li + RL];
             k1 = conv[src + P.key_dim + li + RL];
         }
-        let rq = 1.0 / sqrt(sum_rl(q0 * q0 + q1 * q1, li) + 1e-6);
-        let rk = 1.0 / sqrt(sum_rl(k0 * k0 + k1 * k1, li) + 1e-6);
+        var vv = 0.0;
+        if (one && live0) {
+            vv = conv[r * P.c + 2u * P.key_dim + h * P.dv + c];
+        }
+        let at0 = r * hvd + h * P.dv;
+        var zz = 0.0;
+        var wn = 0.0;
+        if (li < P.dv) {
+            zz = z[at0 + li];
+            wn = vecs[2u * P.hv + li];
+        }
+        if (li == 0u) {
+            let beta = sigmoid(bb[r * P.hv + h]);
+            let g = -exp(vecs[h]) * softplus(aa[r * P.hv + h] + vecs[P.hv + h]);
+            bd = vec2<f32>(beta, exp(g));
+        }
+        // gdn_prep: the head's normalised q and k, beta and the decay.
+        let sums = sum_rl2(vec2<f32>(q0 * q0 + q1 * q1, k0 * k0 + k1 * k1), li);
+        let rq = 1.0 / sqrt(sums.x + 1e-6);
+        let rk = 1.0 / sqrt(sums.y + 1e-6);
         let qscale = 1.0 / sqrt(f32(P.dk));
         if (li < RL && li < P.dk) {
             qs[li] = q0 * rq * qscale;
@@ -107,11 +162,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             qs[li + RL] = q1 * rq * qscale;
             ks[li + RL] = k1 * rk;
         }
-        if (li == 0u) {
-            let beta = sigmoid(bb[r * P.hv + h]);
-            let g = -exp(vecs[h]) * softplus(aa[r * P.hv + h] + vecs[P.hv + h]);
-            bd = vec2<f32>(beta, exp(g));
-        }
         workgroupBarrier();
         let beta = bd.x;
         let decay = bd.y;
@@ -120,12 +170,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let j = p * C + c;
             let live = j < P.dv;
             let base = h * P.dk * P.dv + j;
-            var st: array<f32, MAXR>;
             var d = 0.0;
             if (live) {
                 for (var ii = 0u; ii < R; ii++) {
                     if (i0 + ii < i1) {
-                        let v = s[base + (i0 + ii) * P.dv] * decay;
+                        var raw = st[ii];
+                        if (!one) {
+                            raw = s[base + (i0 + ii) * P.dv];
+                        }
+                        let v = raw * decay;
                         st[ii] = v;
                         d += v * ks[i0 + ii];
                     }
@@ -139,7 +192,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
             var delta = 0.0;
             if (live) {
-                delta = (conv[r * P.c + 2u * P.key_dim + h * P.dv + j] - dsum) * beta;
+                var x = vv;
+                if (!one) {
+                    x = conv[r * P.c + 2u * P.key_dim + h * P.dv + j];
+                }
+                delta = (x - dsum) * beta;
             }
             var o = 0.0;
             if (live) {
@@ -147,6 +204,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     if (i0 + ii < i1) {
                         let v = st[ii] + ks[i0 + ii] * delta;
                         s[base + (i0 + ii) * P.dv] = v;
+                        st[ii] = v;
                         o += v * qs[i0 + ii];
                     }
                 }
@@ -173,14 +231,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
         let rr = 1.0 / sqrt(sum_rl(sq, li) / f32(P.dv) + bitcast<f32>(P.eps));
-        let at0 = r * hvd + h * P.dv;
-        for (var j = li; j < P.dv; j += WG) {
-            let zz = z[at0 + j];
+        if (li < P.dv) {
             var gate = sigmoid(zz);
             if (P.gate_silu == 1u) {
                 gate = silu(zz);
             }
-            out[at0 + j] = vecs[2u * P.hv + j] * (oh[j] * rr) * gate;
+            out[at0 + li] = wn * (oh[li] * rr) * gate;
         }
         // The next token's prep overwrites qs, ks and bd, its recurrence oh.
         workgroupBarrier();
