@@ -60,54 +60,6 @@ fn prelude(b: &mut String, pair: bool, nr: u32, nt: u32, k: &Matvec) {
             let _ = writeln!(b, "    var a{r}_{t} = 0.0;");
         }
     }
-    prefetch(b, k, nr, nt);
-}
-
-/// Most routed slots a token row whose values [`Epilogue::MoeOut`] loads before the row's
-/// dot product (the rest after it).
-const MOE_OUT_PREFETCH: u32 = 16;
-
-/// Whether a one-token-row kernel loads its epilogue's inputs before its dot product: a
-/// decode step's read-out and MoE output are a chain of memory latencies after the
-/// reduction otherwise (their loads wait for it, the stores for them). The loaded values are
-/// the ones the late loads would read, added in the same order: the same bits.
-fn prefetches(k: &Matvec, nr: u32, nt: u32) -> bool {
-    nt == 1
-        && !k.grouped
-        && match k.epilogue {
-            Epilogue::HcReadout => true,
-            Epilogue::MoeOut => nr == 1,
-            _ => false,
-        }
-}
-
-fn prefetch(b: &mut String, k: &Matvec, nr: u32, nt: u32) {
-    if !prefetches(k, nr, nt) {
-        return;
-    }
-    let _ = writeln!(b, "    let live = first < P.rows;");
-    if k.epilogue == Epilogue::HcReadout {
-        let _ = writeln!(b, "    let xb = tb * P.rows + first / {nr}u;");
-        for r in 0..nr {
-            let _ = writeln!(b, "    var hx{r} = 0.0;");
-            let _ = writeln!(
-                b,
-                "    if (live) {{ hx{r} = aux[xb + {r}u * (P.rows / {nr}u)]; }}"
-            );
-        }
-    } else {
-        let _ = writeln!(b, "    let s0 = tb * P.half;");
-        let _ = writeln!(b, "    var mg = 0.0;");
-        let _ = writeln!(b, "    if (live) {{ mg = aux[P.x_div + tb]; }}");
-        for q in 0..MOE_OUT_PREFETCH {
-            let _ = writeln!(b, "    var mw{q} = 0.0;");
-            let _ = writeln!(b, "    var me{q} = 0.0;");
-            let _ = writeln!(b, "    if (live && {q}u < P.half) {{");
-            let _ = writeln!(b, "        mw{q} = aux[P.slot_bytes + s0 + {q}u];");
-            let _ = writeln!(b, "        me{q} = aux[(s0 + {q}u) * P.rows + first];");
-            let _ = writeln!(b, "    }}");
-        }
-    }
 }
 
 /// The reduction of every accumulator and the writes, with `finish(sum, row)` the codec's
@@ -158,12 +110,10 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
             let _ = writeln!(b, "            let xb = (tb + {t}u) * P.rows + j;");
             let _ = writeln!(b, "            var acc = 0.0;");
             for r in 0..nr {
-                let x = if prefetches(k, nr, nt) {
-                    format!("hx{r}")
-                } else {
-                    format!("aux[xb + {r}u * (P.rows / {nr}u)]")
-                };
-                let _ = writeln!(b, "            acc += hc_sigmoid(g{r}) * {x};");
+                let _ = writeln!(
+                    b,
+                    "            acc += hc_sigmoid(g{r}) * aux[xb + {r}u * (P.rows / {nr}u)];"
+                );
             }
             let yt = ytok(k, t);
             let _ = writeln!(
@@ -200,37 +150,6 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
                 let _ = writeln!(b, "    }}");
             }
         }
-    } else if k.epilogue == Epilogue::MoeOut && prefetches(k, nr, nt) {
-        // The slots loaded before the dot product (`prefetch`), added in slot order.
-        let total = finish("total", "first");
-        let _ = writeln!(b, "    {{");
-        let _ = writeln!(
-            b,
-            "        let total = reduce(a0_0, li, lane, sg_size, sg_lane);"
-        );
-        let _ = writeln!(b, "        if (lane == 0u && live) {{");
-        let _ = writeln!(b, "            var acc = 0.0;");
-        for q in 0..MOE_OUT_PREFETCH {
-            let _ = writeln!(
-                b,
-                "            if ({q}u < P.half) {{ acc = acc + mw{q} * me{q}; }}"
-            );
-        }
-        let _ = writeln!(
-            b,
-            "            for (var s = {MOE_OUT_PREFETCH}u; s < P.half; s++) {{"
-        );
-        let _ = writeln!(
-            b,
-            "                acc = acc + aux[P.slot_bytes + s0 + s] * aux[(s0 + s) * P.rows + first];"
-        );
-        let _ = writeln!(b, "            }}");
-        let _ = writeln!(
-            b,
-            "            y[tb * P.y_stride + P.row_offset + first] = acc + mg * ({total});"
-        );
-        let _ = writeln!(b, "        }}");
-        let _ = writeln!(b, "    }}");
     } else if k.epilogue == Epilogue::MoeOut {
         // The routed slots' weighted sum, added in slot order with their loads issued four at
         // a time (shared_add's order and grouping), then the gated shared expert. P.half:

@@ -92,26 +92,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var v5 = 0.0;
     var v6 = 0.0;
     var v7 = 0.0;
-    // The weight factors first: loaded after the injection's stores to x, they would wait
-    // for them (the compiler cannot tell the buffers apart), a memory latency more.
-    var f0 = 1.0;
-    var f1 = 1.0;
-    var f2 = 1.0;
-    var f3 = 1.0;
-    var f4 = 1.0;
-    var f5 = 1.0;
-    var f6 = 1.0;
-    var f7 = 1.0;
-    if (one) {
-        f0 = wf(base, li + 0u * WG);
-        f1 = wf(base, li + 1u * WG);
-        f2 = wf(base, li + 2u * WG);
-        f3 = wf(base, li + 3u * WG);
-        f4 = wf(base, li + 4u * WG);
-        f5 = wf(base, li + 5u * WG);
-        f6 = wf(base, li + 6u * WG);
-        f7 = wf(base, li + 7u * WG);
-    }
     var s0 = 0.0;
     var s1 = 0.0;
     var s2 = 0.0;
@@ -158,6 +138,24 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         s5 += v5 * v5;
         s6 += v6 * v6;
         s7 += v7 * v7;
+    }
+    var f0 = 1.0;
+    var f1 = 1.0;
+    var f2 = 1.0;
+    var f3 = 1.0;
+    var f4 = 1.0;
+    var f5 = 1.0;
+    var f6 = 1.0;
+    var f7 = 1.0;
+    if (one) {
+        f0 = wf(base, li + 0u * WG);
+        f1 = wf(base, li + 1u * WG);
+        f2 = wf(base, li + 2u * WG);
+        f3 = wf(base, li + 3u * WG);
+        f4 = wf(base, li + 4u * WG);
+        f5 = wf(base, li + 5u * WG);
+        f6 = wf(base, li + 6u * WG);
+        f7 = wf(base, li + 7u * WG);
     }
     let total = sum_wg(((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), li);
     let r = 1.0 / sqrt(total / f32(P.group) + bitcast<f32>(P.eps));
