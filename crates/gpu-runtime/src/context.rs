@@ -87,10 +87,12 @@ pub struct MatvecSplit {
 }
 
 impl MatvecSplit {
-    /// 65,536 lanes, four chunks a lane: measured on the H200 (docs/perf.md, 2026-12-02).
+    /// 262,144 lanes, one chunk a lane: a decoded token's GPU time 9.06 -> 8.81 ms against
+    /// 65,536 and four (the earlier default) on an H100 (docs/perf.md, 2026-12-07). Its cost
+    /// then, a slower prefill in frames of 8 rows, went with the tiled matmats of long frames.
     pub const DEFAULT: MatvecSplit = MatvecSplit {
-        target_lanes: 65536,
-        min_chunks: 4,
+        target_lanes: 262144,
+        min_chunks: 1,
     };
 
     fn parse(v: &str) -> Option<MatvecSplit> {
