@@ -87,12 +87,14 @@ pub struct MatvecSplit {
 }
 
 impl MatvecSplit {
-    /// 262,144 lanes, one chunk a lane: a decoded token's GPU time 9.06 -> 8.81 ms against
-    /// 65,536 and four (the earlier default) on an H100 (docs/perf.md, 2026-12-07). Its cost
-    /// then, a slower prefill in frames of 8 rows, went with the tiled matmats of long frames.
+    /// 65,536 lanes, four chunks a lane (measured on the H200, docs/perf.md, 2026-12-02).
+    /// `262144:1` took a decoded qwen4_exp token's GPU time from 9.06 to 8.81 ms on an H100
+    /// (2026-12-07), but moved a deepseek_v41 fixture's GPU logits past their test's bound
+    /// against transformers on lavapipe (1.46e-4 against 2.0e-5): not the default until that
+    /// is understood.
     pub const DEFAULT: MatvecSplit = MatvecSplit {
-        target_lanes: 262144,
-        min_chunks: 1,
+        target_lanes: 65536,
+        min_chunks: 4,
     };
 
     fn parse(v: &str) -> Option<MatvecSplit> {

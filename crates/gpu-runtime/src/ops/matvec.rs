@@ -70,8 +70,8 @@ impl Plan {
 
     /// [`Plan::for_matrix`], with each row split across more lanes (up to a workgroup of 256,
     /// reduced through workgroup memory) while the matrix has too few rows to keep the device's
-    /// lanes busy and each lane would still walk a 16-column chunk or more
-    /// ([`crate::MatvecSplit`]): a 320-row hyper-connection matrix of 10240 columns gets 256
+    /// lanes busy and each lane would still walk a few 16-column chunks
+    /// ([`crate::MatvecSplit`]): a 320-row hyper-connection matrix of 10240 columns gets 128
     /// lanes a row instead of one subgroup, so its 20 KB rows are not each read by a single
     /// subgroup's dependent loads.
     pub fn for_shape(ctx: &GpuContext, rows: usize, cols: usize) -> Plan {
