@@ -88,10 +88,11 @@ pub struct MatvecSplit {
 
 impl MatvecSplit {
     /// 65,536 lanes, four chunks a lane (measured on the H200, docs/perf.md, 2026-12-02).
-    /// `262144:1` took a decoded qwen4_exp token's GPU time from 9.06 to 8.81 ms on an H100
-    /// (2026-12-07), but moved a deepseek_v41 fixture's GPU logits past their test's bound
-    /// against transformers on lavapipe (1.46e-4 against 2.0e-5): not the default until that
-    /// is understood.
+    /// `131072:1` and `262144:1` take about 3% off a decoded qwen4_exp token on an H100 but
+    /// add 4-9% to a 512-row prefill frame, whose split matrices are also tiled along z
+    /// (2026-12-07); they also move one deepseek_v41 fixture prompt's logits past its test's
+    /// bound against transformers on lavapipe (the mHC mixing matrix's sums in another order
+    /// flip a fake-quantiser rounding: docs/perf.md).
     pub const DEFAULT: MatvecSplit = MatvecSplit {
         target_lanes: 65536,
         min_chunks: 4,
