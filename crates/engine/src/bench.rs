@@ -278,6 +278,26 @@ fn gpu(
         ),
         &mut records,
     );
+    for v in [
+        gpu_runtime::bench::FloorVariant::Uniform,
+        gpu_runtime::bench::FloorVariant::Immediate,
+        gpu_runtime::bench::FloorVariant::WorkgroupMemory,
+    ] {
+        if let Some((t, _)) = gpu_runtime::bench::launch_floor_variant(ctx, v, 1000)? {
+            push(
+                record(
+                    "launch_floor",
+                    "-".into(),
+                    v.name().into(),
+                    1,
+                    0,
+                    t.seconds,
+                    if t.timestamps { "timestamps" } else { "wall" },
+                ),
+                &mut records,
+            );
+        }
+    }
     let h200 = ctx.info.name.contains("H200");
     // The int8 path's quantiser at the activation widths of the shapes above.
     for (cols, nt) in [(2560, 1), (2560, 8), (8192, 1), (8192, 8)] {

@@ -75,6 +75,10 @@ pub struct ModelReport {
     /// With `dispatches`: per stage and kernel shape (`stage: kernel shape`), slowest first,
     /// each dispatch a timed pass of its own.
     pub dispatches: Vec<StageTime>,
+    /// With `dispatches`: what a decoded token's one-pass GPU time loses when each kernel's
+    /// steps are left out of it (milliseconds per token, largest first; `calls` its steps a
+    /// token): each kernel's share of the chain without the per-dispatch passes' overhead.
+    pub marginal: Vec<StageTime>,
     /// With a prompt test of at least one full frame: [`ModelReport::stages`] and
     /// [`ModelReport::dispatches`] for a prefill frame of that many rows (milliseconds per frame).
     pub frame_rows: usize,
@@ -274,6 +278,7 @@ pub fn bench(
     let mut frame_stages = Vec::new();
     let mut frame_dispatches = Vec::new();
     let mut whole = Vec::new();
+    let mut without = Vec::new();
     let mut frame_whole = Vec::new();
     // The longest frame the `-p` prompt is fed in (qwen4_exp all-resident: up to 512 rows
     // by default).
@@ -308,6 +313,7 @@ pub fn bench(
             runs.push((1, n, Granularity::Whole, &mut whole));
             if opts.dispatches {
                 runs.push((1, n, Granularity::Dispatch, &mut dispatches));
+                runs.push((1, n, Granularity::Without, &mut without));
             }
         }
         if opts.prompt >= frame_rows {
@@ -330,6 +336,7 @@ pub fn bench(
         dispatches.sort_by(|a, b| b.ms.total_cmp(&a.ms));
         frame_dispatches.sort_by(|a, b| b.ms.total_cmp(&a.ms));
     }
+    let marginal = marginal_times(&without, &dispatches);
     let token_bytes = model.bytes_per_token().unwrap_or(0);
     Ok(ModelReport {
         model: name.to_string(),
@@ -346,6 +353,7 @@ pub fn bench(
         records,
         stages,
         dispatches,
+        marginal,
         frame_rows,
         frame_stages,
         frame_dispatches,
@@ -573,6 +581,16 @@ impl ModelReport {
             "a decoded token",
             "token",
         )?;
+        if !self.marginal.is_empty() {
+            let total: f64 = self.marginal.iter().map(|s| s.ms).sum();
+            writeln!(
+                w,
+                "\nWhat a decoded token's one-pass GPU time loses without each kernel (a timed \
+                 pass of the token with that kernel's steps left out, its outputs wrong), largest \
+                 first; together {total:.3} ms"
+            )?;
+            print_kernels(w, &self.marginal, "token")?;
+        }
         if !self.frame_stages.is_empty() {
             let what = format!("a prefill frame of {} rows", self.frame_rows);
             print_profile(
@@ -585,6 +603,28 @@ impl ModelReport {
         }
         Ok(())
     }
+}
+
+/// Each kernel's time out of a [`Granularity::Without`] profile: the `all` pass less the pass
+/// without it, largest first, with its steps a token from the per-dispatch profile.
+fn marginal_times(without: &[StageTime], dispatches: &[StageTime]) -> Vec<StageTime> {
+    let Some(all) = without.iter().find(|s| s.stage == "all") else {
+        return Vec::new();
+    };
+    let mut out: Vec<StageTime> = without
+        .iter()
+        .filter(|s| s.stage != "all")
+        .map(|s| StageTime {
+            stage: s.stage.clone(),
+            calls: dispatches
+                .iter()
+                .find(|d| d.stage == s.stage)
+                .map_or(0, |d| d.calls),
+            ms: all.ms - s.ms,
+        })
+        .collect();
+    out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
+    out
 }
 
 /// The milliseconds of a profile's passes together (`None` when nothing was timed).
@@ -625,23 +665,33 @@ fn print_profile(
             "\nGPU time of {what} by kernel (a timed pass per dispatch step, slowest first): \
              {calls} steps, {total:.3} ms"
         )?;
+        print_kernels(w, dispatches, unit)?;
+    }
+    Ok(())
+}
+
+/// The first 40 rows of a per-kernel table: milliseconds per `unit`, steps, microseconds a step.
+fn print_kernels(
+    w: &mut dyn std::io::Write,
+    rows: &[StageTime],
+    unit: &str,
+) -> std::io::Result<()> {
+    writeln!(
+        w,
+        "  {:>9} {:>6} {:>8}  stage: kernel shape",
+        format!("ms/{unit}"),
+        "calls",
+        "us/call"
+    )?;
+    for s in rows.iter().take(40) {
         writeln!(
             w,
-            "  {:>9} {:>6} {:>8}  stage: kernel shape",
-            format!("ms/{unit}"),
-            "calls",
-            "us/call"
+            "  {:>9.3} {:>6} {:>8.2}  {}",
+            s.ms,
+            s.calls,
+            1e3 * s.ms / s.calls.max(1) as f64,
+            s.stage
         )?;
-        for s in dispatches.iter().take(40) {
-            writeln!(
-                w,
-                "  {:>9.3} {:>6} {:>8.2}  {}",
-                s.ms,
-                s.calls,
-                1e3 * s.ms / s.calls.max(1) as f64,
-                s.stage
-            )?;
-        }
     }
     Ok(())
 }
@@ -678,25 +728,44 @@ mod tests {
 
     /// On the GPU (lavapipe in CI) the report times a decoded token and a prefill frame in one
     /// pass beside the stage profile, and sets the token's against the decode test's wall clock.
-    #[test]
-    fn the_gpu_report_times_a_token_in_one_pass() {
+    /// The demo model on the GPU (`None`, after `test_support::no_gpu`, without one), and the
+    /// options of a one-sequence GPU bench.
+    fn gpu_demo(
+        prompt: usize,
+        decode: usize,
+        dispatches: bool,
+    ) -> Option<(LoadedModel, ModelBenchOptions)> {
         let place = crate::model::Placement {
             backend: gpu_runtime::BackendChoice::Wgpu,
             ..Default::default()
         };
         let loaded = match LoadedModel::new_on(crate::embedded_model().unwrap(), &place) {
             Ok(l) if l.model().backend_name() == "gpu" => l,
-            Ok(_) => return test_support::no_gpu(&"the demo model went to the CPU"),
-            Err(e) => return test_support::no_gpu(&e),
+            Ok(_) => {
+                test_support::no_gpu(&"the demo model went to the CPU");
+                return None;
+            }
+            Err(e) => {
+                test_support::no_gpu(&e);
+                return None;
+            }
         };
         let opts = ModelBenchOptions {
-            prompt: 64,
-            decode: 2,
+            prompt,
+            decode,
             reps: 1,
-            dispatches: false,
+            dispatches,
             batch: 1,
             verify: false,
             scripted: false,
+        };
+        Some((loaded, opts))
+    }
+
+    #[test]
+    fn the_gpu_report_times_a_token_in_one_pass() {
+        let Some((loaded, opts)) = gpu_demo(64, 2, false) else {
+            return;
         };
         let r = bench(loaded.model(), "demo", "q8", 1e9, &opts, &mut |_| {}).unwrap();
         if r.stages.is_empty() {
@@ -722,5 +791,33 @@ mod tests {
                 )),
             "{text}"
         );
+    }
+
+    /// With `--dispatches` every kernel of the per-dispatch profile is also left out of one
+    /// pass of the token: the same kernels, each step left out once.
+    #[test]
+    fn every_kernel_is_left_out_of_one_pass() {
+        let Some((loaded, opts)) = gpu_demo(0, 1, true) else {
+            return;
+        };
+        let r = bench(loaded.model(), "demo", "q8", 1e9, &opts, &mut |_| {}).unwrap();
+        if r.stages.is_empty() {
+            assert!(r.marginal.is_empty());
+            return;
+        }
+        let mut left_out: Vec<(&str, usize)> = r
+            .marginal
+            .iter()
+            .map(|s| (s.stage.as_str(), s.calls))
+            .collect();
+        let mut profiled: Vec<(&str, usize)> = r
+            .dispatches
+            .iter()
+            .map(|s| (s.stage.as_str(), s.calls))
+            .collect();
+        left_out.sort();
+        profiled.sort();
+        assert_eq!(left_out, profiled);
+        assert!(profiled.iter().map(|p| p.1).sum::<usize>() > profiled.len());
     }
 }

@@ -162,9 +162,19 @@ pub fn launch_floor(ctx: &GpuContext, reps: usize) -> Result<Timing, GpuError> {
         usage: wgpu::BufferUsages::STORAGE,
         mapped_at_creation: false,
     });
-    let pipe = read_bw_pipeline(ctx, "tiny")?;
+    time_read_bw_entry(ctx, "tiny", &dst, reps)
+}
+
+/// Time per dispatch of one workgroup of `read_bw`'s `entry`, `dst` its only binding (1).
+fn time_read_bw_entry(
+    ctx: &GpuContext,
+    entry: &str,
+    dst: &wgpu::Buffer,
+    reps: usize,
+) -> Result<Timing, GpuError> {
+    let pipe = read_bw_pipeline(ctx, entry)?;
     let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: Some("tiny"),
+        label: Some(entry),
         layout: &pipe.get_bind_group_layout(0),
         entries: &[wgpu::BindGroupEntry {
             binding: 1,
@@ -176,6 +186,138 @@ pub fn launch_floor(ctx: &GpuContext, reps: usize) -> Result<Timing, GpuError> {
         pass.set_bind_group(0, &bg, &[]);
         pass.dispatch_workgroups(1, 1, 1);
     })
+}
+
+/// What a chain's dispatch step costs beyond [`launch_floor`] for one thing a real kernel has
+/// (`bench kernels` prints each beside the floor).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FloorVariant {
+    /// Its index read from a uniform buffer of its own (as each of a model's recorded
+    /// dispatches reads its own parameters): `DISTINCT` buffers taken in turn.
+    Uniform,
+    /// Its index pushed as immediates with the dispatch (wgpu's `IMMEDIATES`).
+    Immediate,
+    /// 4 KiB of workgroup memory in a workgroup of 256 lanes (zeroed first where the pipeline
+    /// asks for it).
+    WorkgroupMemory,
+}
+
+impl FloorVariant {
+    /// The name `bench kernels` prints.
+    pub fn name(self) -> &'static str {
+        match self {
+            FloorVariant::Uniform => "1 lane, own uniform",
+            FloorVariant::Immediate => "1 lane, immediates",
+            FloorVariant::WorkgroupMemory => "256 lanes, 4 KiB workgroup memory",
+        }
+    }
+}
+
+/// Distinct uniform bindings [`FloorVariant::Uniform`] cycles through (a decoded token of the
+/// release model records about this many dispatches).
+const DISTINCT: usize = 1024;
+
+/// [`launch_floor`] for `variant`, with the counter its dispatches add to (each adds 1, the
+/// workgroup-memory variant 5, once for the warm-up and once for each of `reps`); `None` where
+/// the device lacks what the variant needs.
+pub fn launch_floor_variant(
+    ctx: &GpuContext,
+    variant: FloorVariant,
+    reps: usize,
+) -> Result<Option<(Timing, u32)>, GpuError> {
+    let dst = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("tiny"),
+        size: 16,
+        usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let timing = match variant {
+        FloorVariant::Uniform => {
+            let align = ctx.limits.min_uniform_buffer_offset_alignment.max(16) as u64;
+            let ubuf = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("tiny uniforms"),
+                size: align * DISTINCT as u64,
+                usage: wgpu::BufferUsages::UNIFORM,
+                mapped_at_creation: false,
+            });
+            let pipe = read_bw_pipeline(ctx, "tiny_u")?;
+            let groups: Vec<wgpu::BindGroup> = (0..DISTINCT as u64)
+                .map(|i| {
+                    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some("tiny_u"),
+                        layout: &pipe.get_bind_group_layout(0),
+                        entries: &[
+                            wgpu::BindGroupEntry {
+                                binding: 1,
+                                resource: dst.as_entire_binding(),
+                            },
+                            wgpu::BindGroupEntry {
+                                binding: 2,
+                                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                                    buffer: &ubuf,
+                                    offset: i * align,
+                                    size: std::num::NonZeroU64::new(16),
+                                }),
+                            },
+                        ],
+                    })
+                })
+                .collect();
+            let at = std::cell::Cell::new(0usize);
+            time_pass(ctx, reps, &|pass| {
+                pass.set_pipeline(&pipe);
+                pass.set_bind_group(0, &groups[at.get() % DISTINCT], &[]);
+                at.set(at.get() + 1);
+                pass.dispatch_workgroups(1, 1, 1);
+            })?
+        }
+        FloorVariant::Immediate => {
+            if !ctx.device.features().contains(wgpu::Features::IMMEDIATES)
+                || ctx.limits.max_immediate_size < 16
+            {
+                return Ok(None);
+            }
+            let entries = [crate::ops::matvec::storage_entry(0, false)];
+            let bgl = ctx
+                .device
+                .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some("tiny_i"),
+                    entries: &entries,
+                });
+            let layout = ctx
+                .device
+                .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                    label: Some("tiny_i"),
+                    bind_group_layouts: &[Some(&bgl)],
+                    immediate_size: 16,
+                });
+            let pipe = ctx.pipelines.get(
+                &ctx.device,
+                "launch_floor_imm",
+                &|| kernels_wgsl::LAUNCH_FLOOR_IMM.to_string(),
+                "tiny_i",
+                &[],
+                Some(&layout),
+            )?;
+            let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("tiny_i"),
+                layout: &bgl,
+                entries: &[wgpu::BindGroupEntry {
+                    binding: 0,
+                    resource: dst.as_entire_binding(),
+                }],
+            });
+            time_pass(ctx, reps, &|pass| {
+                pass.set_pipeline(&pipe);
+                pass.set_bind_group(0, &bg, &[]);
+                pass.set_immediates(0, &[0u8; 16]);
+                pass.dispatch_workgroups(1, 1, 1);
+            })?
+        }
+        FloorVariant::WorkgroupMemory => time_read_bw_entry(ctx, "tiny_wg", &dst, reps)?,
+    };
+    let count = crate::readback::read_f32(ctx, &dst, 0, 1)?[0].to_bits();
+    Ok(Some((timing, count)))
 }
 
 /// Time of one matmat over `m` with `nt` token rows (activations and outputs on the device).

@@ -449,6 +449,9 @@ impl GpuContext {
             | wgpu::Features::SHADER_F16
             | wgpu::Features::TIMESTAMP_QUERY
             | wgpu::Features::PIPELINE_CACHE
+            // Only `bench kernels`' launch floor pushes immediates (its measured cost is a
+            // bind group's: parameters stay in uniform buffers).
+            | wgpu::Features::IMMEDIATES
             | wgpu::Features::BUFFER_BINDING_ARRAY
             | wgpu::Features::STORAGE_RESOURCE_BINDING_ARRAY
             // naga marks a binding array's index taken from a storage load non-uniform

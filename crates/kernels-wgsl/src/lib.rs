@@ -35,6 +35,7 @@ mod src {
     pub const REDUCE_SG: &str = include_str!("../wgsl/reduce_sg.wgsl");
     pub const REDUCE_SMEM: &str = include_str!("../wgsl/reduce_smem.wgsl");
     pub const READ_BW: &str = include_str!("../wgsl/read_bw.wgsl");
+    pub const LAUNCH_FLOOR_IMM: &str = include_str!("../wgsl/launch_floor_imm.wgsl");
     pub const F32: &str = include_str!("../wgsl/f32.wgsl");
     pub const F16: &str = include_str!("../wgsl/f16.wgsl");
     pub const F16_HW: &str = include_str!("../wgsl/f16_hw.wgsl");
@@ -684,8 +685,14 @@ pub fn act_quant_source() -> String {
 
 /// The bandwidth-ceiling module: entry points `read_bw` (grid-stride read of `array<vec4<u32>>`
 /// at binding 0, one word per lane to binding 1, `Params {words, stride}` at binding 2) and
-/// `tiny` (one lane, one word: the launch-overhead floor). Override constant `WG`.
+/// `tiny` (one lane, one word: the launch-overhead floor), and the floor's variants `tiny_u`
+/// (its index from the uniform) and `tiny_wg` (4 KiB of workgroup memory, 256 lanes). Override
+/// constant `WG`.
 pub const READ_BW: &str = src::READ_BW;
+
+/// The launch floor with its index in immediates (entry `tiny_i`; storage at binding 0, 16
+/// bytes of immediates): a device with wgpu's `IMMEDIATES` feature only.
+pub const LAUNCH_FLOOR_IMM: &str = src::LAUNCH_FLOOR_IMM;
 
 pub mod ops;
 pub use ops::{
@@ -847,7 +854,7 @@ pub fn registry() -> Vec<ModuleSpec> {
     out.push(ModuleSpec {
         name: "read_bw".into(),
         source: Cow::Borrowed(READ_BW),
-        entries: &["read_bw", "tiny"],
+        entries: &["read_bw", "tiny", "tiny_u", "tiny_wg"],
         needs: Caps::MINIMAL,
         specializations: vec![Specialization(vec![("WG".into(), 256.0)])],
     });

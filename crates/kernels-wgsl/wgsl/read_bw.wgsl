@@ -25,3 +25,24 @@ fn read_bw(@builtin(global_invocation_id) gid: vec3<u32>) {
 fn tiny(@builtin(global_invocation_id) gid: vec3<u32>) {
     dst[0] = dst[0] + 1u;
 }
+
+// The floor with one thing more that a real kernel has (what a dispatch step of a chain costs
+// beyond its work): `tiny_u` takes its index from the uniform (0 there: each dispatch binds its
+// own, as each of a model's kernels reads its own parameters, which the device's constant
+// cache has not seen); `tiny_wg` declares 4 KiB of workgroup memory in a workgroup of 256
+// lanes (which the pipeline may have zeroed first).
+@compute @workgroup_size(1)
+fn tiny_u() {
+    dst[P.stride] = dst[P.stride] + 1u;
+}
+
+var<workgroup> wg_words: array<u32, 1024>;
+
+@compute @workgroup_size(256)
+fn tiny_wg(@builtin(local_invocation_index) li: u32) {
+    wg_words[li] = li;
+    workgroupBarrier();
+    if (li == 0u) {
+        dst[0] = dst[0] + wg_words[5];
+    }
+}

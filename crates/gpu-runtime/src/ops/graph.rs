@@ -71,6 +71,12 @@ pub enum Granularity {
     /// One timed pass of every step, as the recording runs unprofiled: the GPU's busy time with
     /// no pass boundaries added (a stage profile's passes add several microseconds each).
     Whole,
+    /// [`Granularity::Whole`]'s pass (named `all`), then one more per kernel (named as
+    /// [`Granularity::Dispatch`] names it, `stage: kernel shape`) of every step but that
+    /// kernel's: what the chain would take if that kernel were free. The outputs of such a
+    /// pass are wrong (its steps read what the left-out ones did not write); its time is the
+    /// rest of the chain's.
+    Without,
 }
 
 /// A profiled recording: one timestamp pair per timed pass, resolved into a buffer to read
@@ -615,9 +621,13 @@ impl Graph {
         }
         // The timed passes: a name and the steps it records.
         let mut passes: Vec<(String, Vec<&Step>)> = Vec::new();
+        if granularity == Granularity::Without {
+            passes = self.passes_without();
+        }
         let mut open: Vec<&Step> = Vec::new();
         for item in &self.items {
             match item {
+                _ if granularity == Granularity::Without => {}
                 Item::Step(s) => open.push(s),
                 Item::Tap(_) | Item::Break(_) => {}
                 Item::Mark(_) if granularity == Granularity::Whole => {}
@@ -637,6 +647,7 @@ impl Graph {
             match granularity {
                 Granularity::Stage => passes.push(("tail".into(), open)),
                 Granularity::Whole => passes.push(("all".into(), open)),
+                Granularity::Without => unreachable!("no step is left open"),
                 Granularity::Dispatch => {
                     for s in open {
                         passes.push((format!("tail: {}", s.label()), vec![s]));
@@ -693,6 +704,38 @@ impl Graph {
             _resolve: resolve,
             read,
         })
+    }
+
+    /// [`Granularity::Without`]'s passes: every step, then every step but one kernel's, for
+    /// each kernel in the order it first runs.
+    fn passes_without(&self) -> Vec<(String, Vec<&Step>)> {
+        let mut keyed: Vec<(String, &Step)> = Vec::new();
+        let mut open: Vec<&Step> = Vec::new();
+        for item in &self.items {
+            match item {
+                Item::Step(s) => open.push(s),
+                Item::Mark(name) => {
+                    keyed.extend(
+                        open.drain(..)
+                            .map(|s| (format!("{name}: {}", s.label()), s)),
+                    );
+                }
+                Item::Tap(_) | Item::Break(_) => {}
+            }
+        }
+        keyed.extend(open.drain(..).map(|s| (format!("tail: {}", s.label()), s)));
+        let mut kernels: Vec<&str> = Vec::new();
+        for (k, _) in &keyed {
+            if !kernels.contains(&k.as_str()) {
+                kernels.push(k);
+            }
+        }
+        let mut passes = vec![("all".to_string(), keyed.iter().map(|(_, s)| *s).collect())];
+        for k in kernels {
+            let rest = keyed.iter().filter(|(key, _)| key != k).map(|(_, s)| *s);
+            passes.push((k.to_string(), rest.collect()));
+        }
+        passes
     }
 
     /// Dispatches per replay.
