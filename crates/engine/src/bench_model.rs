@@ -605,22 +605,25 @@ impl ModelReport {
     }
 }
 
-/// Each kernel's time out of a [`Granularity::Without`] profile: the `all` pass less the pass
-/// without it, largest first, with its steps a token from the per-dispatch profile.
+/// Each kernel's time out of a [`Granularity::Without`] profile: the mean of the `all` passes
+/// less the pass without it, largest first, with its steps a token from the per-dispatch
+/// profile.
 fn marginal_times(without: &[StageTime], dispatches: &[StageTime]) -> Vec<StageTime> {
     let Some(all) = without.iter().find(|s| s.stage == "all") else {
         return Vec::new();
     };
+    // Same-named passes come summed, `calls` of them a token.
+    let all_ms = all.ms / all.calls.max(1) as f64;
     let mut out: Vec<StageTime> = without
         .iter()
-        .filter(|s| s.stage != "all")
+        .filter(|s| s.stage != "all" && s.stage != "warm-up")
         .map(|s| StageTime {
             stage: s.stage.clone(),
             calls: dispatches
                 .iter()
                 .find(|d| d.stage == s.stage)
                 .map_or(0, |d| d.calls),
-            ms: all.ms - s.ms,
+            ms: all_ms - s.ms,
         })
         .collect();
     out.sort_by(|a, b| b.ms.total_cmp(&a.ms));
