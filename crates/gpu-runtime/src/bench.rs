@@ -200,6 +200,11 @@ pub enum FloorVariant {
     /// 4 KiB of workgroup memory in a workgroup of 256 lanes (zeroed first where the pipeline
     /// asks for it).
     WorkgroupMemory,
+    /// Each dispatch writing a buffer of its own (`DISTINCT` in turn) that the command buffer
+    /// has not used before: wgpu then puts no barrier between the dispatches, and the device
+    /// may run them side by side (what a model's independent dispatches get from outputs of
+    /// their own).
+    Fresh,
 }
 
 impl FloorVariant {
@@ -209,6 +214,7 @@ impl FloorVariant {
             FloorVariant::Uniform => "1 lane, own uniform",
             FloorVariant::Immediate => "1 lane, immediates",
             FloorVariant::WorkgroupMemory => "256 lanes, 4 KiB workgroup memory",
+            FloorVariant::Fresh => "1 lane, own output (no barrier)",
         }
     }
 }
@@ -315,9 +321,63 @@ pub fn launch_floor_variant(
             })?
         }
         FloorVariant::WorkgroupMemory => time_read_bw_entry(ctx, "tiny_wg", &dst, reps)?,
+        FloorVariant::Fresh => return fresh_floor(ctx, reps).map(Some),
     };
     let count = crate::readback::read_f32(ctx, &dst, 0, 1)?[0].to_bits();
     Ok(Some((timing, count)))
+}
+
+/// [`FloorVariant::Fresh`]: the one-lane kernel over `DISTINCT` buffers in turn (the warm-up
+/// and the timed pass each use `reps` of them, each at most once), and the sum of their
+/// counters.
+fn fresh_floor(ctx: &GpuContext, reps: usize) -> Result<(Timing, u32), GpuError> {
+    let pipe = read_bw_pipeline(ctx, "tiny")?;
+    let bufs: Vec<wgpu::Buffer> = (0..DISTINCT)
+        .map(|_| {
+            ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("tiny (own)"),
+                size: 16,
+                usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            })
+        })
+        .collect();
+    let groups: Vec<wgpu::BindGroup> = bufs
+        .iter()
+        .map(|b| {
+            ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                label: Some("tiny (own)"),
+                layout: &pipe.get_bind_group_layout(0),
+                entries: &[wgpu::BindGroupEntry {
+                    binding: 1,
+                    resource: b.as_entire_binding(),
+                }],
+            })
+        })
+        .collect();
+    let at = std::cell::Cell::new(0usize);
+    let timing = time_pass(ctx, reps, &|pass| {
+        pass.set_pipeline(&pipe);
+        pass.set_bind_group(0, &groups[at.get() % DISTINCT], &[]);
+        at.set(at.get() + 1);
+        pass.dispatch_workgroups(1, 1, 1);
+    })?;
+    let used = at.get().min(DISTINCT);
+    let gather = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("tiny counters"),
+        size: (used * 4) as u64,
+        usage: wgpu::BufferUsages::STORAGE
+            | wgpu::BufferUsages::COPY_DST
+            | wgpu::BufferUsages::COPY_SRC,
+        mapped_at_creation: false,
+    });
+    let mut enc = ctx.device.create_command_encoder(&Default::default());
+    for (i, b) in bufs.iter().take(used).enumerate() {
+        enc.copy_buffer_to_buffer(b, 0, &gather, (i * 4) as u64, 4);
+    }
+    ctx.queue.submit([enc.finish()]);
+    let words = crate::readback::read_f32(ctx, &gather, 0, used)?;
+    Ok((timing, words.iter().map(|w| w.to_bits()).sum()))
 }
 
 /// Time of one matmat over `m` with `nt` token rows (activations and outputs on the device).

@@ -69,6 +69,11 @@ pub struct GpuOptions {
     /// layer's prep, recurrence and norm of a decode step in `gdn_step`) runs its separate
     /// kernels instead (default `on`): to measure what a fusion gains, or to rule one out.
     pub split_ops: bool,
+    /// `CORTIQ_CONCURRENT=off`: a model's independent dispatches write the shared work
+    /// buffers, so wgpu orders each after the one before, as earlier builds did (default
+    /// `on`: a short frame's independent dispatches write outputs of their own and run side
+    /// by side; [`GpuContext::concurrent`]). The same kernels and sums either way.
+    pub serial_dispatches: bool,
     /// `CORTIQ_MATVEC_SPLIT=LANES[:CHUNKS]`: how far the rows of few-row matrices are split
     /// across lanes ([`crate::Plan::for_shape`]): until the matrix has `LANES` lanes in flight
     /// or a lane would walk fewer than `CHUNKS` 16-column chunks (default
@@ -110,7 +115,8 @@ impl MatvecSplit {
 
 impl GpuOptions {
     /// Options from the environment (`CORTIQ_GPU`, `CORTIQ_ADAPTER`, `CORTIQ_VRAM`,
-    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`, `CORTIQ_MATMAT`, `CORTIQ_FUSED_OPS`, `CORTIQ_MATVEC_SPLIT`);
+    /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`, `CORTIQ_MATMAT`, `CORTIQ_FUSED_OPS`, `CORTIQ_MATVEC_SPLIT`,
+    /// `CORTIQ_CONCURRENT`);
     /// unset variables keep
     /// the defaults.
     pub fn from_env() -> Result<GpuOptions, GpuError> {
@@ -164,6 +170,16 @@ impl GpuOptions {
             Some(other) => {
                 return Err(GpuError::Setting {
                     setting: "CORTIQ_FUSED_OPS",
+                    message: format!("{other:?} is not one of on, off"),
+                });
+            }
+        };
+        o.serial_dispatches = match var("CORTIQ_CONCURRENT").as_deref() {
+            None | Some("on") => false,
+            Some("off") => true,
+            Some(other) => {
+                return Err(GpuError::Setting {
+                    setting: "CORTIQ_CONCURRENT",
                     message: format!("{other:?} is not one of on, off"),
                 });
             }
@@ -335,6 +351,8 @@ pub struct GpuContext {
     pub wide_tiles: bool,
     /// Fused op kernels where a model has them ([`GpuOptions::split_ops`]).
     pub fused_ops: bool,
+    /// Independent dispatches of a short frame side by side ([`GpuOptions::serial_dispatches`]).
+    pub concurrent: bool,
     /// How far few-row matrices' rows are split across lanes ([`GpuOptions::matvec_split`]).
     pub matvec_split: MatvecSplit,
     pub(crate) pipelines: Pipelines,
@@ -516,6 +534,7 @@ impl GpuContext {
             tiled_matmat: !opts.plain_matmat,
             wide_tiles: !opts.narrow_tiles,
             fused_ops: !opts.split_ops,
+            concurrent: !opts.serial_dispatches,
             matvec_split: opts.matvec_split.unwrap_or(MatvecSplit::DEFAULT),
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),

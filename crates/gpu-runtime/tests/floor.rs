@@ -1,6 +1,7 @@
 //! `bench kernels`' launch-floor variants do the work they time: every dispatch ran and read
 //! its index from its own uniform or from the immediates pushed with it (a wrong index adds
-//! elsewhere), and the workgroup-memory variant read back what its lanes stored.
+//! elsewhere), the workgroup-memory variant read back what its lanes stored, and the variant
+//! whose dispatches each write a buffer of their own wrote every one of them.
 
 mod common;
 
@@ -14,6 +15,7 @@ fn launch_floor_variants_count_every_dispatch() {
         (FloorVariant::Uniform, 1),
         (FloorVariant::Immediate, 1),
         (FloorVariant::WorkgroupMemory, 5),
+        (FloorVariant::Fresh, 1),
     ] {
         match launch_floor_variant(ctx, variant, reps).unwrap() {
             Some((t, count)) => {

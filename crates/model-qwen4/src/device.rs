@@ -163,6 +163,33 @@ pub struct Scratch {
     pub bank_ids: wgpu::Buffer,
     /// The slots' cold experts (`NONE_SLOT` for a resident one) `[rows k]` (u32).
     pub cold: wgpu::Buffer,
+    /// Per layer, outputs of its own for the dispatches a frame of at most [`MAX_BATCH`] rows
+    /// runs side by side ([`LayerOuts`]); empty where the context orders every dispatch after
+    /// the one before (`CORTIQ_CONCURRENT=off`).
+    pub outs: Vec<LayerOuts>,
+}
+
+/// One layer's own outputs for the dispatches of a short frame that do not depend on each
+/// other. wgpu orders a dispatch after everything before it (a pipeline barrier) whenever one
+/// of its buffers changes use, and a storage buffer written before (the shared work buffers,
+/// which every layer writes) always does; a buffer this command buffer has not yet used needs
+/// no barrier, so a dispatch that reads what the one before it read and writes such a buffer
+/// runs beside it on the device. A decode step's GDN projections (qkv, z and the b/a pair
+/// after their shared quantiser), its attention projections (q and gate, k, v, the
+/// indexer's), and its MoE router and shared expert (beside the quantiser and the routed
+/// experts' gate/up) then take one step of the chain each instead of several. About 20 MB at
+/// the release geometry, outside [`row_bytes`]' estimate.
+pub struct LayerOuts {
+    /// GDN's projections `[8, conv dim]`, `[8, value dim]`, `[8, Hv]` twice (`None` for an
+    /// attention layer).
+    pub gdn: Option<[wgpu::Buffer; 4]>,
+    /// Indexed attention's projections: q and gate, k, v, the indexer's q and k (`None` for
+    /// a GDN layer).
+    pub qsa: Option<[wgpu::Buffer; 4]>,
+    /// The router's logits `[8, experts]`.
+    pub router: wgpu::Buffer,
+    /// The shared expert's gate/up product `[8, shared intermediate]`.
+    pub shared: wgpu::Buffer,
 }
 
 /// The work buffers' row width (the widest any block's layout needs), the QSA blocks of a
@@ -259,6 +286,50 @@ impl Scratch {
             expert_out: buf("expert out", nt * c.num_experts_per_tok * (d + 1) + nt),
             bank_ids: buf("bank slots", nt * c.num_experts_per_tok),
             cold: buf("cold slots", nt * c.num_experts_per_tok),
+            outs: if gpu.concurrent {
+                (0..c.num_hidden_layers)
+                    .map(|il| LayerOuts::new(gpu, c, il))
+                    .collect()
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    /// Layer `il`'s own outputs for a frame of `nt` rows, where it has them (see [`LayerOuts`]).
+    pub fn outs(&self, il: usize, nt: usize) -> Option<&LayerOuts> {
+        (nt <= MAX_BATCH).then(|| self.outs.get(il)).flatten()
+    }
+}
+
+impl LayerOuts {
+    fn new(gpu: &GpuContext, c: &Qwen4ExpTextConfig, il: usize) -> LayerOuts {
+        let buf = |label: &str, n: usize| graph::storage(gpu, label, MAX_BATCH * n);
+        let gdn = (c.layer_type(il) == LayerType::LinearAttention).then(|| {
+            let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
+            let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
+            [
+                buf("gdn qkv (layer)", 2 * hk * dk + hv * dv),
+                buf("gdn z (layer)", hv * dv),
+                buf("gdn b (layer)", hv),
+                buf("gdn a (layer)", hv),
+            ]
+        });
+        let qsa = (c.layer_type(il) != LayerType::LinearAttention).then(|| {
+            let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
+            let idx = c.qsa().map_or(1, |q| (q.n_heads + 1) * q.head_dim);
+            [
+                buf("qsa q and gate (layer)", 2 * hq * hd),
+                buf("qsa k (layer)", hkv * hd),
+                buf("qsa v (layer)", hkv * hd),
+                buf("qsa indexer q and k (layer)", idx),
+            ]
+        });
+        LayerOuts {
+            gdn,
+            qsa,
+            router: buf("router logits (layer)", c.num_experts),
+            shared: buf("shared expert (layer)", c.shared_expert_intermediate_size),
         }
     }
 }

@@ -265,6 +265,7 @@ pub fn encode<'a>(
     c: &Qwen4ExpTextConfig,
     parts: &[Part<'a, GdnDeviceState>],
     nt: usize,
+    il: usize,
 ) -> Result<(), GpuError> {
     let (hk, hv) = (c.linear_num_key_heads, c.linear_num_value_heads);
     let (dk, dv) = (c.linear_key_head_dim, c.linear_value_head_dim);
@@ -272,6 +273,12 @@ pub fn encode<'a>(
     let cdim = 2 * key_dim + hv * dv;
     let s = e.s;
     let [qkv, z, b, a, conv, o, qk, _] = &s.w;
+    // A short frame's projections write the layer's own buffers, so they run side by side
+    // (`crate::device::LayerOuts`).
+    let (qkv, z, b, a) = match s.outs(il, nt).and_then(|o| o.gdn.as_ref()) {
+        Some([q, zz, bb, aa]) => (q, zz, bb, aa),
+        None => (qkv, z, b, a),
+    };
     // b and a in one dispatch where they are one matrix; with q8_2f on the int8 path one
     // quantiser makes all four projections' activations.
     match (&w.ba, &w.table) {

@@ -477,7 +477,7 @@ impl<'a> GpuModel<'a> {
                             _ => unreachable!("state checked against the model"),
                         })
                         .collect();
-                    gdn::encode(&mut e, gw, c, &parts, nt)?
+                    gdn::encode(&mut e, gw, c, &parts, nt, il)?
                 }
                 MixerGpu::Attn(aw) => {
                     let parts: Vec<_> = seqs
@@ -493,7 +493,7 @@ impl<'a> GpuModel<'a> {
                         .collect();
                     let rope = self.res.rope.as_ref();
                     let rope = rope.expect("attention layers have RoPE tables");
-                    qsa::encode(&mut e, aw, c, rope, &parts, nt, self.res.ctx_len)?
+                    qsa::encode(&mut e, aw, c, rope, &parts, nt, self.res.ctx_len, il)?
                 }
             }
             e.tap(ATTN_OUT, il, &s.y, nt * d);

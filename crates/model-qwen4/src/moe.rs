@@ -421,6 +421,35 @@ pub fn encode(
     let (d, ne, k) = (c.hidden_size, c.num_experts, c.num_experts_per_tok);
     let s = e.s;
     let [rl, pr, rw, hm, eo, sg, su, _] = &s.w;
+    // The routed experts' and the shared expert's activations from one quantiser.
+    let quantise = |e: &mut Enc<'_>| -> Result<_, GpuError> {
+        Ok(match (&w.shared_quant, &w.sh_gate_up) {
+            (Some((layout, table)), TwoMats::One { m, .. }) if e.dev.ctx.fused_ops => {
+                let layouts = [*layout, ActLayout::Natural, ActLayout::Natural];
+                let ctx = &e.dev.ctx;
+                let acts =
+                    e.g.quantise_shared(ctx, &s.u, nt, d, &layouts, table, true)?;
+                Some((&**m, acts))
+            }
+            _ => None,
+        })
+    };
+    // A short frame with its experts in banks runs the quantiser beside the router and the
+    // shared expert's gate/up beside the routed experts' (the layer's own outputs:
+    // `crate::device::LayerOuts`); the same dispatches, reordered.
+    let shared_fused = e.dev.ctx.fused_ops
+        && matches!(
+            (&w.shared_quant, &w.sh_gate_up),
+            (Some(_), TwoMats::One { .. })
+        );
+    let own = s
+        .outs(il, nt)
+        .filter(|_| shared_fused && matches!(w.routed, Routed::Banks(_)));
+    let early = match own {
+        Some(_) => quantise(e)?,
+        None => None,
+    };
+    let rl = own.map_or(rl, |o| &o.router);
     e.matvec(&w.router, &s.u, rl, nt, Epilogue::None)?;
     // The route kernel holds a row's probabilities and its picks in workgroup memory.
     for (what, max, found) in [
@@ -452,16 +481,27 @@ pub fn encode(
         &[rl, pr, rw, &s.slot_ids, &s.expert_out, &s.u, &w.sh_scale],
         (nt as u32, 2),
     )?;
-    // The routed experts' and the shared expert's activations from one quantiser.
-    let shared = match (&w.shared_quant, &w.sh_gate_up) {
-        (Some((layout, table)), TwoMats::One { m, .. }) if e.dev.ctx.fused_ops => {
-            let layouts = [*layout, ActLayout::Natural, ActLayout::Natural];
-            let ctx = &e.dev.ctx;
-            let acts =
-                e.g.quantise_shared(ctx, &s.u, nt, d, &layouts, table, true)?;
-            Some((m, acts))
+    let shared = match own {
+        Some(_) => early,
+        None => quantise(e)?,
+    };
+    // The shared expert's gate and up (one dispatch where they are one matrix) into `hm`.
+    let shared_gate_up = |e: &mut Enc<'_>, hm: &wgpu::Buffer| -> Result<(), GpuError> {
+        match &w.sh_gate_up {
+            _ if shared.is_some() => {
+                let (m, acts) = shared.as_ref().expect("matched");
+                let two = [&acts[1], &acts[2]];
+                let ctx = &e.dev.ctx;
+                e.g.matvec_two_acts(ctx, m, &s.u, two, hm, None, nt, Epilogue::GateUpTwo)
+            }
+            TwoMats::One { m, table } => {
+                e.matvec_two(m, table.as_ref(), &s.u, hm, None, nt, Epilogue::GateUpTwo)
+            }
+            TwoMats::Apart(gate, up) => {
+                e.matvecs(&[(&**gate, sg), (&**up, su)], &s.u, nt)?;
+                e.map(2, 0, sg, su, hm, nt * gate.rows)
+            }
         }
-        _ => None,
     };
     match &w.routed {
         Routed::Banks(banks) => {
@@ -474,6 +514,10 @@ pub fn encode(
                 e.g.grouped_acts(ctx, gate_up, &s.u, &acts[0], ids, mid, slots, k, path, epi)?;
             } else {
                 e.grouped(gate_up, &s.u, nt, ids, mid, slots, k, Epilogue::SiluGateUp)?;
+            }
+            if let Some(o) = own {
+                // Its activations are read as the routed gate/up read them: no barrier.
+                shared_gate_up(e, &o.shared)?;
             }
             e.grouped(down, mid, slots, ids, xo, slots, 1, Epilogue::None)?;
         }
@@ -504,22 +548,13 @@ pub fn encode(
             }
         }
     }
-    // The shared expert's gate and up: one dispatch where they are one matrix.
-    match &w.sh_gate_up {
-        _ if shared.is_some() => {
-            let (m, acts) = shared.as_ref().expect("matched");
-            let two = [&acts[1], &acts[2]];
-            let ctx = &e.dev.ctx;
-            e.g.matvec_two_acts(ctx, m, &s.u, two, hm, None, nt, Epilogue::GateUpTwo)?;
+    let hm = match own {
+        Some(o) => &o.shared,
+        None => {
+            shared_gate_up(e, hm)?;
+            hm
         }
-        TwoMats::One { m, table } => {
-            e.matvec_two(m, table.as_ref(), &s.u, hm, None, nt, Epilogue::GateUpTwo)?;
-        }
-        TwoMats::Apart(gate, up) => {
-            e.matvecs(&[(&**gate, sg), (&**up, su)], &s.u, nt)?;
-            e.map(2, 0, sg, su, hm, nt * gate.rows)?;
-        }
-    }
+    };
     // A decode step or a short frame with every routed expert resident: the block's output is
     // the shared expert's down projection's epilogue (the routed slots' sum, then the gated
     // shared expert), one dispatch fewer. Longer frames keep the tiled matmat and the op.

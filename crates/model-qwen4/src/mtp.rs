@@ -456,7 +456,16 @@ impl GpuModel<'_> {
             state: &st.attn,
             rows: nt,
         }];
-        qsa::encode(&mut e, &m.attn, c, rope, &parts, nt, self.res.ctx_len)?;
+        qsa::encode(
+            &mut e,
+            &m.attn,
+            c,
+            rope,
+            &parts,
+            nt,
+            self.res.ctx_len,
+            c.num_hidden_layers,
+        )?;
         hc::encode(&mut e, &m.mlp_hc, &s.x, nt, h, d, eps, Some(&s.y))?;
         moe::encode(&mut e, &m.moe, c, &s.y, nt, c.num_hidden_layers)?;
         hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;

@@ -348,14 +348,22 @@ pub fn encode<'a>(
     parts: &[Part<'a, AttnDeviceState>],
     nt: usize,
     ctx_len: usize,
+    il: usize,
 ) -> Result<(), GpuError> {
     let s = e.s;
     let [qg, k, v, qki, ..] = &s.w;
+    // A short frame's projections write the layer's own buffers, so they run side by side
+    // (`crate::device::LayerOuts`).
+    let proj = match s.outs(il, nt).and_then(|o| o.qsa.as_ref()) {
+        Some([a, b, cc, dd]) => [a, b, cc, dd],
+        None => [qg, k, v, qki],
+    };
+    let [qg, k, v, qki] = proj;
     let projections = [(&*w.q, qg), (&*w.k, k), (&*w.v, v), (&*w.idx_qk, qki)];
     e.matvecs(&projections, &s.u, nt)?;
     for part in parts {
         e.with_frame(part.frame, |e| {
-            attend_part(e, w, c, rope_t, part.state, part.rows, ctx_len)
+            attend_part(e, w, c, rope_t, part.state, part.rows, ctx_len, proj)
         })?;
     }
     let ao = &s.w[7];
@@ -363,7 +371,9 @@ pub fn encode<'a>(
 }
 
 /// One sequence's attention over its caches (the frame uniform is its own): from the
-/// projections of its rows in `e.s.w` to its rows of the gated attention output.
+/// projections of its rows in `proj` (q and gate, k, v, the indexer's q and k) to its rows
+/// of the gated attention output.
+#[allow(clippy::too_many_arguments)]
 fn attend_part(
     e: &mut Enc<'_>,
     w: &AttnGpu,
@@ -372,6 +382,7 @@ fn attend_part(
     st: &AttnDeviceState,
     nt: usize,
     ctx_len: usize,
+    [qg, k, v, qki]: [&wgpu::Buffer; 4],
 ) -> Result<(), GpuError> {
     let (hq, hkv, hd) = (c.num_attention_heads, c.num_key_value_heads, c.head_dim);
     let qsa = c.qsa().expect("validated");
@@ -380,7 +391,7 @@ fn attend_part(
     let kvd = hkv * hd;
     let half = rope_t.half as u32;
     let s = e.s;
-    let [qg, k, v, qki, q, gate, qi, ao] = &s.w;
+    let [_, _, _, _, q, gate, qi, ao] = &s.w;
     let (cs, sn) = (&rope_t.cos, &rope_t.sin);
     // One head of one row per workgroup: where it is read, where it goes, what is applied.
     struct Prep<'b> {

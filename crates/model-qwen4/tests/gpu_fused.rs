@@ -6,6 +6,11 @@
 //! a prompt in frames of 8 and 3 rows and decode steps, under `--act auto` (what the binary
 //! runs: int8 activations on the device for every quantised matrix). Its own test binary: two
 //! GPU contexts, and the activation choice is process-wide.
+//!
+//! Likewise a short frame's independent dispatches writing outputs of their own (so they run
+//! side by side, `CORTIQ_CONCURRENT`) against every dispatch on the shared work buffers: the
+//! same kernels in the same order of additions, so the same bits; a step that read a shared
+//! buffer where its producer wrote the layer's own would read a stale value and differ.
 
 use std::sync::Arc;
 
@@ -21,10 +26,16 @@ fn cpu(cmf: &Cmf) -> Model<'_> {
 }
 
 fn context(split_ops: bool) -> Option<Arc<GpuContext>> {
-    let opts = GpuOptions {
-        pipeline_cache_dir: None,
+    context_with(GpuOptions {
         split_ops,
         ..GpuOptions::default()
+    })
+}
+
+fn context_with(opts: GpuOptions) -> Option<Arc<GpuContext>> {
+    let opts = GpuOptions {
+        pipeline_cache_dir: None,
+        ..opts
     };
     match GpuContext::new(&opts) {
         Ok(c) => Some(Arc::new(c)),
@@ -39,6 +50,42 @@ fn context(split_ops: bool) -> Option<Arc<GpuContext>> {
     }
 }
 
+/// Where the two contexts' forwards of the demo model at `profiles` differ in any bit: the
+/// token ids `ids` fed in frames of `lens` rows.
+fn differences(
+    a_ctx: &Arc<GpuContext>,
+    b_ctx: &Arc<GpuContext>,
+    profiles: &[Profile],
+    ids: &[u32],
+    lens: &[usize],
+) -> Vec<String> {
+    let mut differ = Vec::new();
+    for &profile in profiles {
+        h::with_converted("shakespeare", profile, |cmf| {
+            let up = |ctx: &Arc<GpuContext>| {
+                GpuModel::new(cpu(cmf), ctx.clone(), 64)
+                    .unwrap_or_else(|u| panic!("upload: {}", u.error))
+            };
+            let (a, b) = (up(a_ctx), up(b_ctx));
+            let (mut sa, mut sb) = (a.new_state(), b.new_state());
+            let mut at = 0;
+            for &n in lens {
+                let step = &ids[at..at + n];
+                at += n;
+                let la = a.forward(step, &mut sa).unwrap();
+                let lb = b.forward(step, &mut sb).unwrap();
+                assert_eq!(la.len(), lb.len());
+                let same = la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits());
+                if !same {
+                    let d = test_support::max_abs_diff(&la, &lb);
+                    differ.push(format!("{profile:?} step of {n}: {d:.3e}"));
+                }
+            }
+        });
+    }
+    differ
+}
+
 #[test]
 fn fused_and_separate_kernels_give_the_same_logits_bit_for_bit() {
     quant_codecs::ops::set_act_choice(quant_codecs::ops::ActChoice::Auto);
@@ -46,27 +93,32 @@ fn fused_and_separate_kernels_give_the_same_logits_bit_for_bit() {
         return;
     };
     assert!(fused.fused_ops && !split.fused_ops);
-    let mut differ = Vec::new();
-    for profile in [Profile::Q4, Profile::Q2, Profile::Fp4] {
-        h::with_converted("shakespeare", profile, |cmf| {
-            let up = |ctx: &Arc<GpuContext>| {
-                GpuModel::new(cpu(cmf), ctx.clone(), 64)
-                    .unwrap_or_else(|u| panic!("upload: {}", u.error))
-            };
-            let (a, b) = (up(&fused), up(&split));
-            let ids: Vec<u32> = (0..13).map(|i| 40 + 37 * i).collect();
-            let (mut sa, mut sb) = (a.new_state(), b.new_state());
-            for step in [&ids[..11], &ids[11..12], &ids[12..13]] {
-                let la = a.forward(step, &mut sa).unwrap();
-                let lb = b.forward(step, &mut sb).unwrap();
-                assert_eq!(la.len(), lb.len());
-                let same = la.iter().zip(&lb).all(|(x, y)| x.to_bits() == y.to_bits());
-                if !same {
-                    let d = test_support::max_abs_diff(&la, &lb);
-                    differ.push(format!("{profile:?} step of {}: {d:.3e}", step.len()));
-                }
-            }
-        });
-    }
+    let ids: Vec<u32> = (0..13).map(|i| 40 + 37 * i).collect();
+    let profiles = [Profile::Q4, Profile::Q2, Profile::Fp4];
+    let differ = differences(&fused, &split, &profiles, &ids, &[11, 1, 1]);
     assert!(differ.is_empty(), "fused logits differ: {differ:?}");
+}
+
+#[test]
+fn own_outputs_and_shared_work_buffers_give_the_same_logits_bit_for_bit() {
+    quant_codecs::ops::set_act_choice(quant_codecs::ops::ActChoice::Auto);
+    let serial = GpuOptions {
+        serial_dispatches: true,
+        ..GpuOptions::default()
+    };
+    let (Some(side), Some(serial)) = (context_with(GpuOptions::default()), context_with(serial))
+    else {
+        return;
+    };
+    assert!(side.concurrent && !serial.concurrent);
+    let ids: Vec<u32> = (0..14).map(|i| 31 + 41 * i).collect();
+    // Frames of 8 and 4 rows, then decode steps (every frame short enough).
+    let differ = differences(
+        &side,
+        &serial,
+        &[Profile::Q8, Profile::Q4],
+        &ids,
+        &[8, 4, 1, 1],
+    );
+    assert!(differ.is_empty(), "logits differ: {differ:?}");
 }
