@@ -282,6 +282,7 @@ fn gpu(
         gpu_runtime::bench::FloorVariant::Uniform,
         gpu_runtime::bench::FloorVariant::Immediate,
         gpu_runtime::bench::FloorVariant::WorkgroupMemory,
+        gpu_runtime::bench::FloorVariant::Alternate,
         gpu_runtime::bench::FloorVariant::Fresh,
     ] {
         if let Some((t, _)) = gpu_runtime::bench::launch_floor_variant(ctx, v, 1000)? {

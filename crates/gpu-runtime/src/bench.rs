@@ -200,6 +200,9 @@ pub enum FloorVariant {
     /// 4 KiB of workgroup memory in a workgroup of 256 lanes (zeroed first where the pipeline
     /// asks for it).
     WorkgroupMemory,
+    /// Two pipelines in turn (the same one-lane kernel compiled twice), as a chain of
+    /// different kernels switches pipelines at every step.
+    Alternate,
     /// Each dispatch writing a buffer of its own (`DISTINCT` in turn) that the command buffer
     /// has not used before: wgpu then puts no barrier between the dispatches, and the device
     /// may run them side by side (what a model's independent dispatches get from outputs of
@@ -215,6 +218,7 @@ impl FloorVariant {
             FloorVariant::Immediate => "1 lane, immediates",
             FloorVariant::WorkgroupMemory => "256 lanes, 4 KiB workgroup memory",
             FloorVariant::Fresh => "1 lane, own output (no barrier)",
+            FloorVariant::Alternate => "1 lane, two pipelines in turn",
         }
     }
 }
@@ -322,14 +326,41 @@ pub fn launch_floor_variant(
         }
         FloorVariant::WorkgroupMemory => time_read_bw_entry(ctx, "tiny_wg", &dst, reps)?,
         FloorVariant::Fresh => return fresh_floor(ctx, reps).map(Some),
+        FloorVariant::Alternate => {
+            let pipes = [
+                read_bw_pipeline(ctx, "tiny")?,
+                read_bw_pipeline(ctx, "tiny_b")?,
+            ];
+            let groups: Vec<wgpu::BindGroup> = pipes
+                .iter()
+                .map(|p| {
+                    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+                        label: Some("tiny (two pipelines)"),
+                        layout: &p.get_bind_group_layout(0),
+                        entries: &[wgpu::BindGroupEntry {
+                            binding: 1,
+                            resource: dst.as_entire_binding(),
+                        }],
+                    })
+                })
+                .collect();
+            let at = std::cell::Cell::new(0usize);
+            time_pass(ctx, reps, &|pass| {
+                let i = at.get() % 2;
+                at.set(at.get() + 1);
+                pass.set_pipeline(&pipes[i]);
+                pass.set_bind_group(0, &groups[i], &[]);
+                pass.dispatch_workgroups(1, 1, 1);
+            })?
+        }
     };
     let count = crate::readback::read_f32(ctx, &dst, 0, 1)?[0].to_bits();
     Ok(Some((timing, count)))
 }
 
 /// [`FloorVariant::Fresh`]: the one-lane kernel over `DISTINCT` buffers in turn (the warm-up
-/// and the timed pass each use `reps` of them, each at most once), and the sum of their
-/// counters.
+/// uses one, the timed pass the next `reps`, none twice while `reps < DISTINCT`), and the sum
+/// of their counters.
 fn fresh_floor(ctx: &GpuContext, reps: usize) -> Result<(Timing, u32), GpuError> {
     let pipe = read_bw_pipeline(ctx, "tiny")?;
     let bufs: Vec<wgpu::Buffer> = (0..DISTINCT)

@@ -74,6 +74,10 @@ pub struct GpuOptions {
     /// `on`: a short frame's independent dispatches write outputs of their own and run side
     /// by side; [`GpuContext::concurrent`]). The same kernels and sums either way.
     pub serial_dispatches: bool,
+    /// `CORTIQ_PREFETCH=hc`: a short frame reads each hyper-connection site's matrices once
+    /// beside the latency-bound dispatch before the site, so the site finds them in the
+    /// device's L2 ([`GpuContext::prefetch_hc`]; default off).
+    pub prefetch_hc: bool,
     /// `CORTIQ_MATVEC_SPLIT=LANES[:CHUNKS]`: how far the rows of few-row matrices are split
     /// across lanes ([`crate::Plan::for_shape`]): until the matrix has `LANES` lanes in flight
     /// or a lane would walk fewer than `CHUNKS` 16-column chunks (default
@@ -116,7 +120,7 @@ impl MatvecSplit {
 impl GpuOptions {
     /// Options from the environment (`CORTIQ_GPU`, `CORTIQ_ADAPTER`, `CORTIQ_VRAM`,
     /// `CORTIQ_PIPELINE_CACHE`, `CORTIQ_SHADER_CHECKS`, `CORTIQ_MATMAT`, `CORTIQ_FUSED_OPS`, `CORTIQ_MATVEC_SPLIT`,
-    /// `CORTIQ_CONCURRENT`);
+    /// `CORTIQ_CONCURRENT`, `CORTIQ_PREFETCH`);
     /// unset variables keep
     /// the defaults.
     pub fn from_env() -> Result<GpuOptions, GpuError> {
@@ -181,6 +185,16 @@ impl GpuOptions {
                 return Err(GpuError::Setting {
                     setting: "CORTIQ_CONCURRENT",
                     message: format!("{other:?} is not one of on, off"),
+                });
+            }
+        };
+        o.prefetch_hc = match var("CORTIQ_PREFETCH").as_deref() {
+            None | Some("off") => false,
+            Some("hc") => true,
+            Some(other) => {
+                return Err(GpuError::Setting {
+                    setting: "CORTIQ_PREFETCH",
+                    message: format!("{other:?} is not one of off, hc"),
                 });
             }
         };
@@ -353,6 +367,8 @@ pub struct GpuContext {
     pub fused_ops: bool,
     /// Independent dispatches of a short frame side by side ([`GpuOptions::serial_dispatches`]).
     pub concurrent: bool,
+    /// Hyper-connection matrices prefetched into L2 ([`GpuOptions::prefetch_hc`]).
+    pub prefetch_hc: bool,
     /// How far few-row matrices' rows are split across lanes ([`GpuOptions::matvec_split`]).
     pub matvec_split: MatvecSplit,
     pub(crate) pipelines: Pipelines,
@@ -535,6 +551,7 @@ impl GpuContext {
             wide_tiles: !opts.narrow_tiles,
             fused_ops: !opts.split_ops,
             concurrent: !opts.serial_dispatches,
+            prefetch_hc: opts.prefetch_hc,
             matvec_split: opts.matvec_split.unwrap_or(MatvecSplit::DEFAULT),
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),

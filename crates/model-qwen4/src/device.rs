@@ -165,7 +165,10 @@ pub struct Scratch {
     pub cold: wgpu::Buffer,
     /// Per layer, outputs of its own for the dispatches a frame of at most [`MAX_BATCH`] rows
     /// runs side by side ([`LayerOuts`]); empty where the context orders every dispatch after
-    /// the one before (`CORTIQ_CONCURRENT=off`).
+    /// the one before (`CORTIQ_CONCURRENT=off`), and for a model with experts on the CPU: its
+    /// frames are submitted in ~100 spans a token, and wgpu's submission of a span tracks each
+    /// buffer the span uses first, which on an H100's host cost more than the dispatches side
+    /// by side saved (docs/perf.md, 2026-12-07: 41.5 against 37.1-39.9 tok/s at 12G).
     pub outs: Vec<LayerOuts>,
 }
 
@@ -190,6 +193,10 @@ pub struct LayerOuts {
     pub router: wgpu::Buffer,
     /// The shared expert's gate/up product `[8, shared intermediate]`.
     pub shared: wgpu::Buffer,
+    /// The outputs of the L2 prefetches of the layer's two hyper-connection sites' matrices
+    /// (`GpuContext::prefetch_hc`: attention site front and up, MLP site front and up; 16 bytes
+    /// each, never written in practice).
+    pub prefetch: [wgpu::Buffer; 4],
 }
 
 /// The work buffers' row width (the widest any block's layout needs), the QSA blocks of a
@@ -244,13 +251,15 @@ pub fn row_bytes(c: &Qwen4ExpTextConfig, ctx_len: usize, has_attn: bool) -> u64 
 
 impl Scratch {
     /// Buffers for `c`, frames of up to `rows` token rows and a context of `ctx_len` tokens;
-    /// `has_attn` when an indexed-attention layer runs (the trunk's, or the MTP head's).
+    /// `has_attn` when an indexed-attention layer runs (the trunk's, or the MTP head's);
+    /// `own_outs` for the layers' own outputs ([`LayerOuts`]).
     pub fn new(
         gpu: &GpuContext,
         c: &Qwen4ExpTextConfig,
         rows: usize,
         ctx_len: usize,
         has_attn: bool,
+        own_outs: bool,
     ) -> Scratch {
         let nt = rows.max(MAX_BATCH);
         let (h, d) = (c.hc_count, c.hidden_size);
@@ -286,7 +295,7 @@ impl Scratch {
             expert_out: buf("expert out", nt * c.num_experts_per_tok * (d + 1) + nt),
             bank_ids: buf("bank slots", nt * c.num_experts_per_tok),
             cold: buf("cold slots", nt * c.num_experts_per_tok),
-            outs: if gpu.concurrent {
+            outs: if own_outs {
                 (0..c.num_hidden_layers)
                     .map(|il| LayerOuts::new(gpu, c, il))
                     .collect()
@@ -330,6 +339,7 @@ impl LayerOuts {
             qsa,
             router: buf("router logits (layer)", c.num_experts),
             shared: buf("shared expert (layer)", c.shared_expert_intermediate_size),
+            prefetch: std::array::from_fn(|_| graph::storage(gpu, "prefetch (layer)", 4)),
         }
     }
 }

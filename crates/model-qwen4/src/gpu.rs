@@ -349,7 +349,8 @@ impl<'a> GpuModel<'a> {
             let room = dev.budget().saturating_sub(dev.resident_bytes());
             crate::device::frame_rows(c, ctx_len, has_attn, dev.ctx.max_binding(), room)
         };
-        let scratch = Scratch::new(&dev.ctx, c, frame_rows, ctx_len, has_attn);
+        let own_outs = dev.ctx.concurrent && !partial;
+        let scratch = Scratch::new(&dev.ctx, c, frame_rows, ctx_len, has_attn, own_outs);
         let batch_rows = w
             .layers
             .iter()
@@ -438,6 +439,7 @@ impl<'a> GpuModel<'a> {
         // (one dispatch fewer per block); it is injected on its own where the streams are
         // needed whole first: PLE, the end of a frame without a head, a traced run's taps.
         let mut pending: Option<&wgpu::Buffer> = None;
+        let prefetch = self.res.dev.ctx.prefetch_hc;
         for (il, lw) in self.res.layers.iter().enumerate() {
             if let Some(pw) = &lw.ple {
                 if let Some(y) = pending.take() {
@@ -496,6 +498,9 @@ impl<'a> GpuModel<'a> {
                     qsa::encode(&mut e, aw, c, rope, &parts, nt, self.res.ctx_len, il)?
                 }
             }
+            if let Some(o) = s.outs(il, nt).filter(|_| prefetch) {
+                hc::encode_prefetch(&mut e, &lw.mlp_hc, &o.prefetch[2..])?;
+            }
             e.tap(ATTN_OUT, il, &s.y, nt * d);
             e.g.mark(match lw.mixer {
                 MixerGpu::Gdn(_) => "gdn",
@@ -511,6 +516,10 @@ impl<'a> GpuModel<'a> {
             e.tap(MLP_INPUT, il, &s.u, nt * d);
             e.g.mark("hc");
             moe::encode(&mut e, &lw.moe, c, &s.y, nt, il)?;
+            let next = self.res.layers.get(il + 1);
+            if let (Some(o), Some(nw)) = (s.outs(il + 1, nt).filter(|_| prefetch), next) {
+                hc::encode_prefetch(&mut e, &nw.attn_hc, &o.prefetch[..2])?;
+            }
             e.tap(MOE_OUT, il, &s.y, nt * d);
             e.g.mark("moe");
             if traced {

@@ -194,6 +194,29 @@ pub fn encode(
     }
 }
 
+/// Prefetches the site's front and up matrices into the device's L2 (one dispatch per part,
+/// `outs` their outputs in turn; see `Graph::prefetch`).
+pub fn encode_prefetch(e: &mut Enc<'_>, w: &HcGpu, outs: &[wgpu::Buffer]) -> Result<(), GpuError> {
+    let front: Vec<&GpuMatrix> = match &w.front {
+        Front::Fused(m) => vec![m],
+        Front::Split { down, inject } => {
+            std::iter::once(&**down).chain(inject.as_deref()).collect()
+        }
+    };
+    let up: &GpuMatrix = match &w.up {
+        Up::Readout(m) | Up::Plain(m) => m,
+    };
+    let parts = front
+        .into_iter()
+        .chain([up])
+        .flat_map(|m| m.parts.iter().map(|p| &p.buffer));
+    for (src, out) in parts.zip(outs) {
+        let ctx = &e.dev.ctx;
+        e.g.prefetch(ctx, src, out)?;
+    }
+    Ok(())
+}
+
 /// `X_k += inj_k * y` on the device for `nt` rows (the injection weights in `e.s.inj`).
 pub fn encode_inject(
     e: &mut Enc<'_>,

@@ -122,3 +122,23 @@ fn own_outputs_and_shared_work_buffers_give_the_same_logits_bit_for_bit() {
     );
     assert!(differ.is_empty(), "logits differ: {differ:?}");
 }
+
+/// The L2 prefetch of each hyper-connection site's matrices (`CORTIQ_PREFETCH=hc`) reads them
+/// and writes nothing a forward reads: the same bits, and it records (a binding it got wrong
+/// would fail validation there).
+#[test]
+fn prefetched_hyper_connections_give_the_same_logits_bit_for_bit() {
+    quant_codecs::ops::set_act_choice(quant_codecs::ops::ActChoice::Auto);
+    let prefetch = GpuOptions {
+        prefetch_hc: true,
+        ..GpuOptions::default()
+    };
+    let (Some(plain), Some(pf)) = (context_with(GpuOptions::default()), context_with(prefetch))
+    else {
+        return;
+    };
+    assert!(pf.prefetch_hc && !plain.prefetch_hc);
+    let ids: Vec<u32> = (0..10).map(|i| 23 + 53 * i).collect();
+    let differ = differences(&pf, &plain, &[Profile::Q4], &ids, &[8, 1, 1]);
+    assert!(differ.is_empty(), "logits differ: {differ:?}");
+}

@@ -555,6 +555,50 @@ impl Graph {
         Ok(())
     }
 
+    /// Reads every byte of `src` once (an L2 prefetch of a matrix a later dispatch reads), its
+    /// output `out` (16 bytes, never written in practice): recorded after a latency-bound
+    /// dispatch, with an `out` this command buffer has not used, it runs beside that dispatch
+    /// (wgpu puts no barrier before it; the next barrier waits for it).
+    pub fn prefetch(
+        &mut self,
+        ctx: &GpuContext,
+        src: &wgpu::Buffer,
+        out: &wgpu::Buffer,
+    ) -> Result<(), GpuError> {
+        let pipe: Arc<wgpu::ComputePipeline> = ctx.pipelines.get(
+            &ctx.device,
+            "read_bw",
+            &|| kernels_wgsl::READ_BW.to_string(),
+            "prefetch",
+            &[("WG", 256.0)],
+            None,
+        )?;
+        let words = (src.size() / 16).min(u64::from(u32::MAX)) as u32;
+        // One word a lane, up to 4096 workgroups (a grid-stride walk beyond).
+        let groups = words
+            .div_ceil(256)
+            .clamp(1, 4096)
+            .min(ctx.limits.max_compute_workgroups_per_dimension);
+        let params = [words, groups * 256];
+        let ubuf = ctx
+            .device
+            .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                label: Some("prefetch params"),
+                contents: bytemuck::cast_slice(&params),
+                usage: wgpu::BufferUsages::UNIFORM,
+            });
+        let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some("prefetch"),
+            layout: &pipe.get_bind_group_layout(0),
+            entries: &[entry(0, src), entry(1, out), entry(2, &ubuf)],
+        });
+        let label = format!("prefetch {} KB", src.size() >> 10);
+        self.items
+            .push(Item::Step(Step::new(pipe, vec![(bg, groups, 1)], label)));
+        self.dispatches += 1;
+        Ok(())
+    }
+
     /// Reads `count` floats at float `offset` of `buffer` back after the dispatches so far, in
     /// a traced run.
     pub fn tap(
