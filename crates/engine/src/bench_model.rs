@@ -92,9 +92,26 @@ pub struct ModelReport {
     pub whole_ms: Option<f64>,
     /// The same for a prefill frame of [`ModelReport::frame_rows`] rows.
     pub frame_whole_ms: Option<f64>,
+    /// Where the host's time per decoded token goes (qwen4_exp on the GPU, every routed
+    /// expert resident).
+    pub host: Option<HostRecord>,
     /// With routed experts on the CPU: the decode test's cold path, per decoded token of the
     /// timed repetitions.
     pub offload: Option<OffloadRecord>,
+}
+
+/// The host's side of the decode test's tokens (qwen4_exp on the GPU, every routed expert
+/// resident), milliseconds per decoded token (`model_qwen4::host_clock`).
+#[derive(Debug, Clone, Serialize)]
+pub struct HostRecord {
+    /// The next token's inputs: its embedding row, its n-gram rows, their uploads.
+    pub inputs_ms: f64,
+    /// Inside `queue.submit`.
+    pub submit_ms: f64,
+    /// Encoding the next token's command buffer, after the submission, while the GPU runs.
+    pub ahead_ms: f64,
+    /// From then to the token read back (the rest of the GPU's time included).
+    pub read_ms: f64,
 }
 
 /// The cold path of the decode test (routed experts on the CPU), per decoded token.
@@ -195,12 +212,14 @@ pub fn bench(
     // The cold path's counters over the timed repetitions (after the untimed one, in which an
     // expert cache warms up).
     let mut before = None;
+    let mut host_before = None;
     let mut t_decode = Instant::now();
     if opts.decode > 0 {
         let mut rates = Vec::new();
         for rep in 0..=opts.reps {
             if rep == 1 {
                 before = offload_stats(model);
+                host_before = host_stats(model);
                 t_decode = Instant::now();
                 // The chained regions' profile counts the timed repetitions only.
                 let _ = quant_codecs::chain_profile::report();
@@ -257,6 +276,19 @@ pub fn bench(
                 submissions: (b.submissions - a.submissions) as f64 / tokens,
                 wait_ms: 1e3 * (b.wait_seconds - a.wait_seconds) / tokens,
                 join_ms: 1e3 * (b.join_seconds - a.join_seconds) / tokens,
+            })
+        }
+        _ => None,
+    };
+    let host = match (host_before, host_stats(model)) {
+        (Some(a), Some(b)) if opts.decode > 0 && offload.is_none() => {
+            let d = b.since(&a);
+            let per = |sec: f64| 1e3 * sec / d.frames.max(1) as f64;
+            (d.frames > 0).then(|| HostRecord {
+                inputs_ms: per(d.inputs_seconds),
+                submit_ms: per(d.submit_seconds),
+                read_ms: per(d.read_seconds),
+                ahead_ms: per(d.ahead_seconds),
             })
         }
         _ => None,
@@ -359,8 +391,17 @@ pub fn bench(
         frame_dispatches,
         whole_ms: total_ms(&whole),
         frame_whole_ms: total_ms(&frame_whole),
+        host,
         offload,
     })
+}
+
+/// The host's frame counters of a qwen4_exp model on the GPU.
+fn host_stats(model: &AnyModel<'_>) -> Option<model_qwen4::host_clock::HostStats> {
+    match model {
+        AnyModel::Qwen4Gpu(g) => Some(g.host_stats()),
+        _ => None,
+    }
 }
 
 /// The cold path's counters of a model with routed experts on the CPU.
@@ -563,6 +604,20 @@ impl ModelReport {
                     wall - ms
                 )?,
                 None => writeln!(w)?,
+            }
+            if let Some(h) = &self.host {
+                writeln!(
+                    w,
+                    "host per decoded token: {:.3} ms the inputs (embedding and n-gram rows, \
+                     uploads), {:.3} ms in queue.submit, then {:.3} ms encoding the next \
+                     token's commands and {:.3} ms until the token is read back (together \
+                     {:.3} ms past the GPU's time)",
+                    h.inputs_ms,
+                    h.submit_ms,
+                    h.ahead_ms,
+                    h.read_ms,
+                    h.ahead_ms + h.read_ms - ms
+                )?;
             }
         }
         if let Some(ms) = self.frame_whole_ms {
@@ -791,8 +846,25 @@ mod tests {
                 && text.contains(&format!(
                     "prefill frame of {} rows in one timed pass",
                     r.frame_rows
-                )),
+                ))
+                && text.contains("host per decoded token: "),
             "{text}"
+        );
+        // The host's phases are disjoint stretches of each decoded token's wall clock (which
+        // the mean of the repetitions' rates gives to within their spread: 10% allowed).
+        let h = r.host.as_ref().expect("the host's phases on the GPU");
+        let wall = r
+            .records
+            .iter()
+            .find(|t| t.test.starts_with("tg"))
+            .map(|t| 1e3 / t.tok_s)
+            .expect("a decode test");
+        let parts = [h.inputs_ms, h.submit_ms, h.ahead_ms, h.read_ms];
+        assert!(parts.iter().all(|&p| p >= 0.0), "{h:?}");
+        let sum: f64 = parts.iter().sum();
+        assert!(
+            sum > 0.0 && sum <= wall * 1.1,
+            "{h:?} against {wall} ms a token"
         );
     }
 

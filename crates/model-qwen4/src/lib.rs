@@ -38,6 +38,7 @@ pub use config::{ConfigError, GateAct, HiddenAct, LayerType, Qwen4ExpTextConfig,
 pub mod forward;
 pub mod gdn;
 pub mod hc;
+pub mod host_clock;
 pub mod moe;
 pub mod mtp;
 pub mod offload;
