@@ -87,7 +87,7 @@ pub fn time_pass(
     })
 }
 
-fn read_bw_pipeline(
+pub(crate) fn read_bw_pipeline(
     ctx: &GpuContext,
     entry: &str,
 ) -> Result<std::sync::Arc<wgpu::ComputePipeline>, GpuError> {
@@ -165,6 +165,22 @@ pub fn launch_floor(ctx: &GpuContext, reps: usize) -> Result<Timing, GpuError> {
     time_read_bw_entry(ctx, "tiny", &dst, reps)
 }
 
+/// A bind group of a one-binding `read_bw` entry's pipeline: `dst` at binding 1.
+fn dst_group(
+    ctx: &GpuContext,
+    pipe: &wgpu::ComputePipeline,
+    dst: &wgpu::Buffer,
+) -> wgpu::BindGroup {
+    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: Some("tiny"),
+        layout: &pipe.get_bind_group_layout(0),
+        entries: &[wgpu::BindGroupEntry {
+            binding: 1,
+            resource: dst.as_entire_binding(),
+        }],
+    })
+}
+
 /// Time per dispatch of one workgroup of `read_bw`'s `entry`, `dst` its only binding (1).
 fn time_read_bw_entry(
     ctx: &GpuContext,
@@ -173,14 +189,7 @@ fn time_read_bw_entry(
     reps: usize,
 ) -> Result<Timing, GpuError> {
     let pipe = read_bw_pipeline(ctx, entry)?;
-    let bg = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: Some(entry),
-        layout: &pipe.get_bind_group_layout(0),
-        entries: &[wgpu::BindGroupEntry {
-            binding: 1,
-            resource: dst.as_entire_binding(),
-        }],
-    });
+    let bg = dst_group(ctx, &pipe, dst);
     time_pass(ctx, reps, &|pass| {
         pass.set_pipeline(&pipe);
         pass.set_bind_group(0, &bg, &[]);
@@ -331,19 +340,7 @@ pub fn launch_floor_variant(
                 read_bw_pipeline(ctx, "tiny")?,
                 read_bw_pipeline(ctx, "tiny_b")?,
             ];
-            let groups: Vec<wgpu::BindGroup> = pipes
-                .iter()
-                .map(|p| {
-                    ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                        label: Some("tiny (two pipelines)"),
-                        layout: &p.get_bind_group_layout(0),
-                        entries: &[wgpu::BindGroupEntry {
-                            binding: 1,
-                            resource: dst.as_entire_binding(),
-                        }],
-                    })
-                })
-                .collect();
+            let groups = pipes.each_ref().map(|p| dst_group(ctx, p, &dst));
             let at = std::cell::Cell::new(0usize);
             time_pass(ctx, reps, &|pass| {
                 let i = at.get() % 2;
@@ -373,19 +370,7 @@ fn fresh_floor(ctx: &GpuContext, reps: usize) -> Result<(Timing, u32), GpuError>
             })
         })
         .collect();
-    let groups: Vec<wgpu::BindGroup> = bufs
-        .iter()
-        .map(|b| {
-            ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
-                label: Some("tiny (own)"),
-                layout: &pipe.get_bind_group_layout(0),
-                entries: &[wgpu::BindGroupEntry {
-                    binding: 1,
-                    resource: b.as_entire_binding(),
-                }],
-            })
-        })
-        .collect();
+    let groups: Vec<wgpu::BindGroup> = bufs.iter().map(|b| dst_group(ctx, &pipe, b)).collect();
     let at = std::cell::Cell::new(0usize);
     let timing = time_pass(ctx, reps, &|pass| {
         pass.set_pipeline(&pipe);

@@ -168,36 +168,19 @@ impl GpuOptions {
                 message: format!("{v:?} is not LANES or LANES:CHUNKS (positive integers)"),
             })?);
         }
-        o.split_ops = match var("CORTIQ_FUSED_OPS").as_deref() {
-            None | Some("on") => false,
-            Some("off") => true,
-            Some(other) => {
-                return Err(GpuError::Setting {
-                    setting: "CORTIQ_FUSED_OPS",
-                    message: format!("{other:?} is not one of on, off"),
-                });
-            }
+        // A two-way setting: `name` unset or `default` gives false, `other` true.
+        let switch = |name: &'static str, default: &str, other: &str| match var(name) {
+            None => Ok(false),
+            Some(v) if v == default => Ok(false),
+            Some(v) if v == other => Ok(true),
+            Some(v) => Err(GpuError::Setting {
+                setting: name,
+                message: format!("{v:?} is not one of {default}, {other}"),
+            }),
         };
-        o.serial_dispatches = match var("CORTIQ_CONCURRENT").as_deref() {
-            None | Some("on") => false,
-            Some("off") => true,
-            Some(other) => {
-                return Err(GpuError::Setting {
-                    setting: "CORTIQ_CONCURRENT",
-                    message: format!("{other:?} is not one of on, off"),
-                });
-            }
-        };
-        o.prefetch_hc = match var("CORTIQ_PREFETCH").as_deref() {
-            None | Some("off") => false,
-            Some("hc") => true,
-            Some(other) => {
-                return Err(GpuError::Setting {
-                    setting: "CORTIQ_PREFETCH",
-                    message: format!("{other:?} is not one of off, hc"),
-                });
-            }
-        };
+        o.split_ops = switch("CORTIQ_FUSED_OPS", "on", "off")?;
+        o.serial_dispatches = switch("CORTIQ_CONCURRENT", "on", "off")?;
+        o.prefetch_hc = switch("CORTIQ_PREFETCH", "off", "hc")?;
         Ok(o)
     }
 }

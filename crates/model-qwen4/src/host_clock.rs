@@ -4,7 +4,7 @@
 //! turn between decoded tokens (the wall clock a token takes beyond the GPU's busy time).
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A part of a frame's host work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +46,12 @@ pub struct HostStats {
 impl HostClock {
     /// Adds the time since `t0` to `phase`.
     pub(crate) fn add(&self, phase: Phase, t0: Instant) {
-        let ns = u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.add_time(phase, t0.elapsed());
+    }
+
+    /// Adds `d` to `phase`.
+    pub(crate) fn add_time(&self, phase: Phase, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
         self.ns[phase as usize].fetch_add(ns, Ordering::Relaxed);
     }
 

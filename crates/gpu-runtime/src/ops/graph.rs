@@ -565,14 +565,7 @@ impl Graph {
         src: &wgpu::Buffer,
         out: &wgpu::Buffer,
     ) -> Result<(), GpuError> {
-        let pipe: Arc<wgpu::ComputePipeline> = ctx.pipelines.get(
-            &ctx.device,
-            "read_bw",
-            &|| kernels_wgsl::READ_BW.to_string(),
-            "prefetch",
-            &[("WG", 256.0)],
-            None,
-        )?;
+        let pipe = crate::bench::read_bw_pipeline(ctx, "prefetch")?;
         let words = (src.size() / 16).min(u64::from(u32::MAX)) as u32;
         // One word a lane, up to 4096 workgroups (a grid-stride walk beyond).
         let groups = words
