@@ -78,6 +78,11 @@ pub struct GpuOptions {
     /// beside the latency-bound dispatch before the site, so the site finds them in the
     /// device's L2 ([`GpuContext::prefetch_hc`]; default off).
     pub prefetch_hc: bool,
+    /// `CORTIQ_HC_NORM=apart`: a hyper-connection site's norm runs as a dispatch of its own
+    /// (default `folded`: into the site's front and read-out matvecs, one dispatch fewer a
+    /// site, where a frame has up to 8 rows and the device binds nine storage buffers;
+    /// [`GpuContext::fold_hc_norm`]). The same math; the sums' order differs.
+    pub hc_norm_apart: bool,
     /// `CORTIQ_MATVEC_SPLIT=LANES[:CHUNKS]`: how far the rows of few-row matrices are split
     /// across lanes ([`crate::Plan::for_shape`]): until the matrix has `LANES` lanes in flight
     /// or a lane would walk fewer than `CHUNKS` 16-column chunks (default
@@ -181,6 +186,7 @@ impl GpuOptions {
         o.split_ops = switch("CORTIQ_FUSED_OPS", "on", "off")?;
         o.serial_dispatches = switch("CORTIQ_CONCURRENT", "on", "off")?;
         o.prefetch_hc = switch("CORTIQ_PREFETCH", "off", "hc")?;
+        o.hc_norm_apart = switch("CORTIQ_HC_NORM", "folded", "apart")?;
         Ok(o)
     }
 }
@@ -352,12 +358,16 @@ pub struct GpuContext {
     pub concurrent: bool,
     /// Hyper-connection matrices prefetched into L2 ([`GpuOptions::prefetch_hc`]).
     pub prefetch_hc: bool,
+    /// A hyper-connection site's norm folded into its matvecs where they take it
+    /// ([`GpuOptions::hc_norm_apart`], and the device binds nine storage buffers).
+    pub fold_hc_norm: bool,
     /// How far few-row matrices' rows are split across lanes ([`GpuOptions::matvec_split`]).
     pub matvec_split: MatvecSplit,
     pub(crate) pipelines: Pipelines,
     pub(crate) matvec_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) i8_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) aux_layouts: std::sync::OnceLock<[(wgpu::BindGroupLayout, wgpu::PipelineLayout); 2]>,
+    pub(crate) norm_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) act_quant_layout: std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
     pub(crate) act_quant_grouped_layout:
         std::sync::OnceLock<(wgpu::BindGroupLayout, wgpu::PipelineLayout)>,
@@ -522,6 +532,7 @@ impl GpuContext {
             opts.pipeline_cache_dir.clone(),
             opts.full_shader_checks,
         );
+        let fold_hc_norm = !opts.hc_norm_apart && limits.max_storage_buffers_per_shader_stage >= 9;
         let ctx = GpuContext {
             adapter,
             device,
@@ -535,11 +546,13 @@ impl GpuContext {
             fused_ops: !opts.split_ops,
             concurrent: !opts.serial_dispatches,
             prefetch_hc: opts.prefetch_hc,
+            fold_hc_norm,
             matvec_split: opts.matvec_split.unwrap_or(MatvecSplit::DEFAULT),
             pipelines,
             matvec_layout: std::sync::OnceLock::new(),
             i8_layout: std::sync::OnceLock::new(),
             aux_layouts: std::sync::OnceLock::new(),
+            norm_layout: std::sync::OnceLock::new(),
             act_quant_layout: std::sync::OnceLock::new(),
             act_quant_grouped_layout: std::sync::OnceLock::new(),
             op_layout: std::sync::OnceLock::new(),

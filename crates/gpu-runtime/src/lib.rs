@@ -46,6 +46,12 @@ impl GpuContext {
         self.i8_layout.get_or_init(|| ops::matvec::i8_layout(self))
     }
 
+    /// The folded norm's layout (`ops::matvec::norm_layout`).
+    pub(crate) fn norm_layout(&self) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+        self.norm_layout
+            .get_or_init(|| ops::matvec::norm_layout(self))
+    }
+
     /// The layouts of the epilogues with an auxiliary buffer (binding 7): f32 paths, int8.
     pub(crate) fn aux_layout(&self, int8: bool) -> &(wgpu::BindGroupLayout, wgpu::PipelineLayout) {
         &self

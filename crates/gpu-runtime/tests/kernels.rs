@@ -560,6 +560,197 @@ fn sigmoid(v: f64) -> f64 {
     1.0 / (1.0 + (-v).exp())
 }
 
+/// The hyper-connection epilogues with the site's norm folded in, against f64 math on the
+/// decoded matrix: the front over raw streams (the pending block output injected first, or
+/// none) gives `silu(v / H)` and `2 sigmoid(v / H)` of `v = W xn`, `xn` each stream's
+/// `x / rms(x) * (1 + w)`, and each token row's `1 / rms`; the read-out injects into the
+/// streams it reads (written back) and normalises them with the given `1 / rms`. Float codecs,
+/// 1, 3 and 8 token rows, 2-4 streams, every row-group shape the plans give.
+#[test]
+fn folded_norm_epilogues_match_f64() {
+    use gpu_runtime::Epilogue;
+    use gpu_runtime::ops::matvec::NormInputs;
+    let Some(ctx) = ctx() else { return };
+    if !matvec::folds_norm(ctx) {
+        return;
+    }
+    let arena = WeightArena::new(ctx);
+    let eps = 1e-6f32;
+    let decoded = |dtype: DType, rows: usize, cols: usize, w: &[f32]| {
+        let p = quantize(dtype, rows, cols, w).unwrap();
+        let mut dq = vec![0.0f32; rows * cols];
+        MatRef::new(dtype, rows, cols, &p)
+            .unwrap()
+            .dequantize(&mut dq)
+            .unwrap();
+        (p, dq)
+    };
+    for (i, dtype) in [DType::F32, DType::F16, DType::BF16]
+        .into_iter()
+        .enumerate()
+    {
+        let seed = 140 + i as u64;
+        for (h, d) in [(4, 64), (3, 32), (2, 48)] {
+            let (low, cols) = (20, h * d);
+            let rows = low + h;
+            let (p, dq) = decoded(dtype, rows, cols, &weights(rows, cols, seed));
+            let m = MatRef::new(dtype, rows, cols, &p).unwrap();
+            let g = arena
+                .get_or_upload(ctx, seed * 10 + h as u64, &format!("front {dtype} {h}"), &m)
+                .unwrap();
+            let base = Plan::for_shape(ctx, rows, cols);
+            for (plan, nt, inject) in [
+                (base, 1, true),
+                (base, 1, false),
+                (base, 3, true),
+                (Plan { rows: 2, ..base }, 3, true),
+                (Plan { rows: 4, ..base }.shared_memory(), 1, true),
+                (base.split(128), 8, true),
+            ] {
+                let mut r = rng(seed ^ 0x5a);
+                let xs: Vec<f32> = (0..nt * cols).map(|_| r() * 2.0).collect();
+                let blk: Vec<f32> = (0..nt * d).map(|_| r()).collect();
+                let inj: Vec<f32> = (0..nt * h).map(|_| 1.0 + r()).collect();
+                let nw: Vec<f32> = (0..cols).map(|_| r() * 0.3).collect();
+                let norm = NormInputs {
+                    pending: inject.then_some((&blk[..], &inj[..])),
+                    weight: &nw,
+                    rstd: &vec![POISON; nt * h],
+                    eps,
+                };
+                let (y, inj_new, rstd) = matvec::matmat_norm(
+                    ctx,
+                    &g,
+                    &xs,
+                    &vec![POISON; nt * h],
+                    h,
+                    norm,
+                    plan,
+                    Epilogue::HcFrontNorm,
+                )
+                .unwrap();
+                for t in 0..nt {
+                    // The injected streams and each stream's 1 / rms, in f64.
+                    let x: Vec<f64> = (0..cols)
+                        .map(|c| {
+                            let v = xs[t * cols + c] as f64;
+                            let add = inj[t * h + c / d] as f64 * blk[t * d + c % d] as f64;
+                            if inject { v + add } else { v }
+                        })
+                        .collect();
+                    let rs: Vec<f64> = (0..h)
+                        .map(|k| {
+                            let ss: f64 = x[k * d..(k + 1) * d].iter().map(|v| v * v).sum();
+                            1.0 / (ss / d as f64 + eps as f64).sqrt()
+                        })
+                        .collect();
+                    for k in 0..h {
+                        let got = rstd[t * h + k] as f64;
+                        assert!(
+                            (got - rs[k]).abs() <= 1e-5 * rs[k],
+                            "{dtype} {plan:?} 1/rms t {t} stream {k}: {got} vs {}",
+                            rs[k]
+                        );
+                    }
+                    for row in 0..rows {
+                        let (dot, mag) = (0..cols).fold((0.0f64, 0.0f64), |(s, a), c| {
+                            let xn = x[c] * rs[c / d] * (1.0 + nw[c] as f64);
+                            let p = dq[row * cols + c] as f64 * xn;
+                            (s + p, a + p.abs())
+                        });
+                        let v = dot / h as f64;
+                        // The dot within 1e-5 of its magnitude sum (the 1 / rms within 1e-6
+                        // beside the sums' rounding); silu' <= 1.1, sigmoid' <= 1/4.
+                        let err = 1e-5 * mag / h as f64;
+                        let (got, want, tol) = if row < low {
+                            (y[t * low + row], silu(v), 1.1 * err)
+                        } else {
+                            (inj_new[t * h + row - low], 2.0 * sigmoid(v), 0.5 * err)
+                        };
+                        assert_ne!(got, POISON, "{dtype} front row {row} t {t} never written");
+                        assert!(
+                            (got as f64 - want).abs() <= tol + 1e-6 * want.abs() + 1e-12,
+                            "{dtype} {plan:?} h {h} inject {inject} front row {row} t {t}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+            // The read-out: the up matrix `[H * D, 40]` with its rows interleaved by stream.
+            let lr = 40;
+            let urows = h * d;
+            let (p, dq) = decoded(dtype, urows, lr, &weights(urows, lr, seed + 100));
+            let order: Vec<usize> = (0..urows).map(|i| (i % h) * d + i / h).collect();
+            let by_stream = quant_codecs::gather_rows(dtype, urows, lr, &p, &order).unwrap();
+            let m = MatRef::new(dtype, urows, lr, &by_stream).unwrap();
+            let g = arena
+                .get_or_upload(
+                    ctx,
+                    seed * 10 + 5 + h as u64,
+                    &format!("up {dtype} {h}"),
+                    &m,
+                )
+                .unwrap();
+            for (nt, inject) in [(1, true), (1, false), (3, true), (8, true)] {
+                let mut r = rng(seed ^ 0x77);
+                let xs: Vec<f32> = (0..nt * lr).map(|_| r() * 0.2).collect();
+                let streams: Vec<f32> = (0..nt * urows).map(|_| r() * 3.0).collect();
+                let blk: Vec<f32> = (0..nt * d).map(|_| r()).collect();
+                let inj: Vec<f32> = (0..nt * h).map(|_| 1.0 + r()).collect();
+                let nw: Vec<f32> = (0..urows).map(|_| r() * 0.3).collect();
+                let rs: Vec<f32> = (0..nt * h).map(|_| 1.25 + r()).collect();
+                let norm = NormInputs {
+                    pending: inject.then_some((&blk[..], &inj[..])),
+                    weight: &nw,
+                    rstd: &rs,
+                    eps,
+                };
+                let plan = Plan::for_shape(ctx, urows, lr);
+                let (u, back, rs_back) = matvec::matmat_norm(
+                    ctx,
+                    &g,
+                    &xs,
+                    &streams,
+                    h,
+                    norm,
+                    plan,
+                    Epilogue::HcReadoutNorm,
+                )
+                .unwrap();
+                assert_eq!(rs_back, rs, "the read-out wrote into the 1 / rms");
+                for t in 0..nt {
+                    for j in 0..d {
+                        let (mut want, mut tol) = (0.0f64, 0.0f64);
+                        for k in 0..h {
+                            let q = t * urows + k * d + j;
+                            let add = inj[t * h + k] as f64 * blk[t * d + j] as f64;
+                            let x = streams[q] as f64 + if inject { add } else { 0.0 };
+                            let stored = back[q] as f64;
+                            assert!(
+                                (stored - x).abs() <= 1e-6 * (x.abs() + add.abs()),
+                                "{dtype} h {h} stream {k} column {j} t {t}: {stored} vs {x}"
+                            );
+                            let xn = x * rs[t * h + k] as f64 * (1.0 + nw[k * d + j] as f64);
+                            let row = k * d + j;
+                            let (dot, mag) = (0..lr).fold((0.0f64, 0.0f64), |(s, a), c| {
+                                let p = dq[row * lr + c] as f64 * xs[t * lr + c] as f64;
+                                (s + p, a + p.abs())
+                            });
+                            want += sigmoid(dot) * xn;
+                            tol += (0.25 * 4e-6 * mag + 1e-6) * xn.abs();
+                        }
+                        want /= h as f64;
+                        let got = u[t * d + j] as f64;
+                        assert!(
+                            (got - want).abs() <= tol / h as f64 + 1e-12,
+                            "{dtype} h {h} inject {inject} read-out column {j} t {t}: {got} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// The hyper-connection epilogues against f64 math on the decoded matrix: the front's
 /// activations (`silu(v / H)` for the low-rank rows, `2 sigmoid(v / H)` for the injection
 /// rows, into two buffers) and the read-out over an up matrix whose rows are interleaved by

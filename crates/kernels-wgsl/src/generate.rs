@@ -123,6 +123,77 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
             let _ = writeln!(b, "        }}");
             let _ = writeln!(b, "    }}");
         }
+    } else if k.epilogue == Epilogue::HcReadoutNorm {
+        // As HcReadout, with stream k's value of column j read raw, the pending block output
+        // injected (and written back: this row group is the only one to touch those values),
+        // and normalised as the site's norm does: `v * (1 / rms) * (1 + w)`.
+        for t in 0..nt {
+            let _ = writeln!(b, "    {{");
+            for r in 0..nr {
+                let g = finish(
+                    &format!("reduce(a{r}_{t}, li, lane, sg_size, sg_lane)"),
+                    &format!("(first + {r}u)"),
+                );
+                let _ = writeln!(b, "        let g{r} = {g};");
+            }
+            if nt == 1 {
+                // The values `readout_preload` loaded.
+                let _ = writeln!(b, "        if (lane == 0u && first < P.rows) {{");
+                let _ = writeln!(b, "            var acc = 0.0;");
+                for r in 0..nr {
+                    let _ = writeln!(b, "            {{");
+                    let _ = writeln!(b, "                var v = px{r};");
+                    let _ = writeln!(b, "                if (P.slot_bytes == 1u) {{");
+                    let _ = writeln!(b, "                    v = v + pi{r} * pbv;");
+                    let _ = writeln!(b, "                    aux[pq{r}] = v;");
+                    let _ = writeln!(b, "                }}");
+                    let _ = writeln!(b, "                let xn = v * pr{r} * pw{r};");
+                    let _ = writeln!(b, "                acc += hc_sigmoid(g{r}) * xn;");
+                    let _ = writeln!(b, "            }}");
+                }
+                let yt = ytok(k, t);
+                let _ = writeln!(
+                    b,
+                    "            y[{yt} * P.y_stride + pj] = acc / f32({nr}u);"
+                );
+                let _ = writeln!(b, "        }}");
+                let _ = writeln!(b, "    }}");
+                continue;
+            }
+            let _ = writeln!(b, "        if (lane == 0u && first < P.rows) {{");
+            let _ = writeln!(b, "            let d = P.rows / {nr}u;");
+            let _ = writeln!(b, "            let j = first / {nr}u;");
+            let _ = writeln!(b, "            let tt = tb + {t}u;");
+            let _ = writeln!(b, "            let bi = tt * d + j;");
+            let _ = writeln!(b, "            let bv = blk[bi / 4u][bi % 4u];");
+            let _ = writeln!(b, "            var acc = 0.0;");
+            for r in 0..nr {
+                let _ = writeln!(b, "            {{");
+                let _ = writeln!(b, "                let q = tt * P.rows + {r}u * d + j;");
+                let _ = writeln!(b, "                var v = aux[q];");
+                let _ = writeln!(b, "                if (P.slot_bytes == 1u) {{");
+                let _ = writeln!(
+                    b,
+                    "                    v = v + inj_old[tt * {nr}u + {r}u] * bv;"
+                );
+                let _ = writeln!(b, "                    aux[q] = v;");
+                let _ = writeln!(b, "                }}");
+                let _ = writeln!(b, "                let wi = {r}u * d + j;");
+                let _ = writeln!(
+                    b,
+                    "                let xn = v * rstd[tt * {nr}u + {r}u] * (1.0 + nw[wi / 4u][wi % 4u]);"
+                );
+                let _ = writeln!(b, "                acc += hc_sigmoid(g{r}) * xn;");
+                let _ = writeln!(b, "            }}");
+            }
+            let yt = ytok(k, t);
+            let _ = writeln!(
+                b,
+                "            y[{yt} * P.y_stride + j] = acc / f32({nr}u);"
+            );
+            let _ = writeln!(b, "        }}");
+            let _ = writeln!(b, "    }}");
+        }
     } else if k.epilogue == Epilogue::HcFront {
         for r in 0..nr {
             for t in 0..nt {
@@ -301,6 +372,9 @@ pub(crate) fn body_f32(k: &Matvec) -> String {
         }
         b
     };
+    if k.epilogue == Epilogue::HcReadoutNorm && nt == 1 {
+        readout_preload(&mut b, nr);
+    }
     chunk_loop(&mut b, "row_chunks()", &inner);
     outputs(&mut b, k, nr, nt, &|sum, row| {
         format!("row_finish({sum}, {row})")
@@ -308,7 +382,160 @@ pub(crate) fn body_f32(k: &Matvec) -> String {
     b
 }
 
+/// A decode step's [`Epilogue::HcReadoutNorm`]: the column's stream values, injection and
+/// norm factors loaded before the chunk loop, so their latency hides behind it instead of
+/// following the reduction (a read-out step is a chain of a few memory latencies).
+fn readout_preload(b: &mut String, nr: u32) {
+    let _ = writeln!(b, "    let pd = P.rows / {nr}u;");
+    let _ = writeln!(b, "    let pj = min(first, P.rows - 1u) / {nr}u;");
+    let _ = writeln!(b, "    let pbi = tb * pd + pj;");
+    let _ = writeln!(b, "    let pbv = blk[pbi / 4u][pbi % 4u];");
+    for r in 0..nr {
+        let _ = writeln!(b, "    let pq{r} = tb * P.rows + {r}u * pd + pj;");
+        let _ = writeln!(b, "    let px{r} = aux[pq{r}];");
+        let _ = writeln!(
+            b,
+            "    let pi{r} = inj_old[min(tb * {nr}u + {r}u, arrayLength(&inj_old) - 1u)];"
+        );
+        let _ = writeln!(b, "    let pr{r} = rstd[tb * {nr}u + {r}u];");
+        let _ = writeln!(b, "    let pwi{r} = {r}u * pd + pj;");
+        let _ = writeln!(b, "    let pw{r} = 1.0 + nw[pwi{r} / 4u][pwi{r} % 4u];");
+    }
+}
+
 const XYZW: [&str; 4] = ["x", "y", "z", "w"];
+
+/// Streams the folded norm's front keeps apart (a vec4 of sums per token row and row).
+const NORM_STREAMS: u32 = 4;
+
+/// [`Epilogue::HcFrontNorm`] on the f32 paths: the hyper-connection front over the raw
+/// streams `x` `[nt, H * D]` with the site's norm folded in. Lane `l` walks chunks
+/// `l, l + LANES, ...` of a stream, every stream's at once (a chunk never straddles two: D is
+/// a whole number of chunks), injecting the pending block output into each activation vec4 first,
+/// then adding its squares into the token row's sum for that stream and its dot with the
+/// weights times `1 + w` into the row's sum for that stream: the component `k` of a vec4
+/// accumulator. After the row group's reduction, `v = sum_k dot_k / rms_k`, the
+/// [`Epilogue::HcFront`] activations of `v / H`; the row group of row 0 writes each token
+/// row's `1 / rms_k` for the read-out.
+pub(crate) fn body_front_norm(k: &Matvec) -> String {
+    let (_, nr, nt) = shape(k);
+    let kv = k.codec.chunk_vec4();
+    let mut b = String::new();
+    prelude(&mut b, false, nr, nt, k);
+    let _ = writeln!(b, "    let x_row = P.cols / 4u;");
+    let _ = writeln!(b, "    let h = u32(bitcast<f32>(P.a));");
+    let _ = writeln!(b, "    let d4 = x_row / h;");
+    let _ = writeln!(b, "    let cps = d4 / CHUNK_VEC4;");
+    let _ = writeln!(b, "    let inject = P.slot_bytes == 1u;");
+    for t in 0..nt {
+        let _ = writeln!(b, "    var q{t} = vec4<f32>(0.0);");
+        for r in 0..nr {
+            let _ = writeln!(b, "    var s{r}_{t} = vec4<f32>(0.0);");
+        }
+    }
+    // Each stream's injection weight, once per token row.
+    for t in 0..nt {
+        for si in 0..NORM_STREAMS {
+            let _ = writeln!(
+                b,
+                "    let i{t}_{si} = select(0.0, inj_old[min((tb + {t}u) * h + {si}u, arrayLength(&inj_old) - 1u)], inject && {si}u < h);"
+            );
+        }
+    }
+    // One loop over a stream's chunks, every stream's chunk c in the same iteration: four
+    // times the independent loads in flight a lane (the front is a chain of memory latencies:
+    // a loop per stream took 14 us a step on the H100 against 9.4 for the unfolded front).
+    let _ = writeln!(b, "    for (var c = lane; c < cps; c = c + LANES) {{");
+    for (si, comp) in XYZW.iter().enumerate().take(NORM_STREAMS as usize) {
+        let _ = writeln!(b, "    if ({si}u < h) {{");
+        let _ = writeln!(b, "        let cc = {si}u * cps + c;");
+        let _ = writeln!(b, "        let xc = cc * CHUNK_VEC4;");
+        for r in 0..nr {
+            let _ = writeln!(b, "        let v{r} = wv[chunk_index(row{r}, cc)];");
+            let _ = writeln!(b, "        let e{r} = chunk_scale(row{r}, cc);");
+        }
+        for kk in 0..kv {
+            let _ = writeln!(b, "        {{");
+            let _ = writeln!(b, "            let f = 1.0 + nw[xc + {kk}u];");
+            let _ = writeln!(b, "            let bo = c * CHUNK_VEC4 + {kk}u;");
+            for t in 0..nt {
+                let _ = writeln!(
+                    b,
+                    "            var x{t} = x[(tb + {t}u) * x_row + xc + {kk}u];"
+                );
+                let _ = writeln!(b, "            if (inject) {{");
+                let _ = writeln!(
+                    b,
+                    "                x{t} = x{t} + i{t}_{si} * blk[(tb + {t}u) * d4 + bo];"
+                );
+                let _ = writeln!(b, "            }}");
+                let _ = writeln!(
+                    b,
+                    "            q{t}.{comp} = q{t}.{comp} + dot(x{t}, x{t});"
+                );
+                let _ = writeln!(b, "            let xw{t} = x{t} * f;");
+            }
+            for r in 0..nr {
+                let _ = writeln!(b, "            let w{r} = weight4(v{r}, e{r}, {kk}u);");
+                for t in 0..nt {
+                    let _ = writeln!(
+                        b,
+                        "            s{r}_{t}.{comp} = s{r}_{t}.{comp} + dot(w{r}, xw{t});"
+                    );
+                }
+            }
+            let _ = writeln!(b, "        }}");
+        }
+        let _ = writeln!(b, "    }}");
+    }
+    let _ = writeln!(b, "    }}");
+    // Every row group's sums of squares are the same (the same lanes add the same values in
+    // the same order), so its 1/rms are the ones the row group of row 0 stores.
+    let _ = writeln!(b, "    let eps = bitcast<f32>(P.x_div);");
+    let _ = writeln!(b, "    let dn = f32(d4 * 4u);");
+    for t in 0..nt {
+        let _ = writeln!(
+            b,
+            "    let rs{t} = 1.0 / sqrt(reduce4(q{t}, li, lane) / dn + eps);"
+        );
+        let _ = writeln!(b, "    if (first == 0u && lane == 0u) {{");
+        for (si, comp) in XYZW.iter().enumerate().take(NORM_STREAMS as usize) {
+            let _ = writeln!(
+                b,
+                "        if ({si}u < h) {{ rstd[(tb + {t}u) * h + {si}u] = rs{t}.{comp}; }}"
+            );
+        }
+        let _ = writeln!(b, "    }}");
+    }
+    for r in 0..nr {
+        for t in 0..nt {
+            let _ = writeln!(b, "    {{");
+            let _ = writeln!(b, "        let sums = reduce4(s{r}_{t}, li, lane);");
+            let _ = writeln!(b, "        let row = first + {r}u;");
+            let _ = writeln!(
+                b,
+                "        let total = row_finish(dot(sums, rs{t}), min(row, last));"
+            );
+            let _ = writeln!(b, "        if (lane == 0u && row < P.rows) {{");
+            let _ = writeln!(b, "            let v = total / bitcast<f32>(P.a);");
+            let _ = writeln!(b, "            if (row < P.half) {{");
+            let _ = writeln!(
+                b,
+                "                y[(tb + {t}u) * P.half + row] = v * hc_sigmoid(v);"
+            );
+            let _ = writeln!(b, "            }} else {{");
+            let _ = writeln!(
+                b,
+                "                aux[(tb + {t}u) * (P.rows - P.half) + row - P.half] = 2.0 * hc_sigmoid(v);"
+            );
+            let _ = writeln!(b, "            }}");
+            let _ = writeln!(b, "        }}");
+            let _ = writeln!(b, "    }}");
+        }
+    }
+    let _ = writeln!(b, "}}");
+    b
+}
 
 /// mxfp4's table: byte -> its two E2M1 nibbles as int8 `2 * e2m1` (low nibble in byte 0), in
 /// `copies` interleaved copies (entry `byte * copies + copy`, lane `l` reading copy `l %

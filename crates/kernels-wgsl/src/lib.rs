@@ -89,6 +89,11 @@ impl Codec {
         Codec::Mxfp4,
     ];
 
+    /// Whether the codec stores plain floats (no blocks or scales): f32, f16, bf16.
+    pub const fn is_float(self) -> bool {
+        matches!(self, Codec::F32 | Codec::F16 | Codec::Bf16)
+    }
+
     /// The dtype name quant-codecs uses.
     pub const fn name(self) -> &'static str {
         match self {
@@ -429,6 +434,19 @@ pub enum Epilogue {
     /// `k`'s): `y[t, j] = (sum_k sigmoid(g_k) aux[t, k * D + j]) / H` with `aux` the normalised
     /// streams `[nt, H * D]`, streams added in order. One part only.
     HcReadout,
+    /// [`Epilogue::HcFront`] with the site's norm folded in (its dispatch saved): `x` is the
+    /// raw streams `[nt, H * D]`, and each lane first injects the pending block output
+    /// (`blk` at binding 5 `[nt, D]` with the weights `inj` at binding 8 `[nt, H]`, when
+    /// `P.slot_bytes` is 1), sums each stream's squares and dots each stream's columns times
+    /// `1 + w` (`nw` at binding 6 `[H * D]`) apart; the row's value is then
+    /// `sum_k dot_k / rms_k`, and the row group of row 0 writes the `1 / rms` (`P.x_div`: eps
+    /// bits) to binding 9 `[nt, H]` for the read-out. Float codecs on the f32 paths only.
+    HcFrontNorm,
+    /// [`Epilogue::HcReadout`] reading the raw streams (`aux`) instead of normalised ones:
+    /// each column's row group injects the pending block output into its H stream values (as
+    /// [`Epilogue::HcFrontNorm`] does; written back to `aux`), and normalises them with the
+    /// front's `1 / rms` (binding 9) and `1 + w` (binding 6).
+    HcReadoutNorm,
     /// A MoE block's output from its shared expert's down projection: with `v = (W x)[r]`,
     /// `y[t, r] = sum_s sw[t, s] eo[t K + s, r] + gate[t] v` (the routed slots' weighted sum in
     /// slot order, then the gated shared expert: what `shared_add` computes, in its order).
@@ -449,6 +467,8 @@ impl Epilogue {
             Epilogue::PairTwo => "_pair2",
             Epilogue::HcFront => "_hcfront",
             Epilogue::HcReadout => "_hcread",
+            Epilogue::HcFrontNorm => "_hcfrontn",
+            Epilogue::HcReadoutNorm => "_hcreadn",
             Epilogue::MoeOut => "_moeout",
         }
     }
@@ -457,8 +477,19 @@ impl Epilogue {
     pub const fn has_aux(self) -> bool {
         matches!(
             self,
-            Epilogue::HcFront | Epilogue::HcReadout | Epilogue::PairTwo | Epilogue::MoeOut
+            Epilogue::HcFront
+                | Epilogue::HcReadout
+                | Epilogue::PairTwo
+                | Epilogue::MoeOut
+                | Epilogue::HcFrontNorm
+                | Epilogue::HcReadoutNorm
         )
+    }
+
+    /// Whether the epilogue folds a hyper-connection site's norm in (bindings 5, 6, 8, 9; the
+    /// f32 paths only).
+    pub const fn folds_norm(self) -> bool {
+        matches!(self, Epilogue::HcFrontNorm | Epilogue::HcReadoutNorm)
     }
 
     /// Whether a row group holds row `r` and row `r + half` of a two-halved matrix.
@@ -487,6 +518,34 @@ impl Epilogue {
 const AUX_DECL: &str = "@group(0) @binding(7) var<storage, read_write> aux: array<f32>;
 fn hc_sigmoid(v: f32) -> f32 {
     return 1.0 / (1.0 + exp(-v));
+}";
+
+/// The folded norm's buffers ([`Epilogue::HcFrontNorm`], [`Epilogue::HcReadoutNorm`]): the
+/// pending block output, the norm's weight, the pending injection weights, the `1 / rms` of
+/// each token row's streams.
+const NORM_DECL: &str = "@group(0) @binding(5) var<storage, read> blk: array<vec4<f32>>;
+@group(0) @binding(6) var<storage, read> nw: array<vec4<f32>>;
+@group(0) @binding(8) var<storage, read> inj_old: array<f32>;
+@group(0) @binding(9) var<storage, read_write> rstd: array<f32>;";
+
+/// A row group's sum of four values at once (the folded norm's per-stream sums): the
+/// subgroup's, or a pairwise tree in workgroup memory of its own.
+const REDUCE4_SG: &str = "fn reduce4(v: vec4<f32>, li: u32, lane: u32) -> vec4<f32> {
+    return subgroupAdd(v);
+}";
+const REDUCE4_SMEM: &str = "var<workgroup> red4: array<vec4<f32>, WG>;
+fn reduce4(v: vec4<f32>, li: u32, lane: u32) -> vec4<f32> {
+    red4[li] = v;
+    workgroupBarrier();
+    for (var stride = LANES / 2u; stride > 0u; stride = stride / 2u) {
+        if (lane < stride) {
+            red4[li] = red4[li] + red4[li + stride];
+        }
+        workgroupBarrier();
+    }
+    let total = red4[li - lane];
+    workgroupBarrier();
+    return total;
 }";
 
 impl Matvec {
@@ -518,6 +577,13 @@ impl Matvec {
     /// no includes or generics; concatenation plus [`Matvec::body`] is the whole template step.)
     pub fn source(&self) -> String {
         let mut src = self.plain_source();
+        if self.epilogue.folds_norm() {
+            let reduce4 = match self.reduce {
+                Reduce::Subgroup => REDUCE4_SG,
+                Reduce::SharedMemory => REDUCE4_SMEM,
+            };
+            src = format!("{NORM_DECL}\n{reduce4}\n{src}");
+        }
         if self.epilogue.has_aux() {
             src = format!("{AUX_DECL}\n{src}");
         }
@@ -603,6 +669,9 @@ impl Matvec {
     /// On the int8 path with a float codec (the registry never builds one).
     pub fn body(&self) -> String {
         match self.path {
+            Path::F32 | Path::HwF16 if self.epilogue == Epilogue::HcFrontNorm => {
+                generate::body_front_norm(self)
+            }
             Path::F32 | Path::HwF16 => generate::body_f32(self),
             Path::Int8 => generate::body_i8(self),
         }
@@ -621,10 +690,11 @@ impl Matvec {
         } else {
             0
         };
-        let red = if self.reduce == Reduce::SharedMemory {
-            4 * wg
-        } else {
-            0
+        let red = match (self.reduce, self.epilogue.folds_norm()) {
+            (Reduce::SharedMemory, false) => 4 * wg,
+            // The folded norm's four-wide tree beside the scalar one.
+            (Reduce::SharedMemory, true) => 20 * wg,
+            (Reduce::Subgroup, _) => 0,
         };
         lut + red
     }
@@ -746,6 +816,12 @@ pub fn registry() -> Vec<ModuleSpec> {
                     (1, Epilogue::MoeOut),
                     (2, Epilogue::MoeOut),
                     (4, Epilogue::MoeOut),
+                    (1, Epilogue::HcFrontNorm),
+                    (2, Epilogue::HcFrontNorm),
+                    (4, Epilogue::HcFrontNorm),
+                    (2, Epilogue::HcReadoutNorm),
+                    (3, Epilogue::HcReadoutNorm),
+                    (4, Epilogue::HcReadoutNorm),
                 ];
                 // 1..=8 token rows, and the grouped-experts variant (one row per slot).
                 let variants = (1..=8).map(|nt| (nt, false)).chain([(1, true)]);
@@ -760,6 +836,10 @@ pub fn registry() -> Vec<ModuleSpec> {
                         .into_iter()
                         // The hyper-connection and two-matrix epilogues: plain matvecs only.
                         .filter(|(_, e)| !(grouped && e.plain_only()))
+                        // The folded norm: float codecs on the f32 paths.
+                        .filter(|(_, e)| {
+                            !e.folds_norm() || (path != Path::Int8 && codec.is_float())
+                        })
                         .flat_map(|s| copies.iter().map(move |c| (s, c)))
                     {
                         let k = Matvec {

@@ -337,6 +337,32 @@ impl<'a, S> Enc<'a, S> {
         let aux = gpu_runtime::ops::matvec::Aux {
             buffer: aux,
             streams: h,
+            norm: None,
+        };
+        self.g
+            .matvec_aux(&self.dev.ctx, m, x, y, aux, nt, path, epilogue)
+    }
+
+    /// [`Enc::matvec_aux`] with a hyper-connection site's norm folded in
+    /// ([`Epilogue::HcFrontNorm`], [`Epilogue::HcReadoutNorm`]; see
+    /// `gpu_runtime::ops::matvec::FoldedNorm`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_norm(
+        &mut self,
+        m: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        aux: &wgpu::Buffer,
+        h: usize,
+        nt: usize,
+        epilogue: Epilogue,
+        norm: gpu_runtime::ops::matvec::FoldedNorm<'_>,
+    ) -> Result<(), GpuError> {
+        let path = self.dev.path(m.dtype);
+        let aux = gpu_runtime::ops::matvec::Aux {
+            buffer: aux,
+            streams: h,
+            norm: Some(norm),
         };
         self.g
             .matvec_aux(&self.dev.ctx, m, x, y, aux, nt, path, epilogue)

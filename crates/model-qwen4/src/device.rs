@@ -132,8 +132,12 @@ pub struct Scratch {
     pub u: wgpu::Buffer,
     /// HC injection projection `[nt, H]`.
     pub inj_raw: wgpu::Buffer,
-    /// HC injection weights `[nt, H]`.
-    pub inj: wgpu::Buffer,
+    /// HC injection weights `[nt, H]`, in two slots: a site whose norm is folded into its
+    /// front and read-out writes its weights to one while its read-out reads the previous
+    /// site's from the other (`crate::hc::encode`).
+    pub inj: [wgpu::Buffer; 2],
+    /// Each token row's streams' `1 / rms` `[nt, H]` (a folded norm's front to its read-out).
+    pub rstd: wgpu::Buffer,
     /// A block's output `[nt, D]`.
     pub y: wgpu::Buffer,
     /// Per-block work buffers, each big enough for the widest use (named by the block that
@@ -276,7 +280,8 @@ impl Scratch {
             g: buf("hc_g", nt * h * d),
             u: buf("u", nt * d),
             inj_raw: buf("inj_raw", nt * h),
-            inj: buf("inj", nt * h),
+            inj: [buf("inj", nt * h), buf("inj (second slot)", nt * h)],
+            rstd: buf("hc 1/rms", nt * h),
             y: buf("y", nt * d),
             w: std::array::from_fn(|i| buf(&format!("work{i}"), wide)),
             scores: buf("scores", nt * max_blocks),

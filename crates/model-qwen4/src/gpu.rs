@@ -446,11 +446,13 @@ impl<'a> GpuModel<'a> {
         // (one dispatch fewer per block); it is injected on its own where the streams are
         // needed whole first: PLE, the end of a frame without a head, a traced run's taps.
         let mut pending: Option<&wgpu::Buffer> = None;
+        // Which slot of `s.inj` holds the last site's injection weights (`hc::encode`).
+        let mut slot = 0;
         let prefetch = self.res.dev.ctx.prefetch_hc;
         for (il, lw) in self.res.layers.iter().enumerate() {
             if let Some(pw) = &lw.ple {
                 if let Some(y) = pending.take() {
-                    hc::encode_inject(&mut e, &s.x, y, nt, h, d)?;
+                    hc::encode_inject(&mut e, &s.x, y, nt, h, d, slot)?;
                 }
                 let parts: Vec<Part<'_, wgpu::Buffer>> = seqs
                     .iter()
@@ -470,7 +472,17 @@ impl<'a> GpuModel<'a> {
                 e.tap(PLE_STREAMS, il, &s.x, nt * h * d);
                 e.g.mark("ple");
             }
-            hc::encode(&mut e, &lw.attn_hc, &s.x, nt, h, d, eps, pending.take())?;
+            hc::encode(
+                &mut e,
+                &lw.attn_hc,
+                &s.x,
+                nt,
+                h,
+                d,
+                eps,
+                pending.take(),
+                &mut slot,
+            )?;
             e.tap(ATTN_INPUT, il, &s.u, nt * d);
             e.g.mark("hc");
             match &lw.mixer {
@@ -514,12 +526,22 @@ impl<'a> GpuModel<'a> {
                 MixerGpu::Attn(_) => "qsa",
             });
             if traced {
-                hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
+                hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d, slot)?;
                 e.tap(ATTN_STREAMS, il, &s.x, nt * h * d);
             } else {
                 pending = Some(&s.y);
             }
-            hc::encode(&mut e, &lw.mlp_hc, &s.x, nt, h, d, eps, pending.take())?;
+            hc::encode(
+                &mut e,
+                &lw.mlp_hc,
+                &s.x,
+                nt,
+                h,
+                d,
+                eps,
+                pending.take(),
+                &mut slot,
+            )?;
             e.tap(MLP_INPUT, il, &s.u, nt * d);
             e.g.mark("hc");
             moe::encode(&mut e, &lw.moe, c, &s.y, nt, il)?;
@@ -530,7 +552,7 @@ impl<'a> GpuModel<'a> {
             e.tap(MOE_OUT, il, &s.y, nt * d);
             e.g.mark("moe");
             if traced {
-                hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
+                hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d, slot)?;
                 e.tap(LAYER_OUT, il, &s.x, nt * h * d);
                 e.g.mark("hc");
             } else {
@@ -542,26 +564,56 @@ impl<'a> GpuModel<'a> {
         let rows = match head {
             Head::None => {
                 if let Some(y) = pending.take() {
-                    hc::encode_inject(&mut e, &s.x, y, nt, h, d)?;
+                    hc::encode_inject(&mut e, &s.x, y, nt, h, d, slot)?;
                     e.g.mark("hc");
                 }
                 return Ok(g);
             }
             Head::All => {
-                hc::encode(&mut e, &self.res.final_mixer, &s.x, nt, h, d, eps, pending)?;
+                hc::encode(
+                    &mut e,
+                    &self.res.final_mixer,
+                    &s.x,
+                    nt,
+                    h,
+                    d,
+                    eps,
+                    pending,
+                    &mut slot,
+                )?;
                 nt
             }
             Head::Last | Head::Argmax if nt == 1 => {
-                hc::encode(&mut e, &self.res.final_mixer, &s.x, 1, h, d, eps, pending)?;
+                hc::encode(
+                    &mut e,
+                    &self.res.final_mixer,
+                    &s.x,
+                    1,
+                    h,
+                    d,
+                    eps,
+                    pending,
+                    &mut slot,
+                )?;
                 1
             }
             Head::Last | Head::Argmax => {
                 if let Some(y) = pending.take() {
-                    hc::encode_inject(&mut e, &s.x, y, nt, h, d)?;
+                    hc::encode_inject(&mut e, &s.x, y, nt, h, d, slot)?;
                 }
                 let off = ((nt - 1) * h * d) as u32;
                 e.map(3, off, &s.x, &s.g, &s.x_last, h * d)?;
-                hc::encode(&mut e, &self.res.final_mixer, &s.x_last, 1, h, d, eps, None)?;
+                hc::encode(
+                    &mut e,
+                    &self.res.final_mixer,
+                    &s.x_last,
+                    1,
+                    h,
+                    d,
+                    eps,
+                    None,
+                    &mut slot,
+                )?;
                 1
             }
         };

@@ -9,9 +9,11 @@ use std::sync::Arc;
 use crate::device::{Device, Enc};
 use crate::ops::rms_norm_1p;
 use crate::weights::HcWeights;
+use gpu_runtime::ops::matvec::FoldedNorm;
 use gpu_runtime::{Epilogue, GpuError, GpuMatrix};
 use kernels_wgsl::Op;
 use model_core::Mat;
+use quant_codecs::MAX_BATCH;
 use quant_codecs::ops::{linear, sigmoid, silu};
 use quant_codecs::{DType, MatRef};
 
@@ -153,9 +155,16 @@ impl HcGpu {
 }
 
 /// Encodes the site over `nt` rows of the streams `x` `[nt, H*D]`: the block input into
-/// `e.s.u`, the injection weights (when the site has them) into `e.s.inj`. `pending`, the
-/// previous block's output `[nt, D]` not yet injected (with the weights in `e.s.inj`), is
-/// injected into `x` by the site's norm.
+/// `e.s.u`, the injection weights (when the site has them) into a slot of `e.s.inj`.
+/// `pending`, the previous block's output `[nt, D]` not yet injected (with the weights in slot
+/// `*slot`), is injected into `x` on the way; `*slot` is then where this site's weights are.
+///
+/// Where the front is one float matrix, the up matrix takes the read-out and a frame has up to
+/// 8 rows, the norm is folded into the two matvecs (`GpuContext::fold_hc_norm`): the front
+/// injects and normalises as it reads the raw streams and writes each stream's `1 / rms`, the
+/// read-out injects its columns (writing them back) and normalises them with those: two
+/// dependent dispatches a site instead of three. The read-out still reads the previous site's
+/// injection weights after the front wrote this site's, so the two alternate between slots.
 #[allow(clippy::too_many_arguments)]
 pub fn encode(
     e: &mut Enc<'_>,
@@ -166,21 +175,51 @@ pub fn encode(
     d: usize,
     eps: f32,
     pending: Option<&wgpu::Buffer>,
+    slot: &mut usize,
 ) -> Result<(), GpuError> {
     let s = e.s;
+    let fold = e.dev.ctx.fold_hc_norm
+        && nt <= MAX_BATCH
+        && h <= READOUT_STREAMS
+        && d.is_multiple_of(8)
+        && w.norm.1 == h * d;
+    if let (Front::Fused(front), Up::Readout(up), true) = (&w.front, &w.up, fold) {
+        let (old, new) = (*slot, 1 - *slot);
+        let norm = FoldedNorm {
+            pending: pending.map(|y| (y, &s.inj[old])),
+            weight: &w.norm.0,
+            rstd: &s.rstd,
+            eps,
+        };
+        let (inj, ep) = (&s.inj[new], Epilogue::HcFrontNorm);
+        e.matvec_norm(front, x, &s.low_act, inj, h, nt, ep, norm)?;
+        e.matvec_norm(
+            up,
+            &s.low_act,
+            &s.u,
+            x,
+            h,
+            nt,
+            Epilogue::HcReadoutNorm,
+            norm,
+        )?;
+        *slot = new;
+        return Ok(());
+    }
+    let inj = &s.inj[*slot];
     match pending {
-        Some(y) => e.rms_norm_injected(x, &w.norm, &s.xn, nt * h, d, eps, y, &s.inj, h)?,
+        Some(y) => e.rms_norm_injected(x, &w.norm, &s.xn, nt * h, d, eps, y, inj, h)?,
         None => e.rms_norm(x, &w.norm, &s.xn, nt * h, d, eps)?,
     }
     let hf = (h as f32).to_bits();
     match &w.front {
-        Front::Fused(m) => e.matvec_aux(m, &s.xn, &s.low_act, &s.inj, h, nt, Epilogue::HcFront)?,
+        Front::Fused(m) => e.matvec_aux(m, &s.xn, &s.low_act, inj, h, nt, Epilogue::HcFront)?,
         Front::Split { down, inject } => {
             e.matvec(down, &s.xn, &s.low, nt, Epilogue::None)?;
             e.map(0, hf, &s.low, &s.g, &s.low_act, nt * down.rows)?;
-            if let Some(inj) = inject {
-                e.matvec(inj, &s.xn, &s.inj_raw, nt, Epilogue::None)?;
-                e.map(1, hf, &s.inj_raw, &s.g, &s.inj, nt * h)?;
+            if let Some(m) = inject {
+                e.matvec(m, &s.xn, &s.inj_raw, nt, Epilogue::None)?;
+                e.map(1, hf, &s.inj_raw, &s.g, inj, nt * h)?;
             }
         }
     }
@@ -217,7 +256,8 @@ pub fn encode_prefetch(e: &mut Enc<'_>, w: &HcGpu, outs: &[wgpu::Buffer]) -> Res
     Ok(())
 }
 
-/// `X_k += inj_k * y` on the device for `nt` rows (the injection weights in `e.s.inj`).
+/// `X_k += inj_k * y` on the device for `nt` rows (the injection weights in slot `slot` of
+/// `e.s.inj`).
 pub fn encode_inject(
     e: &mut Enc<'_>,
     x: &wgpu::Buffer,
@@ -225,8 +265,9 @@ pub fn encode_inject(
     nt: usize,
     h: usize,
     d: usize,
+    slot: usize,
 ) -> Result<(), GpuError> {
     let p = [(nt * h * d) as u32, h as u32, d as u32];
-    let inj = &e.s.inj;
+    let inj = &e.s.inj[slot];
     e.op_lanes(Op::HcInject, &p, &[x, inj, y], nt * h * d)
 }

@@ -445,7 +445,9 @@ impl GpuModel<'_> {
         let p = [(nt * h * d) as u32, h as u32, d as u32];
         e.op_lanes(Op::HcInject, &p, &[&s.x, &m.ones, &m.e], nt * h * d)?;
 
-        hc::encode(&mut e, &m.attn_hc, &s.x, nt, h, d, eps, None)?;
+        // Which slot of `s.inj` holds the last site's injection weights (`hc::encode`).
+        let mut slot = 0;
+        hc::encode(&mut e, &m.attn_hc, &s.x, nt, h, d, eps, None, &mut slot)?;
         let rope = self
             .res
             .rope
@@ -466,9 +468,10 @@ impl GpuModel<'_> {
             self.res.ctx_len,
             c.num_hidden_layers,
         )?;
-        hc::encode(&mut e, &m.mlp_hc, &s.x, nt, h, d, eps, Some(&s.y))?;
+        let y = Some(&s.y);
+        hc::encode(&mut e, &m.mlp_hc, &s.x, nt, h, d, eps, y, &mut slot)?;
         moe::encode(&mut e, &m.moe, c, &s.y, nt, c.num_hidden_layers)?;
-        hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d)?;
+        hc::encode_inject(&mut e, &s.x, &s.y, nt, h, d, slot)?;
         if head == MtpHead::None {
             return Ok(g);
         }
@@ -479,7 +482,7 @@ impl GpuModel<'_> {
             e.map(3, off, &s.x, &s.g, &s.x_last, h * d)?;
             &s.x_last
         };
-        hc::encode(&mut e, &m.final_mixer, last, 1, h, d, eps, None)?;
+        hc::encode(&mut e, &m.final_mixer, last, 1, h, d, eps, None, &mut slot)?;
         e.matvec(&self.res.lm_head, &s.u, &s.logits, 1, Epilogue::None)?;
         if head == MtpHead::Argmax {
             encode_argmax(&mut e, v)?;

@@ -484,6 +484,7 @@ pub(crate) fn prepare_grouped_sorted(
         second: None,
         ids: Some(ids),
         aux: None,
+        norm: None,
     };
     let bg = if segments == Segments::One {
         bind_matvec(ctx, bgl, &bank.segments[0], &params, bufs)

@@ -404,7 +404,9 @@ pub fn codec_pipeline(
     let mut k = plan.fused_kernel(codec, nt, epilogue);
     k.lut_copies = plan.lut_copies(ctx, &k);
     let int8 = plan.path == Path::Int8;
-    let (_, pl) = if epilogue.has_aux() {
+    let (_, pl) = if epilogue.folds_norm() {
+        ctx.norm_layout()
+    } else if epilogue.has_aux() {
         ctx.aux_layout(int8)
     } else if int8 {
         ctx.i8_layout()
@@ -555,6 +557,36 @@ pub struct Aux<'a> {
     pub buffer: &'a wgpu::Buffer,
     /// H (K).
     pub streams: usize,
+    /// The folded norm's buffers ([`Epilogue::HcFrontNorm`], [`Epilogue::HcReadoutNorm`]).
+    pub norm: Option<FoldedNorm<'a>>,
+}
+
+/// A hyper-connection site's norm folded into its front and read-out
+/// ([`Epilogue::HcFrontNorm`], [`Epilogue::HcReadoutNorm`]; the streams, raw, are the front's
+/// `x` and the read-out's auxiliary buffer).
+#[derive(Clone, Copy)]
+pub struct FoldedNorm<'a> {
+    /// The block output not yet injected `[nt, D]` and its injection weights `[nt, H]`, or
+    /// none (the streams are up to date).
+    pub pending: Option<(&'a wgpu::Buffer, &'a wgpu::Buffer)>,
+    /// The norm's weight `[H * D]`, applied as `1 + w`.
+    pub weight: &'a wgpu::Buffer,
+    /// Each token row's streams' `1 / rms` `[nt, H]`: the front writes it, the read-out reads it.
+    pub rstd: &'a wgpu::Buffer,
+    /// The norm's epsilon.
+    pub eps: f32,
+}
+
+/// Whether the device takes the folded norm's epilogues: nine storage buffers in one dispatch.
+pub fn folds_norm(ctx: &GpuContext) -> bool {
+    ctx.limits.max_storage_buffers_per_shader_stage >= 9
+}
+
+/// The folded norm's layout: [`layout`] with 5 the pending block output, 6 the norm's weight,
+/// 7 the auxiliary buffer, 8 the pending injection weights, 9 the `1 / rms`.
+pub(crate) fn norm_layout(ctx: &GpuContext) -> (wgpu::BindGroupLayout, wgpu::PipelineLayout) {
+    let extra = [(5, true), (6, true), (7, false), (8, true), (9, false)];
+    matvec_layout(ctx, "matvec_hcnorm", false, &extra)
 }
 
 /// Where [`Epilogue::MoeOut`]'s slot weights and gates start in its auxiliary buffer (floats),
@@ -600,7 +632,11 @@ pub fn prepare_two(
     plan: Plan,
     epilogue: Epilogue,
 ) -> Result<Prepared, GpuError> {
-    let aux = aux.map(|buffer| Aux { buffer, streams: 0 });
+    let aux = aux.map(|buffer| Aux {
+        buffer,
+        streams: 0,
+        norm: None,
+    });
     let (plan, first, second) = match acts {
         Some([a, b]) => (plan.with_path(Path::Int8), Some(a), Some(b)),
         None => (plan, None, None),
@@ -669,8 +705,8 @@ fn prepare_inner(
         });
     }
     let y_rows = match (epilogue, aux) {
-        (Epilogue::HcFront, Some(a)) => m.rows - a.streams,
-        (Epilogue::HcReadout, Some(a)) => m.rows / a.streams,
+        (Epilogue::HcFront | Epilogue::HcFrontNorm, Some(a)) => m.rows - a.streams,
+        (Epilogue::HcReadout | Epilogue::HcReadoutNorm, Some(a)) => m.rows / a.streams,
         _ => out_rows(m, epilogue),
     };
     if nt == 0 || (nt > MAX_BATCH && !nt.is_multiple_of(MAX_BATCH)) || nt > MAX_FRAME_ROWS {
@@ -742,6 +778,7 @@ fn prepare_inner(
     let moe_out = aux
         .filter(|_| epilogue == Epilogue::MoeOut)
         .map(|a| moe_out_offsets(nt, a.streams, m.rows));
+    let norm = aux.and_then(|a| a.norm);
     if crate::ops::tiled::applies(ctx, m, codec, plan.path, nt, epilogue, streams) {
         let tiled = crate::ops::tiled::Operands {
             x,
@@ -755,8 +792,16 @@ fn prepare_inner(
         )?);
         return Ok(Prepared::from_steps(steps, quant, plan.path));
     }
+    if epilogue.folds_norm() && (!codec.is_float() || plan.path == Path::Int8) {
+        return Err(GpuError::UnsupportedFusion {
+            epilogue: epilogue.suffix(),
+            reason: format!("a float codec on an f32 path; {codec:?} on {:?}", plan.path),
+        });
+    }
     let pipe = codec_pipeline(ctx, codec, nt_kernel, plan, epilogue)?;
-    let (bgl, _) = if aux.is_some() {
+    let (bgl, _) = if epilogue.folds_norm() {
+        ctx.norm_layout()
+    } else if aux.is_some() {
         ctx.aux_layout(acts.is_some())
     } else if acts.is_some() {
         ctx.i8_layout()
@@ -783,12 +828,21 @@ fn prepare_inner(
             l.code_stride as u32,
             wg_x as u32,
             match (epilogue, aux) {
-                (Epilogue::HcFront, Some(a)) => (part.rows - a.streams) as u32,
+                (Epilogue::HcFront | Epilogue::HcFrontNorm, Some(a)) => {
+                    (part.rows - a.streams) as u32
+                }
                 (Epilogue::MoeOut, Some(a)) => a.streams as u32,
                 _ => (part.rows / 2) as u32,
             },
-            moe_out.map_or(members.map_or(0, |m| m.0 as u32), |o| o.0 as u32),
-            moe_out.map_or(members.map_or(0, |m| m.1 as u32), |o| o.1 as u32),
+            // The folded norm: whether a block output is pending, and the norm's epsilon.
+            match norm {
+                Some(n) => u32::from(n.pending.is_some()),
+                None => moe_out.map_or(members.map_or(0, |m| m.0 as u32), |o| o.0 as u32),
+            },
+            match norm {
+                Some(n) => n.eps.to_bits(),
+                None => moe_out.map_or(members.map_or(0, |m| m.1 as u32), |o| o.1 as u32),
+            },
             aux.map_or(0, |a| (a.streams as f32).to_bits()),
         ];
         let bufs = Bufs {
@@ -798,6 +852,7 @@ fn prepare_inner(
             second: second.filter(|_| members.is_some_and(|m| m != (0, 0))),
             ids: None,
             aux: aux.map(|a| a.buffer),
+            norm,
         };
         let bg = bind_matvec(ctx, bgl, &part.buffer, &params, bufs);
         groups.push((bg, wg_x as u32, wg_y as u32));
@@ -822,6 +877,8 @@ pub(crate) struct Bufs<'a> {
     pub second: Option<&'a crate::ops::act8::ActBuffers>,
     pub ids: Option<&'a wgpu::Buffer>,
     pub aux: Option<&'a wgpu::Buffer>,
+    /// The folded norm's buffers (bindings 5, 6, 8, 9).
+    pub norm: Option<FoldedNorm<'a>>,
 }
 
 /// Checks a hyper-connection epilogue's matrix and buffer, and returns the plan it runs under
@@ -836,6 +893,8 @@ fn check_aux(
     let name = match epilogue {
         Epilogue::HcFront => "hyper-connection front",
         Epilogue::HcReadout => "hyper-connection read-out",
+        Epilogue::HcFrontNorm => "hyper-connection front with the norm",
+        Epilogue::HcReadoutNorm => "hyper-connection read-out with the norm",
         Epilogue::PairTwo => "two-matrix pair",
         Epilogue::MoeOut => "MoE output",
         _ if aux.is_some() => {
@@ -862,9 +921,19 @@ fn check_aux(
         ));
     }
     let h = a.streams;
+    if epilogue.folds_norm() != a.norm.is_some() {
+        return fail("the folded norm's buffers go with its epilogues only".into());
+    }
+    // The folded norm: H streams of D columns, D a whole number of 8-column chunks (so no
+    // chunk straddles two streams) in a vec4 accumulator's four components.
+    let streams_of = |width: usize| {
+        (1..=4).contains(&h) && width.is_multiple_of(h) && (width / h).is_multiple_of(8)
+    };
     let (fits, floats) = match epilogue {
         Epilogue::PairTwo => (true, nt * (m.rows / 2)),
         Epilogue::HcFront => (h >= 1 && h < m.rows, nt * h),
+        Epilogue::HcFrontNorm => (h < m.rows && streams_of(m.cols), nt * h),
+        Epilogue::HcReadoutNorm => (streams_of(m.rows), nt * m.rows),
         Epilogue::MoeOut => (h >= 1, nt * h * m.rows + nt * h + nt),
         _ => (
             (1..=4).contains(&h) && m.rows.is_multiple_of(h),
@@ -884,8 +953,34 @@ fn check_aux(
             found: a.buffer.size() as usize,
         });
     }
+    if let Some(n) = a.norm {
+        let d = if epilogue == Epilogue::HcFrontNorm {
+            m.cols / h
+        } else {
+            m.rows / h
+        };
+        let mut need = vec![
+            ("norm weight bytes", n.weight, h * d),
+            ("1 / rms bytes", n.rstd, nt * h),
+        ];
+        if let Some((blk, inj)) = n.pending {
+            need.extend([
+                ("pending block output bytes", blk, nt * d),
+                ("pending injection weight bytes", inj, nt * h),
+            ]);
+        }
+        for (what, b, floats) in need {
+            if b.size() < (floats * 4) as u64 {
+                return Err(GpuError::BadLength {
+                    what,
+                    expected: floats * 4,
+                    found: b.size() as usize,
+                });
+            }
+        }
+    }
     Ok(match epilogue {
-        Epilogue::HcReadout => Plan {
+        Epilogue::HcReadout | Epilogue::HcReadoutNorm => Plan {
             rows: h as u32,
             ..plan
         },
@@ -909,6 +1004,7 @@ pub(crate) fn bind_matvec(
         second,
         ids,
         aux,
+        norm,
     } = b;
     // Bytes of the codes and pairs bound: through the second member's where there is one.
     let spans = acts.map(|a| match second {
@@ -937,6 +1033,16 @@ pub(crate) fn bind_matvec(
     }
     if let Some(aux) = aux {
         entries.push(entry(7, aux));
+    }
+    if let Some(n) = norm {
+        // Nothing pending: the weight stands in for the buffers not read.
+        let (blk, inj) = n.pending.unwrap_or((n.weight, n.weight));
+        entries.extend([
+            entry(5, blk),
+            entry(6, n.weight),
+            entry(8, inj),
+            entry(9, n.rstd),
+        ]);
     }
     ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
         label: Some("matvec"),
@@ -1036,9 +1142,58 @@ pub fn matmat_aux(
     plan: Plan,
     epilogue: Epilogue,
 ) -> Result<(Vec<f32>, Vec<f32>), GpuError> {
+    let (ys, auxs, _) = run_aux(ctx, m, xs, aux_in, streams, None, plan, epilogue)?;
+    Ok((ys, auxs))
+}
+
+/// What [`matmat_norm`] reads back: `y`, the auxiliary buffer, the `1 / rms` buffer.
+pub type NormOutputs = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// A folded norm's inputs for [`matmat_norm`]: the pending block output and its injection
+/// weights (or none), the norm's weight and epsilon, the `1 / rms` buffer going in.
+pub struct NormInputs<'a> {
+    /// `[nt, D]` and `[nt, H]`.
+    pub pending: Option<(&'a [f32], &'a [f32])>,
+    /// `[H * D]`.
+    pub weight: &'a [f32],
+    /// `[nt, H]` (poison for the front).
+    pub rstd: &'a [f32],
+    /// Epsilon.
+    pub eps: f32,
+}
+
+/// [`matmat_aux`] with the norm folded in ([`Epilogue::HcFrontNorm`]: `xs` the raw streams,
+/// `aux_in` poison for the injection weights; [`Epilogue::HcReadoutNorm`]: `xs` the low-rank
+/// activations, `aux_in` the raw streams): returns `y`, the auxiliary buffer and the `1 / rms`
+/// buffer after.
+#[allow(clippy::too_many_arguments)]
+pub fn matmat_norm(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    xs: &[f32],
+    aux_in: &[f32],
+    streams: usize,
+    norm: NormInputs<'_>,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<NormOutputs, GpuError> {
+    run_aux(ctx, m, xs, aux_in, streams, Some(norm), plan, epilogue)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_aux(
+    ctx: &GpuContext,
+    m: &GpuMatrix,
+    xs: &[f32],
+    aux_in: &[f32],
+    streams: usize,
+    norm: Option<NormInputs<'_>>,
+    plan: Plan,
+    epilogue: Epilogue,
+) -> Result<NormOutputs, GpuError> {
     let nt = xs.len() / m.cols.max(1);
     let y_rows = match epilogue {
-        Epilogue::HcFront => m.rows.saturating_sub(streams),
+        Epilogue::HcFront | Epilogue::HcFrontNorm => m.rows.saturating_sub(streams),
         Epilogue::MoeOut => m.rows,
         _ => m.rows / streams.max(1),
     };
@@ -1053,9 +1208,26 @@ pub fn matmat_aux(
     let x = init("x", xs);
     let y = init("y", &vec![POISON; (nt * y_rows).max(1)]);
     let a = init("aux", aux_in);
+    let bufs = norm.as_ref().map(|n| {
+        (
+            n.pending.map(|(b, i)| (init("blk", b), init("inj", i))),
+            init("norm weight", n.weight),
+            init("rstd", n.rstd),
+        )
+    });
+    let folded = match (&bufs, &norm) {
+        (Some((pending, weight, rstd)), Some(n)) => Some(FoldedNorm {
+            pending: pending.as_ref().map(|(b, i)| (b, i)),
+            weight,
+            rstd,
+            eps: n.eps,
+        }),
+        _ => None,
+    };
     let aux = Aux {
         buffer: &a,
         streams,
+        norm: folded,
     };
     let p = prepare_aux(ctx, m, &x, &y, aux, nt, plan, epilogue)?;
     let mut enc = ctx
@@ -1073,7 +1245,11 @@ pub fn matmat_aux(
     ctx.queue.submit([enc.finish()]);
     let ys = crate::readback::read_f32(ctx, &y, 0, nt * y_rows)?;
     let auxs = crate::readback::read_f32(ctx, &a, 0, aux_in.len())?;
-    Ok((ys, auxs))
+    let rstd = match (&bufs, &norm) {
+        (Some((_, _, r)), Some(n)) => crate::readback::read_f32(ctx, r, 0, n.rstd.len())?,
+        _ => Vec::new(),
+    };
+    Ok((ys, auxs, rstd))
 }
 
 /// Which kernel ran in [`matmat_or_cpu`].
