@@ -20,9 +20,21 @@ const CTX: usize = 160;
 
 fn ctx() -> Arc<GpuContext> {
     static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
-    CTX.get_or_init(|| {
+    context(&CTX, false)
+}
+
+/// A context whose short frames keep the hyper-connection norm a dispatch of its own, as long
+/// frames do (`CORTIQ_HC_NORM=apart`).
+fn ctx_norm_apart() -> Arc<GpuContext> {
+    static CTX: OnceLock<Option<Arc<GpuContext>>> = OnceLock::new();
+    context(&CTX, true)
+}
+
+fn context(cell: &OnceLock<Option<Arc<GpuContext>>>, hc_norm_apart: bool) -> Arc<GpuContext> {
+    cell.get_or_init(|| {
         let opts = GpuOptions {
             pipeline_cache_dir: None,
+            hc_norm_apart,
             ..GpuOptions::default()
         };
         match GpuContext::new(&opts) {
@@ -98,11 +110,13 @@ fn forward_last_is_the_last_row_of_forward() {
 /// A prompt fed at once gives the logits of the same prompt fed in frames of 8, bit for bit: a
 /// long frame runs every matvec as tiles of the 8-row kernel and every other op per row, in the
 /// same order. Every row's logits (64 rows, then 2) and the last row's alone (64 rows, then
-/// frames of 8).
+/// frames of 8). With the norm apart in short frames too: folded into a short frame's
+/// hyper-connection matvecs its sums run in another order (`gpu_fused` bounds that).
 #[test]
 fn a_long_frame_equals_frames_of_8_bit_for_bit() {
     let failures = each(|case, cmf| {
-        let g = bind(cmf);
+        let g = GpuModel::new(cpu(cmf), ctx_norm_apart(), CTX)
+            .unwrap_or_else(|u| panic!("upload: {}", u.error));
         // The default frames (CORTIQ_PROMPT_ROWS unset), or this test compares frames of 8.
         assert!(g.frame_rows() >= 64, "frames of {} rows", g.frame_rows());
         let ids = test_support::ids(case, 2);
