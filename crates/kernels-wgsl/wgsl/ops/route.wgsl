@@ -193,35 +193,30 @@ fn main(
         }
     }
     workgroupBarrier();
+    // The weights' sum in top-k order (the CPU's), by one lane; then lane s < k places pick s:
+    // its weight, and its slot among the picks in ascending expert order (its id's rank among
+    // them: ids are distinct), all k at once (an insertion sort on one lane was a chain of
+    // ~100 dependent workgroup-memory steps).
     if (li == 0u) {
         var sum = 0.0;
         for (var it = 0u; it < P.k; it++) {
             sum += chosen[it];
         }
+        tau = sum;
+    }
+    workgroupBarrier();
+    if (li < P.k) {
+        var wgt = chosen[li];
+        if (P.norm == 1u) {
+            wgt = wgt / tau;
+        }
+        let id = chosen_i[li];
+        rw[o + id] = wgt;
+        var slot = 0u;
         for (var it = 0u; it < P.k; it++) {
-            var wgt = chosen[it];
-            if (P.norm == 1u) {
-                wgt = wgt / sum;
-            }
-            chosen[it] = wgt;
-            rw[o + chosen_i[it]] = wgt;
+            slot += u32(chosen_i[it] < id);
         }
-        // Insertion sort of the k slots by expert id.
-        for (var i = 1u; i < P.k; i++) {
-            let wi = chosen[i];
-            let ei = chosen_i[i];
-            var j = i;
-            while (j > 0u && chosen_i[j - 1u] > ei) {
-                chosen[j] = chosen[j - 1u];
-                chosen_i[j] = chosen_i[j - 1u];
-                j -= 1u;
-            }
-            chosen[j] = wi;
-            chosen_i[j] = ei;
-        }
-        for (var it = 0u; it < P.k; it++) {
-            ids[r * P.k + it] = chosen_i[it];
-            tail[P.sw_off + r * P.k + it] = chosen[it];
-        }
+        ids[r * P.k + slot] = id;
+        tail[P.sw_off + r * P.k + slot] = wgt;
     }
 }
