@@ -89,6 +89,21 @@ fn registry_names_are_systematic_and_unique() {
             // segments): the 3 plain shapes and the gate/up pair of every codec and path but
             // q8_2f's int8 and mxfp4's extra table copies.
             + 2 * (Codec::ALL.len() + 1 + 3 + 3 - 2) * 4 * 4
+            // The folded hyper-connection norm's 6 shapes for 1..=8 token rows: the float
+            // codecs on the f32 path and f16 on the hardware one, both reductions.
+            + 2 * 4 * 8 * 6
+    );
+    assert!(names.contains(&"matvec_f16_hw_sg_t1_r1_hcfrontn".to_string()));
+    assert!(names.contains(&"matvec_bf16_smem_t8_r4_hcreadn".to_string()));
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.contains("_i8_") && n.contains("hcfrontn"))
+    );
+    assert!(
+        !names
+            .iter()
+            .any(|n| n.contains("q4tp") && n.contains("hcreadn"))
     );
     assert!(names.contains(&"matvec_mxfp4_i8_sg_t1_r2_gateup_grouped_segarr16_lut16".to_string()));
     assert!(names.contains(&"matvec_q4tp_i8_smem_t1_r4_grouped_seg8".to_string()));
