@@ -197,28 +197,15 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
     } else if k.epilogue == Epilogue::HcFront {
         for r in 0..nr {
             for t in 0..nt {
-                let total = finish("total", &format!("(first + {r}u)"));
+                let total = finish("sum", &format!("(first + {r}u)"));
                 let _ = writeln!(b, "    {{");
                 let _ = writeln!(
                     b,
-                    "        let total = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
+                    "        let sum = reduce(a{r}_{t}, li, lane, sg_size, sg_lane);"
                 );
                 let _ = writeln!(b, "        let row = first + {r}u;");
-                let _ = writeln!(b, "        if (lane == 0u && row < P.rows) {{");
-                let _ = writeln!(b, "            let v = {total} / bitcast<f32>(P.a);");
-                let _ = writeln!(b, "            if (row < P.half) {{");
-                let _ = writeln!(
-                    b,
-                    "                y[(tb + {t}u) * P.half + row] = v * hc_sigmoid(v);"
-                );
-                let _ = writeln!(b, "            }} else {{");
-                let _ = writeln!(
-                    b,
-                    "                aux[(tb + {t}u) * (P.rows - P.half) + row - P.half] = 2.0 * hc_sigmoid(v);"
-                );
-                let _ = writeln!(b, "            }}");
-                let _ = writeln!(b, "        }}");
-                let _ = writeln!(b, "    }}");
+                let _ = writeln!(b, "        let total = {total};");
+                front_store(b, t);
             }
         }
     } else if k.epilogue == Epilogue::MoeOut {
@@ -295,6 +282,27 @@ fn outputs(b: &mut String, k: &Matvec, nr: u32, nt: u32, finish: &dyn Fn(&str, &
         }
     }
     let _ = writeln!(b, "}}");
+}
+
+/// The hyper-connection front's writes of token row `t`'s row `row` (its sum `total`, in a
+/// block the caller opened): `silu(v)` of the low-rank rows into `y`, `2 sigmoid(v)` of the
+/// injection rows into `aux`, with `v = total / H`. Closes the block.
+fn front_store(b: &mut String, t: u32) {
+    let _ = writeln!(b, "        if (lane == 0u && row < P.rows) {{");
+    let _ = writeln!(b, "            let v = total / bitcast<f32>(P.a);");
+    let _ = writeln!(b, "            if (row < P.half) {{");
+    let _ = writeln!(
+        b,
+        "                y[(tb + {t}u) * P.half + row] = v * hc_sigmoid(v);"
+    );
+    let _ = writeln!(b, "            }} else {{");
+    let _ = writeln!(
+        b,
+        "                aux[(tb + {t}u) * (P.rows - P.half) + row - P.half] = 2.0 * hc_sigmoid(v);"
+    );
+    let _ = writeln!(b, "            }}");
+    let _ = writeln!(b, "        }}");
+    let _ = writeln!(b, "    }}");
 }
 
 /// The activation row of token row `t` (the slot's row in the grouped variant; on the int8
@@ -516,21 +524,7 @@ pub(crate) fn body_front_norm(k: &Matvec) -> String {
                 b,
                 "        let total = row_finish(dot(sums, rs{t}), min(row, last));"
             );
-            let _ = writeln!(b, "        if (lane == 0u && row < P.rows) {{");
-            let _ = writeln!(b, "            let v = total / bitcast<f32>(P.a);");
-            let _ = writeln!(b, "            if (row < P.half) {{");
-            let _ = writeln!(
-                b,
-                "                y[(tb + {t}u) * P.half + row] = v * hc_sigmoid(v);"
-            );
-            let _ = writeln!(b, "            }} else {{");
-            let _ = writeln!(
-                b,
-                "                aux[(tb + {t}u) * (P.rows - P.half) + row - P.half] = 2.0 * hc_sigmoid(v);"
-            );
-            let _ = writeln!(b, "            }}");
-            let _ = writeln!(b, "        }}");
-            let _ = writeln!(b, "    }}");
+            front_store(&mut b, t);
         }
     }
     let _ = writeln!(b, "}}");

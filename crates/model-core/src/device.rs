@@ -333,14 +333,7 @@ impl<'a, S> Enc<'a, S> {
         nt: usize,
         epilogue: Epilogue,
     ) -> Result<(), GpuError> {
-        let path = self.dev.path(m.dtype);
-        let aux = gpu_runtime::ops::matvec::Aux {
-            buffer: aux,
-            streams: h,
-            norm: None,
-        };
-        self.g
-            .matvec_aux(&self.dev.ctx, m, x, y, aux, nt, path, epilogue)
+        self.matvec_with(m, x, y, aux, h, nt, epilogue, None)
     }
 
     /// [`Enc::matvec_aux`] with a hyper-connection site's norm folded in
@@ -358,11 +351,26 @@ impl<'a, S> Enc<'a, S> {
         epilogue: Epilogue,
         norm: gpu_runtime::ops::matvec::FoldedNorm<'_>,
     ) -> Result<(), GpuError> {
+        self.matvec_with(m, x, y, aux, h, nt, epilogue, Some(norm))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn matvec_with(
+        &mut self,
+        m: &GpuMatrix,
+        x: &wgpu::Buffer,
+        y: &wgpu::Buffer,
+        aux: &wgpu::Buffer,
+        h: usize,
+        nt: usize,
+        epilogue: Epilogue,
+        norm: Option<gpu_runtime::ops::matvec::FoldedNorm<'_>>,
+    ) -> Result<(), GpuError> {
         let path = self.dev.path(m.dtype);
         let aux = gpu_runtime::ops::matvec::Aux {
             buffer: aux,
             streams: h,
-            norm: Some(norm),
+            norm,
         };
         self.g
             .matvec_aux(&self.dev.ctx, m, x, y, aux, nt, path, epilogue)
